@@ -1,0 +1,73 @@
+"""The ``leyline`` command: one entry point, one sub-command module per layer.
+
+Each module in ``_COMMAND_MODULES`` exposes ``register(subparsers)`` which adds its verbs
+and sets ``func`` on its parsers. Registration imports no torch: handlers import heavy
+modules when they run. Logging (structlog) is configured here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+import structlog
+
+from leyline_agent.errors import LeylineError
+
+_COMMAND_MODULES = (
+    "leyline_agent.policies.cli",  # leyline policies apply|list
+    "leyline_agent.runtime.cli",  # leyline serve, leyline make-model
+    "leyline_agent.experiments.cli",  # leyline bench|check|eval|demo
+)
+
+
+def configure_logging(level: str = "warning", json_logs: bool = False) -> None:
+    lvl = getattr(logging, level.upper(), logging.WARNING)
+    logging.basicConfig(level=lvl, stream=sys.stderr, format="%(message)s")
+    renderer = (
+        structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="leyline", description="KV-cache directives for agentic inference."
+    )
+    parser.add_argument("--log-level", default="warning", help="debug|info|warning|error")
+    parser.add_argument("--json-logs", action="store_true", help="log as JSON lines")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.json_logs)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(func(args) or 0)
+    except LeylineError as e:
+        print(f"leyline: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

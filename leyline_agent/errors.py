@@ -1,0 +1,39 @@
+"""One root error and a few precise subclasses.
+
+Every error that reaches a user names the field, message index or argument at fault.
+User input is validated by raising these, never by ``assert``.
+"""
+
+from __future__ import annotations
+
+
+class LeylineError(Exception):
+    """Root of every error Leyline raises on purpose."""
+
+
+class DirectiveError(LeylineError, ValueError):
+    """A directive (or a batch of them) is malformed or does not fit its sequence."""
+
+
+class UnsupportedModeError(DirectiveError):
+    """A reserved verb (PIN, DECAY, SCRATCH) that is not implemented yet."""
+
+
+class TrajectoryError(LeylineError, ValueError):
+    """A message list is malformed: missing role, unpaired tool result, bad content."""
+
+
+class PolicyError(LeylineError, ValueError):
+    """An unknown policy name or a bad policy knob."""
+
+
+class CacheMissError(LeylineError, LookupError):
+    """A directive's base sequence is not (or no longer) in the prefix cache."""
+
+
+class RopeSpecError(LeylineError, ValueError):
+    """A model's rotary embedding cannot be moved by a closed-form rotation."""
+
+
+class RuntimeUnavailableError(LeylineError, RuntimeError):
+    """The serving side (server, engine, SGLang) cannot be reached or cannot run here."""

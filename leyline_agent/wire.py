@@ -1,0 +1,99 @@
+"""HTTP wire models of the Leyline routes (``/leyline/v1/...``).
+
+Shared by the server (``leyline serve``, the SGLang plugin's route) and the agent-side
+``HTTPRuntime``. Frozen pydantic models; no torch, no runtime imports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from leyline_agent.directives import Directive, Mode
+
+__all__ = ["DirectivesRequest", "DirectivesResponse", "ErrorBody", "StatsResponse"]
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class DirectivesRequest(BaseModel):
+    """``POST /leyline/v1/directives``: exactly one of two forms.
+
+    Token form: ``tokens`` is the cached sequence T, ``directives`` act on its positions.
+    Message form: ``old_messages`` is what the serving side has cached (the last prompt plus
+    the assistant reply), ``new_messages`` the same list after the policies' edits; the
+    server renders both with the chat template (and ``tools``) and compiles the token spans
+    where they differ into directives of ``mode``.
+    ``fallback``: if the base is not cached, don't fail; count it and let the next request
+    re-prefill (FORGET semantics).
+    """
+
+    model_config = _FROZEN
+
+    model: str | None = None
+    tokens: list[int] | None = None
+    directives: list[Directive] | None = None
+    old_messages: list[dict[str, Any]] | None = None
+    new_messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    mode: Mode = Mode.AMORTIZE
+    fallback: bool = False
+    session: str | None = Field(default=None, description="opaque session id, for stats/logs")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> DirectivesRequest:
+        token_form = self.tokens is not None or self.directives is not None
+        message_form = self.old_messages is not None or self.new_messages is not None
+        if token_form == message_form:
+            raise ValueError(
+                "give either tokens+directives (token form) or old_messages+new_messages "
+                "(message form), not both and not neither"
+            )
+        if token_form and (self.tokens is None or self.directives is None):
+            raise ValueError("token form needs both 'tokens' and 'directives'")
+        if message_form and (self.old_messages is None or self.new_messages is None):
+            raise ValueError("message form needs both 'old_messages' and 'new_messages'")
+        return self
+
+
+class DirectivesResponse(BaseModel):
+    model_config = _FROZEN
+
+    tokens: list[int] = Field(description="the new cached sequence T'")
+    applied: list[Directive] = Field(description="compiled directives, in execution order")
+    splices: dict[str, int] = Field(default_factory=dict, description="executed, by mode")
+    fallback: bool = Field(default=False, description="base not cached; next request re-prefills")
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    rotated_tokens: int = 0
+    elapsed_s: float = 0.0
+
+
+class StatsResponse(BaseModel):
+    """``GET /leyline/v1/stats``: cumulative counters of one serving process."""
+
+    model_config = _FROZEN
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    splices: dict[str, int] = Field(default_factory=lambda: {"amortize": 0, "forget": 0})
+    rotated_tokens: int = 0
+    fallbacks: int = 0
+    directive_errors: int = 0
+    cache_tokens: int = 0
+    cache_capacity_tokens: int = 0
+    evicted_tokens: int = 0
+
+
+class ErrorBody(BaseModel):
+    """Body of every 4xx/5xx answer: ``{"error": {"type", "message", "field"}}``."""
+
+    model_config = _FROZEN
+
+    type: str
+    message: str
+    field: str | None = None
