@@ -1,0 +1,23 @@
+# The two commands of the README. Each sets itself up (scripts/setup.sh is idempotent).
+VENV := .venv
+export LITELLM_LOCAL_MODEL_COST_MAP := True
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test lint
+
+setup:
+	@bash scripts/setup.sh
+
+# Main job: builds the `mini` model, runs the mechanism benchmark (reduced) and the
+# correctness report on the embedded runtime, prints a table with the plot paths.
+demo: setup
+	$(VENV)/bin/leyline demo
+
+# The test suite (what CI runs). Not `python -m pytest`: that would put the repository root
+# on sys.path, where kernels/ and policies/ would shadow PyPI packages of those names.
+test: setup
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+
+lint: setup
+	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests

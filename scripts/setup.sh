@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Creates .venv (Python 3.12) in the repository root and installs Leyline with everything the
+# tests, the benchmarks and the debug-gym evaluation need. Idempotent: a second run with the
+# same requirement files only checks a stamp.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+
+find_python() {
+    local c
+    for c in "${PYTHON:-}" python3.12; do
+        if [ -n "$c" ] && command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+            command -v "$c"; return 0
+        fi
+    done
+    if command -v pyenv >/dev/null 2>&1; then
+        for c in "$(pyenv root)"/versions/3.12*/bin/python3.12; do
+            if [ -x "$c" ]; then echo "$c"; return 0; fi
+        done
+    fi
+    return 1
+}
+
+STAMP="$VENV/.leyline-setup"
+WANT="$(cat pyproject.toml scripts/requirements-*.txt scripts/constraints.txt 2>/dev/null | sha256sum | cut -c1-16)"
+if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+    exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    PY="$(find_python)" || { echo "setup: Python 3.12 not found (put python3.12 on PATH or install it with pyenv)" >&2; exit 1; }
+    echo "setup: creating .venv with $PY" >&2
+    "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+CONS=()
+[ -f scripts/constraints.txt ] && CONS=(-c scripts/constraints.txt)
+echo "setup: installing Leyline and pinned dependencies (a few minutes on a fresh machine)" >&2
+"${PIP[@]}" install --upgrade pip >/dev/null
+"${PIP[@]}" install "${CONS[@]}" -e ".[runtime,experiments,dev]"
+"${PIP[@]}" install "${CONS[@]}" --no-deps -r scripts/requirements-nodeps.txt
+"${PIP[@]}" install "${CONS[@]}" -r scripts/requirements-extras.txt
+echo "$WANT" > "$STAMP"
+echo "setup: done ($VENV)" >&2
