@@ -1,0 +1,1 @@
+"""Adapters that route third-party agent frameworks through Leyline (debug-gym, ...)."""

@@ -1,0 +1,158 @@
+"""Run debug-gym's own agents with their LLM calls routed through Leyline.
+
+debug-gym's agents (froggy, ...) call ``llm(messages, tools)``; its ``HuggingFaceLLM`` counts
+tokens with a local Hugging Face tokenizer and sends the request with an OpenAI client.
+``LeylineHuggingFaceLLM`` changes exactly one thing: the OpenAI client it sends with is
+``wrap_openai(OpenAI(...), policies=..., runtime=...)``, so the Leyline policies edit the
+agent's context and the serving side splices its KV cache before each request. The agent,
+its prompts, its history, its tools and the environment are debug-gym's, unchanged.
+
+Two deliberate differences from the parent class, both for unattended experiments:
+- transport errors are not retried for minutes (debug-gym retries up to 100 times): an
+  endpoint that is down surfaces at once as ``RuntimeUnavailableError``;
+- the ``usage`` block of every response is kept in ``usage_log`` (prompt and cached tokens
+  as the endpoint reports them), a cross-check for endpoints without ``/leyline/v1/stats``.
+
+Importing this module imports debug-gym (and transformers, through ``HuggingFaceLLM``) but
+never torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no network at import
+
+import openai  # noqa: E402
+from debug_gym.llms.base import LLMConfig  # noqa: E402
+from debug_gym.llms.huggingface import HuggingFaceLLM  # noqa: E402
+
+from leyline_agent.errors import RuntimeUnavailableError  # noqa: E402
+
+__all__ = ["LeylineHuggingFaceLLM", "make_llm_config", "openai_base_url", "server_root"]
+
+ClientWrapper = Callable[[openai.OpenAI], openai.OpenAI]
+
+
+def openai_base_url(base_url: str) -> str:
+    """``http://h:p`` or ``http://h:p/v1`` -> the OpenAI base URL (ending in ``/v1``)."""
+    url = base_url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def server_root(base_url: str) -> str:
+    """``http://h:p/v1`` -> ``http://h:p`` (where the ``/leyline/v1/...`` routes live)."""
+    url = base_url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _context_limit_k(tokenizer_dir: str | Path) -> int:
+    """Context window in thousands of tokens (debug-gym's unit), from the model's config."""
+    cfg = Path(tokenizer_dir) / "config.json"
+    if cfg.is_file():
+        n = json.loads(cfg.read_text()).get("max_position_embeddings")
+        if isinstance(n, int) and n >= 1000:
+            return n // 1000
+    return 32
+
+
+def make_llm_config(
+    model: str,
+    base_url: str,
+    tokenizer: str | Path,
+    *,
+    context_limit_k: int | None = None,
+    generate_kwargs: dict[str, Any] | None = None,
+    api_key: str | None = None,
+) -> LLMConfig:
+    """The ``llm.yaml`` entry debug-gym would read, built in code (tag ``vllm`` = HF tokenizer)."""
+    return LLMConfig(
+        model=model,
+        context_limit=context_limit_k or _context_limit_k(tokenizer),
+        api_key=api_key or os.environ.get("OPENAI_API_KEY") or "leyline",
+        endpoint=openai_base_url(base_url),
+        tokenizer=str(tokenizer),
+        tags=["vllm", "leyline"],
+        generate_kwargs=dict(generate_kwargs or {}),
+    )
+
+
+class LeylineHuggingFaceLLM(HuggingFaceLLM):
+    """debug-gym's ``HuggingFaceLLM`` whose OpenAI client is wrapped by Leyline.
+
+    ``wrap``: a function that wraps the plain client (``None``: send unwrapped, the
+    baseline). ``policies`` / ``runtime`` build the default wrapper,
+    ``wrap_openai(client, policies=policies, runtime=runtime)``, when ``wrap`` is not given.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        llm_config: LLMConfig,
+        *,
+        policies: Sequence[Any] = (),
+        runtime: Any = None,
+        wrap: ClientWrapper | None = None,
+        logger: Any = None,
+        runtime_generate_kwargs: dict[str, Any] | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        super().__init__(
+            name,
+            llm_config=llm_config,
+            logger=logger,
+            runtime_generate_kwargs=runtime_generate_kwargs,
+        )
+        if wrap is None and policies:
+            wrap = _default_wrapper(list(policies), runtime)
+        self._wrap = wrap
+        self._timeout_s = timeout_s
+        self.usage_log: list[dict[str, int]] = []
+
+    @property
+    def client(self) -> openai.OpenAI:
+        if getattr(self, "_client", None) is None:
+            plain = openai.OpenAI(
+                api_key=self.config.api_key,
+                base_url=self.config.endpoint,
+                timeout=self._timeout_s,
+                max_retries=1,
+            )
+            self._client = self._wrap(plain) if self._wrap is not None else plain
+        return self._client
+
+    def _perform_chat_completion(self, **kwargs: Any) -> Any:
+        try:
+            response = self.client.chat.completions.create(**kwargs)
+        except (openai.APIConnectionError, openai.APITimeoutError) as e:
+            raise RuntimeUnavailableError(
+                f"LLM endpoint {self.config.endpoint} unreachable: {e}"
+            ) from e
+        usage = getattr(response, "usage", None)
+        if usage is not None:
+            details = getattr(usage, "prompt_tokens_details", None)
+            self.usage_log.append(
+                {
+                    "prompt_tokens": int(usage.prompt_tokens or 0),
+                    "completion_tokens": int(usage.completion_tokens or 0),
+                    "cached_tokens": int(getattr(details, "cached_tokens", 0) or 0),
+                }
+            )
+        return response
+
+    def need_to_be_retried(self, exception: BaseException) -> bool:
+        # Retry rate limits only; anything else (endpoint down, bad request) ends the call.
+        return isinstance(exception, openai.RateLimitError)
+
+
+def _default_wrapper(policies: list[Any], runtime: Any) -> ClientWrapper:
+    from leyline_agent.wrappers import wrap_openai  # the agent engineer's layer
+
+    def wrap(client: openai.OpenAI) -> openai.OpenAI:
+        return wrap_openai(client, policies=policies, runtime=runtime)
+
+    return wrap
