@@ -16,7 +16,7 @@ imports torch or the runtime.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,7 +26,7 @@ from leyline_agent.errors import DirectiveError, UnsupportedModeError
 __all__ = ["Directive", "MessageEdit", "Mode", "RESERVED_MODES", "apply_directives", "plan_batch"]
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     """What happens to the tail after the edited span.
 
     AMORTIZE: in-place splice. The prefix stays, the replacement is prefilled into new
