@@ -1,0 +1,188 @@
+"""Between the OpenAI wire format and the engine: checks, sampling parameters, answers.
+
+Everything a request can get wrong is checked here, before the engine is asked to do
+anything, so that a refused request leaves the engine's stats and cache untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from leyline_agent.server.errors import ModelNotFoundError, RequestError, field_path
+from leyline_agent.server.openai_api import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
+
+__all__ = [
+    "ModelLimits",
+    "ServedModel",
+    "check_messages",
+    "check_prompt_ids",
+    "completion_prompt",
+    "messages_for_template",
+    "sampling_params",
+]
+
+MAX_STOP = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions API
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_context: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """The one model this server serves, and the names a request may call it by."""
+
+    id: str
+    aliases: frozenset[str]
+    created: int
+    limits: ModelLimits
+
+    def check(self, requested: str | None, field: str = "model") -> None:
+        if requested is not None and requested != self.id and requested not in self.aliases:
+            raise ModelNotFoundError(
+                f"the model {requested!r} does not exist; this server serves {self.id!r}", field
+            )
+
+
+def _refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    if req.n not in (None, 1):
+        raise RequestError("only n=1 is supported", "n")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise RequestError("penalties are not supported; leave it unset or 0", name)
+    if req.logit_bias:
+        raise RequestError("logit_bias is not supported", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise RequestError("echo is not supported", "echo")
+        if req.best_of not in (None, 1):
+            raise RequestError("only best_of=1 is supported", "best_of")
+        if req.suffix:
+            raise RequestError("suffix is not supported", "suffix")
+
+
+def _stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else list(stop)
+    if len(items) > MAX_STOP:
+        raise RequestError(f"at most {MAX_STOP} stop strings", "stop")
+    for k, s in enumerate(items):
+        if not s:
+            raise RequestError(
+                "a stop string must not be empty",
+                f"stop[{k}]" if isinstance(stop, list) else "stop",
+            )
+    return items
+
+
+def sampling_params(
+    req: ChatCompletionRequest | CompletionRequest,
+    prompt_len: int,
+    limits: ModelLimits,
+    params_cls: type,
+) -> Any:
+    """The engine's ``SamplingParams`` for ``req`` (raises ``RequestError`` naming the field)."""
+    _refuse_unsupported(req)
+    field, max_tokens = "max_tokens", req.max_tokens
+    if isinstance(req, ChatCompletionRequest):
+        if req.max_completion_tokens is not None:
+            field, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        want_logprobs = bool(req.logprobs)
+        top = req.top_logprobs or 0
+        if top and not want_logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    else:
+        want_logprobs = req.logprobs is not None
+        top = req.logprobs or 0
+    room = None if limits.max_context is None else limits.max_context - prompt_len
+    if room is not None and room < 1:
+        raise RequestError(
+            f"the prompt has {prompt_len} tokens; the model's context is {limits.max_context}",
+            "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+        )
+    if max_tokens is None:  # chat: up to the context (OpenAI); completions: 16
+        max_tokens = (
+            room if isinstance(req, ChatCompletionRequest) else COMPLETIONS_DEFAULT_MAX_TOKENS
+        )
+        max_tokens = max_tokens if room is None else min(max_tokens, room)
+    elif room is not None and max_tokens > room:
+        raise RequestError(
+            f"{max_tokens} tokens after a {prompt_len}-token prompt exceed the model's "
+            f"context of {limits.max_context}",
+            field,
+        )
+    return params_cls(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop=_stop(req.stop),
+        logprobs=want_logprobs,
+        top_logprobs=top,
+    )
+
+
+def check_messages(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """Validate each message's shape and the tools; return the tools to render (or None)."""
+    for i, raw in enumerate(req.messages):
+        try:
+            ChatMessage.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise RequestError(
+                err.get("msg", "invalid message"), field_path(("messages", i, *err["loc"]))
+            ) from e
+        if raw["role"] == "tool" and not isinstance(raw.get("content"), str | list):
+            raise RequestError("a tool message needs content", f"messages[{i}].content")
+    choice = req.tool_choice
+    if choice not in (None, "auto", "none"):
+        raise RequestError("only 'auto' and 'none' are supported", "tool_choice")
+    if not req.tools or choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Text content parts joined into one string (the template renders strings)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            m = {**m, "content": "".join(p["text"] for p in content)}
+        out.append(m)
+    return out
+
+
+def check_prompt_ids(ids: list[int], limits: ModelLimits, field: str) -> None:
+    if not ids:
+        raise RequestError("the prompt is empty", field)
+    for k, t in enumerate(ids):
+        if not 0 <= t < limits.vocab_size:
+            raise RequestError(
+                f"token id {t} is outside the vocabulary [0, {limits.vocab_size})", f"{field}[{k}]"
+            )
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """One prompt: a string, or token ids used as given. Batches of prompts are refused."""
+    p = req.prompt
+    if isinstance(p, str):
+        if not p:
+            raise RequestError("the prompt is empty", "prompt")
+        return p
+    if p and all(isinstance(x, int) for x in p):
+        return list(p)  # type: ignore[arg-type]
+    if len(p) == 1:
+        return p[0] if isinstance(p[0], str) else list(p[0])  # type: ignore[arg-type]
+    raise RequestError("one prompt per request (batches are not supported)", "prompt")

@@ -1,0 +1,143 @@
+"""OpenAI wire format: requests of ``/v1/chat/completions``, ``/v1/completions`` and answers.
+
+Requests: unknown top-level fields are ignored (clients send extras such as
+``parallel_tool_calls`` or ``extra_body`` keys); known fields are validated strictly (no
+string-to-number coercion) and a bad one is named in the error. Options the embedded
+engine cannot honour (``n`` > 1, penalties, ``logit_bias``, ``echo``, ``best_of``,
+``tool_choice`` other than auto/none) are refused with a 400 naming the field, never
+silently dropped.
+
+Answers are built as plain dicts in exactly OpenAI's shape (``usage`` with
+``prompt_tokens_details.cached_tokens``; ``null`` where OpenAI sends ``null``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "ToolSpec",
+    "new_id",
+    "usage",
+]
+
+_REQUEST = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQUEST
+
+    include_usage: bool = False
+
+
+class FunctionSpec(BaseModel):
+    model_config = _REQUEST
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = _REQUEST
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class FunctionCall(BaseModel):
+    model_config = _REQUEST
+
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(BaseModel):
+    model_config = _REQUEST
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(BaseModel):
+    model_config = _REQUEST
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message, validated for shape only; the raw dict is what the template renders."""
+
+    model_config = _REQUEST
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class _Sampling(BaseModel):
+    model_config = _REQUEST
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(default=None, ge=1)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = None
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def model_card(model_id: str, created: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "leyline"}

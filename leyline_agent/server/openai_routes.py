@@ -1,0 +1,248 @@
+"""``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``: OpenAI-compatible routes.
+
+A request is checked (``completions.py``), its prompt rendered or tokenized on the
+scheduler, its sampling parameters built, and then generated on the scheduler: in one
+job (JSON answer) or streamed as server-sent events, ``data: {chunk}`` per delta and
+``data: [DONE]`` at the end; with ``stream_options.include_usage`` a last chunk with empty
+``choices`` carries ``usage``. An error after the stream has started is sent as one
+``data: {"error": ...}`` event (the OpenAI client raises it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from leyline_agent.server import logprobs as lp
+from leyline_agent.server.completions import (
+    check_messages,
+    check_prompt_ids,
+    completion_prompt,
+    messages_for_template,
+    sampling_params,
+)
+from leyline_agent.server.errors import ModelNotFoundError, classify
+from leyline_agent.server.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    model_card,
+    new_id,
+    now,
+    usage,
+)
+from leyline_agent.server.scheduler import StreamEnd
+from leyline_agent.server.state import ServerState, state
+from leyline_agent.server.streaming import DONE, IncrementalText, sse
+from leyline_agent.server.tool_calls import OPEN_TAG, parse_tool_calls
+from leyline_agent.wire import ErrorBody
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    m = state(request).model
+    return {"object": "list", "data": [model_card(m.id, m.created)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    m = state(request).model
+    if model_id != m.id and model_id not in m.aliases:
+        raise ModelNotFoundError(f"the model {model_id!r} does not exist", "model")
+    return model_card(m.id, m.created)
+
+
+def _usage(result: Any) -> dict[str, Any]:
+    return usage(result.prompt_tokens, len(result.output_ids), result.cached_tokens)
+
+
+def _finish(result: Any, called_tools: bool = False) -> str:
+    reason = result.finish_reason if result.finish_reason in ("stop", "length") else "stop"
+    return "tool_calls" if called_tools and reason == "stop" else reason
+
+
+# ---- chat ------------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+    st = state(request)
+    st.model.check(req.model)
+    tools = check_messages(req)
+    messages = messages_for_template(req.messages)
+    ids = await st.scheduler.run(
+        lambda e: e.render(messages, tools=tools, add_generation_prompt=True)
+    )
+    check_prompt_ids(ids, st.model.limits, "messages")
+    params = sampling_params(req, len(ids), st.model.limits, st.params_cls)
+    if req.stream:
+        return _event_stream(_chat_events(st, req, ids, params, tools is not None))
+    result = await st.scheduler.run(lambda e: e.generate(ids, params))
+    parsed = parse_tool_calls(result.text) if tools is not None else None
+    message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
+    if parsed is not None and parsed.tool_calls:
+        message.update(content=parsed.content, tool_calls=parsed.tool_calls)
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": lp.chat(result.logprobs) if params.logprobs else None,
+        "finish_reason": _finish(result, bool(parsed and parsed.tool_calls)),
+    }
+    return JSONResponse(
+        {
+            "id": new_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": now(),
+            "model": st.model.id,
+            "choices": [choice],
+            "usage": _usage(result),
+            "system_fingerprint": None,
+        }
+    )
+
+
+async def _chat_events(
+    st: ServerState, req: ChatCompletionRequest, ids: list[int], params: Any, tools_on: bool
+) -> AsyncIterator[str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    head = {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion.chunk",
+        "created": now(),
+        "model": st.model.id,
+        "system_fingerprint": None,
+    }
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        body = {
+            **head,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            ],
+        }
+        return sse({**body, "usage": None} if include_usage else body)
+
+    yield chunk({"role": "assistant", "content": ""})
+    text = IncrementalText(_decoder(st), stop=params.stop, tool_tag=OPEN_TAG if tools_on else None)
+    result = None
+    async for event in _generate(st, ids, params, text):
+        if isinstance(event, StreamEnd):
+            result = event.result
+        elif event:
+            yield chunk({"content": event})
+    assert result is not None  # _generate always ends with StreamEnd or raises
+    parsed = parse_tool_calls(result.text) if tools_on else None
+    calls = parsed.tool_calls if parsed else []
+    rest = text.finish((parsed.content or "") if parsed and calls else result.text)
+    logprobs = lp.chat(result.logprobs) if params.logprobs else None
+    if rest or logprobs:
+        yield chunk({"content": rest}, logprobs=logprobs)
+    if calls:
+        yield chunk({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
+    yield chunk({}, finish=_finish(result, bool(calls)))
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": _usage(result)})
+
+
+# ---- completions -----------------------------------------------------------------------
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request) -> Any:
+    st = state(request)
+    st.model.check(req.model)
+    prompt = completion_prompt(req)
+    if isinstance(prompt, str):
+        ids = await st.scheduler.run(lambda e: list(e.tokenizer.encode(prompt)))
+    else:
+        ids = prompt  # token ids are used as given: no BOS, no template
+    check_prompt_ids(ids, st.model.limits, "prompt")
+    params = sampling_params(req, len(ids), st.model.limits, st.params_cls)
+    if req.stream:
+        return _event_stream(_completion_events(st, req, ids, params))
+    result = await st.scheduler.run(lambda e: e.generate(ids, params))
+    choice = {
+        "index": 0,
+        "text": result.text,
+        "logprobs": lp.legacy(result.logprobs, params.top_logprobs) if params.logprobs else None,
+        "finish_reason": _finish(result),
+    }
+    return JSONResponse(
+        {
+            "id": new_id("cmpl"),
+            "object": "text_completion",
+            "created": now(),
+            "model": st.model.id,
+            "choices": [choice],
+            "usage": _usage(result),
+            "system_fingerprint": None,
+        }
+    )
+
+
+async def _completion_events(
+    st: ServerState, req: CompletionRequest, ids: list[int], params: Any
+) -> AsyncIterator[str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    head = {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": now(),
+        "model": st.model.id,
+    }
+
+    def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> str:
+        body = {
+            **head,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        }
+        return sse({**body, "usage": None} if include_usage else body)
+
+    text = IncrementalText(_decoder(st), stop=params.stop)
+    result = None
+    async for event in _generate(st, ids, params, text):
+        if isinstance(event, StreamEnd):
+            result = event.result
+        elif event:
+            yield chunk(event)
+    assert result is not None
+    rest = text.finish(result.text)
+    logprobs = lp.legacy(result.logprobs, params.top_logprobs) if params.logprobs else None
+    yield chunk(rest, finish=_finish(result), logprobs=logprobs)
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": _usage(result)})
+
+
+# ---- shared ----------------------------------------------------------------------------
+def _decoder(st: ServerState) -> Callable[[list[int]], str]:
+    tok = st.scheduler.engine.tokenizer  # used on the worker thread only (in on_token)
+    return lambda ids: tok.decode(ids, skip_special_tokens=True)
+
+
+async def _generate(
+    st: ServerState, ids: list[int], params: Any, text: IncrementalText
+) -> AsyncIterator[str | StreamEnd]:
+    """Text deltas (computed on the worker, where the tokenizer lives), then ``StreamEnd``."""
+
+    def job(engine: Any, emit: Callable[..., None]) -> Any:
+        return engine.generate(ids, params, on_token=lambda token_id, *_: emit(text.push(token_id)))
+
+    async for event in st.scheduler.stream(job):
+        yield event if isinstance(event, StreamEnd) else event[0]
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    async def framed() -> AsyncIterator[str]:
+        try:
+            async for item in events:
+                yield item
+        except Exception as exc:  # headers are gone: report in-band, as OpenAI does
+            _, type_, message, field = classify(exc)
+            yield sse({"error": ErrorBody(type=type_, message=message, field=field).model_dump()})
+        yield DONE
+
+    return StreamingResponse(
+        framed(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )

@@ -1,0 +1,170 @@
+"""One worker thread runs every piece of engine work, first in, first out.
+
+The embedded ``Engine`` is not thread-safe (its prefix cache, KV pool and tokenizer are
+shared state), and HTTP handlers run concurrently on the event loop. So nothing but this
+worker ever touches the engine: a handler wraps its work in a function ``fn(engine)``
+(render a prompt, generate, apply directives, read stats), ``submit``s it and awaits the
+``Future``. One job runs at a time, to completion, in arrival order; so a session's
+directive and its next request are never interleaved with another session's work
+half-done.
+
+Streaming: ``stream`` runs a generating job whose ``on_token`` callback (called on the
+worker thread) hands each event to the event loop through an ``asyncio.Queue``; the
+async iterator yields them and then the job's result (or raises its exception).
+A stream whose client went away still runs to its ``max_tokens``: the engine is never
+interrupted half-way through a step.
+
+``close()`` stops accepting work, lets queued jobs finish (or cancels them), and joins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import structlog
+
+from leyline_agent.errors import RuntimeUnavailableError
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["Engine", "Scheduler", "StreamEnd"]
+
+T = TypeVar("T")
+
+
+class Engine(Protocol):
+    """What the server needs from the embedded engine (``leyline_agent.runtime``)."""
+
+    model_name: str
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]: ...
+
+    def generate(self, prompt_ids: list[int], params: Any, on_token: Any = None) -> Any: ...
+
+    def apply_directives(self, request: Any) -> Any: ...
+
+    def stats(self) -> Any: ...
+
+
+@dataclass(slots=True)
+class _Job:
+    fn: Callable[[Any], Any]
+    future: Future
+
+
+@dataclass(slots=True)
+class StreamEnd[R]:
+    """Last item of ``Scheduler.stream``: the job's return value."""
+
+    result: R
+
+
+class Scheduler:
+    """Serializes all work on one engine in one worker thread (FIFO)."""
+
+    def __init__(self, engine: Engine, *, name: str = "leyline-scheduler") -> None:
+        self.engine = engine
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- public API --------------------------------------------------------------------
+    def submit(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Queue ``fn(engine)``; its result or exception arrives in the returned future."""
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeUnavailableError("the server is shutting down; no new work accepted")
+            self._queue.put(_Job(fn, future))
+        return future
+
+    async def run(self, fn: Callable[[Engine], T]) -> T:
+        """``submit`` and await the result from the event loop."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def call(self, fn: Callable[[Engine], T], timeout: float | None = None) -> T:
+        """``submit`` and block (for synchronous callers, never from the event loop)."""
+        return self.submit(fn).result(timeout)
+
+    async def stream(
+        self, fn: Callable[[Engine, Callable[..., None]], T]
+    ) -> AsyncIterator[tuple[Any, ...] | StreamEnd[T]]:
+        """Run ``fn(engine, emit)``; yield each ``emit(*args)`` as a tuple, then ``StreamEnd``.
+
+        The job's exception, if any, is raised from the iterator after the events before it.
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def post(kind: str, payload: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+        future = self.submit(lambda engine: fn(engine, lambda *args: post("event", args)))
+        future.add_done_callback(lambda f: post("done", f))
+        while True:
+            kind, payload = await events.get()
+            if kind == "event":
+                yield payload
+                continue
+            yield StreamEnd(payload.result())  # raises the job's exception, if any
+            return
+
+    def close(self, *, cancel_pending: bool = False, timeout: float | None = 60.0) -> None:
+        """Stop accepting work; finish (or cancel) what is queued; join the worker."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if cancel_pending:
+                self._cancel_queued()
+            self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("scheduler worker still busy after close", timeout=timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---- worker ------------------------------------------------------------------------
+    def _cancel_queued(self) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.future.cancel()
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = job.fn(self.engine)
+            except Exception as exc:  # handed to the awaiting request, never lost
+                job.future.set_exception(exc)
+            else:
+                job.future.set_result(result)

@@ -1,0 +1,23 @@
+"""What every route reads: the scheduler, the served model, the engine's parameter class."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from leyline_agent.server.completions import ServedModel
+from leyline_agent.server.scheduler import Scheduler
+
+__all__ = ["ServerState", "state"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerState:
+    scheduler: Scheduler
+    model: ServedModel
+    params_cls: type  # the engine's SamplingParams
+
+
+def state(request: Request) -> ServerState:
+    return request.app.state.leyline
