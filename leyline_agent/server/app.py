@@ -35,7 +35,7 @@ def model_limits(engine: Engine) -> ModelLimits:
 
 
 def _default_params_cls() -> type:
-    from leyline_agent.runtime.engine import SamplingParams
+    from leyline_agent.runtime.sampling import SamplingParams
 
     return SamplingParams
 

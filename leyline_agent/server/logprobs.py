@@ -27,8 +27,9 @@ def _token(entry: Any) -> tuple[str, float]:
 
 
 def _top(entry: Any) -> list[tuple[str, float]]:
+    """The engine's alternatives: ``(token_id, text, logprob)`` tuples (or entries)."""
     top = _get(entry, "top", "top_logprobs", default=None) or []
-    return [_token(t) for t in top]
+    return [(str(t[1]), float(t[2])) if isinstance(t, tuple | list) else _token(t) for t in top]
 
 
 def _bytes(text: str) -> list[int]:

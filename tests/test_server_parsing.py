@@ -1,0 +1,109 @@
+"""Pure pieces of the server: tool-call parsing, incremental detokenization, error paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from leyline_agent.server.errors import field_path
+from leyline_agent.server.streaming import IncrementalText, sse
+from leyline_agent.server.tool_calls import parse_tool_calls
+
+
+def _block(name: str, args: object) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def test_tool_calls_are_parsed_with_ids_and_json_arguments():
+    calls = [("read_file", {"path": "a.py"}), ("run", {"cmd": ["pytest", "-x"], "n": 3})]
+    text = "Let me look.\n" + "\n".join(_block(n, a) for n, a in calls)
+    out = parse_tool_calls(text)
+    assert out.content == "Let me look."
+    assert [c["function"]["name"] for c in out.tool_calls] == [n for n, _ in calls]
+    assert [json.loads(c["function"]["arguments"]) for c in out.tool_calls] == [a for _, a in calls]
+    assert all(c["type"] == "function" for c in out.tool_calls)
+    ids = [c["id"] for c in out.tool_calls]
+    assert len(set(ids)) == len(ids) and all(i.startswith("call_") for i in ids)
+
+
+def test_only_tool_calls_gives_null_content_and_string_arguments_are_kept():
+    text = '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+    out = parse_tool_calls(text)
+    assert out.content is None
+    assert json.loads(out.tool_calls[0]["function"]["arguments"]) == {"x": 1}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "f", "arguments": {"a": 1}}',  # never closed (max_tokens hit)
+        '<tool_call>["f"]</tool_call>',
+    ],
+)
+def test_malformed_tool_calls_stay_in_the_content(bad):
+    text = "before " + bad + " after"
+    out = parse_tool_calls(text)
+    assert out.tool_calls == []
+    assert out.content == text
+
+
+def test_a_malformed_block_next_to_a_good_one_is_kept_verbatim():
+    bad = "<tool_call>{oops}</tool_call>"
+    text = bad + "\n" + _block("f", {"a": 1})
+    out = parse_tool_calls(text)
+    assert [c["function"]["name"] for c in out.tool_calls] == ["f"]
+    assert out.content == bad
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from leyline_agent.runtime.tokenizer import train_tokenizer
+
+    return train_tokenizer(vocab_size=400, max_bytes=100_000)
+
+
+TEXTS = [
+    "héllo wörld 日本語 done",
+    "x = 1 STOP y = 2",
+    "abc ST",  # ends in a prefix of the stop string, never completed
+    'ok then\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("tools", [False, True])
+def test_incremental_text_deltas_add_up_to_the_final_text(tokenizer, text, tools):
+    """Deltas never show a stop string, a partial character or a tool tag, and sum to the answer."""
+    stop = ["STOP"]
+    ids = tokenizer.encode(text)
+
+    def decode(xs):
+        return tokenizer.decode(xs, skip_special_tokens=True)
+
+    inc = IncrementalText(decode, stop=stop, tool_tag="<tool_call>" if tools else None)
+    deltas = [inc.push(t) for t in ids]
+    full = decode(ids)
+    final = full[: full.index("STOP")] if "STOP" in full else full  # what the engine returns
+    if tools:
+        parsed = parse_tool_calls(final)
+        final = parsed.content if parsed.tool_calls else final
+    streamed = "".join(deltas)
+    assert final.startswith(streamed)
+    assert "\ufffd" not in streamed and "STOP" not in streamed
+    if tools:
+        assert "<tool_call>" not in streamed
+    assert streamed + inc.finish(final) == final
+
+
+def test_sse_framing_is_openai_style():
+    assert sse({"a": [1, "é"]}) == 'data: {"a":[1,"é"]}\n\n'
+
+
+def test_field_paths_name_the_field_like_the_request_writes_it():
+    assert field_path(("body", "messages", 2, "role")) == "messages[2].role"
+    assert field_path(("body", "directives", 0, "end")) == "directives[0].end"
+    assert field_path(("body", 17)) == "body[17]"
