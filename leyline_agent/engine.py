@@ -1,0 +1,121 @@
+"""``PolicyEngine``: run policies in order over a message list; pure and idempotent.
+
+``apply(messages)`` validates the list (``Trajectory.parse``), then gives each policy the
+trajectory with the previous policies' edits applied, checks every edit it returns
+(index in range, tool calls only on assistant messages with the same call ids, so tool
+results stay paired), drops edits that change nothing, and returns the edited copy plus
+the net edits (one per changed message, relative to the input). The input is never
+modified; a bad edit raises ``PolicyError`` before anything is returned.
+
+Determinism: the output depends only on the message list and the policies' knobs.
+Idempotence: ``apply(apply(m).messages)`` returns the same messages and no edits, as long
+as every policy leaves its own output alone (the built-in ones do; see ``policies/base``).
+Stickiness across turns is the session's job (``ContextSession``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from leyline_agent.directives import MessageEdit
+from leyline_agent.errors import PolicyError
+from leyline_agent.trajectory import Trajectory, apply_edit
+
+__all__ = ["EngineResult", "PolicyEngine"]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class EngineResult:
+    messages: list[dict[str, Any]]
+    edits: list[MessageEdit] = field(default_factory=list)
+
+
+class PolicyEngine:
+    def __init__(self, policies: Sequence[Any]) -> None:
+        from leyline_agent.policies import Policy
+
+        if isinstance(policies, (str, bytes)) or not isinstance(policies, Sequence):
+            raise PolicyError(
+                f"policies: expected a list of Policy objects, got {type(policies).__name__}"
+            )
+        for k, p in enumerate(policies):
+            if not isinstance(p, Policy):
+                raise PolicyError(
+                    f"policies[{k}]: {p!r} is not a Policy (use leyline_agent.policies.load_policy "
+                    "to build one from a name)"
+                )
+        self.policies = tuple(policies)
+
+    def apply(self, messages: Sequence[dict[str, Any]]) -> EngineResult:
+        trajectory = Trajectory.parse(messages)
+        original = trajectory.messages
+        current = [dict(m) for m in original]
+        touched: dict[int, list[str]] = {}
+        reasons: dict[int, list[str]] = {}
+        for policy in self.policies:
+            view = trajectory if not touched else Trajectory.parse(current)
+            for k, edit in enumerate(policy.edits(view)):
+                self._check(policy.name, k, edit, view)
+                new = apply_edit(current[edit.index], edit)
+                if new == current[edit.index]:
+                    continue
+                current[edit.index] = new
+                touched.setdefault(edit.index, []).append(edit.policy)
+                if edit.reason:
+                    reasons.setdefault(edit.index, []).append(edit.reason)
+        edits = []
+        for index in sorted(touched):
+            before, after = original[index], current[index]
+            content = (
+                after.get("content") if after.get("content") != before.get("content") else None
+            )
+            calls = (
+                after.get("tool_calls")
+                if after.get("tool_calls") != before.get("tool_calls")
+                else None
+            )
+            if content is None and calls is None:
+                continue  # edited, then edited back
+            names = list(dict.fromkeys(touched[index]))
+            edits.append(
+                MessageEdit(
+                    index=index,
+                    content=content,
+                    tool_calls=calls,
+                    policy="+".join(names),
+                    reason="; ".join(reasons.get(index, [])),
+                )
+            )
+        if edits:
+            log.debug("policy_engine.edits", count=len(edits), indices=[e.index for e in edits])
+        return EngineResult(messages=[dict(m) for m in current], edits=edits)
+
+    @staticmethod
+    def _check(policy: str, k: int, edit: Any, view: Trajectory) -> None:
+        where = f"policy {policy!r} edits[{k}]"
+        if not isinstance(edit, MessageEdit):
+            raise PolicyError(f"{where}: expected a MessageEdit, got {type(edit).__name__}")
+        if edit.index >= len(view):
+            raise PolicyError(f"{where}.index: {edit.index} is past the end ({len(view)} messages)")
+        msg = view.messages[edit.index]
+        if edit.content is not None and msg["role"] == "tool" and not edit.content:
+            raise PolicyError(f"{where}.content: a tool result cannot be emptied entirely")
+        if edit.tool_calls is not None:
+            old = msg.get("tool_calls") or []
+            if msg["role"] != "assistant" or not old:
+                raise PolicyError(
+                    f"{where}.tool_calls: messages[{edit.index}] is a {msg['role']} message without tool calls"
+                )
+            old_ids = [tc["id"] for tc in old]
+            new_ids = [tc.get("id") if isinstance(tc, dict) else None for tc in edit.tool_calls]
+            if new_ids != old_ids:
+                raise PolicyError(
+                    f"{where}.tool_calls: call ids {new_ids} must equal the message's {old_ids} "
+                    "(tool results pair with them)"
+                )

@@ -1,0 +1,255 @@
+"""``ContextSession``: per-session diffing between what the agent sends and what was sent.
+
+The agent keeps its own, unedited history and sends all of it at every turn. The session
+runs the policies on that raw list, keeps every edit it ever made (sticky: an edit once made
+stays made, with the same text, so the edited history only grows, except at edits), and
+tells the serving side which cached messages changed:
+
+    plan(messages)  ->  Plan(messages_to_send, request, new_edits)
+
+``request`` is a message-form ``DirectivesRequest``: ``old_messages`` is what the server
+holds for this session (the last list sent + the assistant reply it produced) and
+``new_messages`` the same list with this turn's new edits applied. Only edits of messages
+the server has seen (index < len(old_messages)) are forwarded; edits of messages it has
+not seen yet simply go into the prompt. ``plan`` is sans-IO; ``prepare`` / ``aprepare``
+also send the request to a ``Runtime`` and, if the runtime fails with an ``Exception``,
+log it, count it and let the call through (the edited prompt then costs a re-prefill).
+
+Divergence: the session expects the agent's list to extend the raw list it saw last time
+plus the reply. If the agent rewrote its own history (truncation, summarisation, a new
+episode) the session resets: sticky edits are dropped, nothing is forwarded this turn (the
+server's prefix cache still reuses whatever common prefix it holds), and the new list
+starts a fresh history. A retry of the same list (no reply observed) is not a divergence.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from leyline_agent.directives import MessageEdit, Mode
+from leyline_agent.engine import PolicyEngine
+from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.protocols import AsyncRuntime, Runtime
+from leyline_agent.trajectory import apply_edits
+from leyline_agent.wire import DirectivesRequest, DirectivesResponse
+
+__all__ = ["ContextSession", "Plan", "SessionStats", "normalize_reply"]
+
+log = structlog.get_logger(__name__)
+
+
+def normalize_reply(message: Any) -> dict[str, Any]:
+    """An assistant reply as ``{"role", "content", "tool_calls"?}`` (from a dict or an SDK
+    object), dropping SDK extras (refusal, annotations, audio, ...)."""
+    if hasattr(message, "model_dump"):
+        message = message.model_dump(exclude_none=True)
+    content = message.get("content")
+    out: dict[str, Any] = {"role": "assistant", "content": content if content else None}
+    calls = message.get("tool_calls") or []
+    if calls:
+        out["tool_calls"] = [
+            {
+                "id": tc["id"],
+                "type": "function",
+                "function": {
+                    "name": tc["function"]["name"],
+                    "arguments": tc["function"]["arguments"],
+                },
+            }
+            for tc in calls
+        ]
+    return out
+
+
+def _same_reply(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if b.get("role") != "assistant":
+        return False
+    try:
+        return normalize_reply(a) == normalize_reply(b)
+    except (KeyError, TypeError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    messages_to_send: list[dict[str, Any]]
+    request: DirectivesRequest | None
+    new_edits: list[MessageEdit]
+
+
+@dataclass(slots=True)
+class SessionStats:
+    turns: int = 0
+    edits: int = 0  # edits made (sticky), all turns
+    forwarded_edits: int = 0  # edits sent to the runtime as directives
+    requests: int = 0  # directive requests planned
+    runtime_calls: int = 0  # ... that reached a runtime and succeeded
+    runtime_failures: int = 0  # ... that failed and were let through
+    server_fallbacks: int = 0  # the server had no cached base (DirectivesResponse.fallback)
+    resets: int = 0  # the agent's history diverged from what the session sent
+
+
+@dataclass(slots=True)
+class _State:
+    raw: list[dict[str, Any]] | None = None  # the agent's list last turn (unedited)
+    sent: list[dict[str, Any]] | None = None  # what was sent (edited)
+    reply: dict[str, Any] | None = None  # the assistant reply to ``sent``, once observed
+    sticky: dict[int, MessageEdit] = field(default_factory=dict)  # index -> edit, as made
+
+
+class ContextSession:
+    def __init__(
+        self,
+        policies: Sequence[Any],
+        runtime: Runtime | AsyncRuntime | None = None,
+        *,
+        mode: Mode = Mode.AMORTIZE,
+        session_id: str | None = None,
+        fallback: bool = True,
+    ) -> None:
+        self.engine = PolicyEngine(policies)
+        self.runtime = runtime
+        self.mode = Mode(mode)
+        self.session_id = session_id or f"leyline-{uuid.uuid4().hex[:12]}"
+        self.fallback = fallback
+        self.stats = SessionStats()
+        self._state = _State()
+
+    @property
+    def sticky_edits(self) -> list[MessageEdit]:
+        return [self._state.sticky[i] for i in sorted(self._state.sticky)]
+
+    def reset(self) -> None:
+        self._state = _State()
+
+    # -- sans-IO core -------------------------------------------------------------------
+    def plan(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        model: str | None = None,
+    ) -> Plan:
+        result = self.engine.apply(messages)  # validates; raises before any state changes
+        raw = [copy.deepcopy(dict(m)) for m in messages]
+        st = self._state
+        old = self._cached_messages(raw)
+        if old is None and st.raw is not None:
+            log.info("session.reset", session=self.session_id, had=len(st.raw), got=len(raw))
+            self.stats.resets += 1
+            st = self._state = _State()
+        new_edits = [e for e in result.edits if e.index not in st.sticky]
+        for e in new_edits:
+            st.sticky[e.index] = e
+        to_send = apply_edits(raw, self.sticky_edits)
+        request = None
+        forwarded: list[MessageEdit] = []
+        if old:
+            forwarded = [e for e in new_edits if e.index < len(old)]
+            if forwarded:
+                request = DirectivesRequest(
+                    model=model,
+                    old_messages=old,
+                    new_messages=apply_edits(old, forwarded),
+                    tools=list(tools) if tools is not None else None,
+                    mode=self.mode,
+                    fallback=self.fallback,
+                    session=self.session_id,
+                )
+                self.stats.forwarded_edits += len(forwarded)
+                self.stats.requests += 1
+        st.raw, st.sent, st.reply = raw, copy.deepcopy(to_send), None
+        self.stats.turns += 1
+        self.stats.edits += len(new_edits)
+        if new_edits:
+            log.debug(
+                "session.plan",
+                session=self.session_id,
+                new_edits=[e.index for e in new_edits],
+                forwarded=[e.index for e in forwarded],
+            )
+        return Plan(to_send, request, new_edits)
+
+    def observe_reply(self, assistant_message: Any) -> None:
+        """Record the assistant reply to the last planned list (a dict or an SDK message)."""
+        self._state.reply = normalize_reply(assistant_message)
+
+    def _cached_messages(self, raw: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """What the server holds for this session if ``raw`` extends last turn's history,
+        else None (first turn or divergence). [] means: nothing to diff against."""
+        st = self._state
+        if st.raw is None or st.sent is None:
+            return None
+        n = len(st.raw)
+        if len(raw) < n or raw[:n] != st.raw:
+            return None
+        if len(raw) == n:
+            return []  # a retry of the same list: nothing new to forward
+        reply = st.reply
+        if reply is not None and not _same_reply(reply, raw[n]):
+            return None
+        if reply is None:
+            if raw[n].get("role") != "assistant":
+                return list(st.sent)  # no reply produced (failed call?): the prompt only
+            reply = normalize_reply(raw[n])
+        return [*st.sent, reply]
+
+    # -- with a runtime -----------------------------------------------------------------
+    def prepare(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        model: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """``plan`` and send its directives to the (synchronous) runtime; the list to send."""
+        plan = self.plan(messages, tools, model)
+        if plan.request is not None and self.runtime is not None:
+            try:
+                self._record(self.runtime.apply_directives(plan.request))  # type: ignore[arg-type]
+            except Exception as e:  # noqa: BLE001 - middleware failure must not break the call
+                self._failed(e)
+        return plan.messages_to_send
+
+    async def aprepare(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        model: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """``prepare`` for an ``AsyncRuntime`` (a synchronous runtime is called directly)."""
+        plan = self.plan(messages, tools, model)
+        if plan.request is not None and self.runtime is not None:
+            try:
+                res = self.runtime.apply_directives(plan.request)
+                if hasattr(res, "__await__"):
+                    res = await res
+                self._record(res)
+            except Exception as e:  # noqa: BLE001
+                self._failed(e)
+        return plan.messages_to_send
+
+    def _record(self, response: DirectivesResponse) -> None:
+        self.stats.runtime_calls += 1
+        if response.fallback:
+            self.stats.server_fallbacks += 1
+            log.info("session.server_fallback", session=self.session_id)
+
+    def _failed(self, e: Exception) -> None:
+        self.stats.runtime_failures += 1
+        if not self.fallback:
+            if isinstance(e, LeylineError):
+                raise e
+            raise RuntimeUnavailableError(
+                f"directives for session {self.session_id!r} failed: {e}"
+            ) from e
+        log.warning(
+            "session.runtime_failed",
+            session=self.session_id,
+            error=f"{type(e).__name__}: {e}",
+            failures=self.stats.runtime_failures,
+        )

@@ -1,0 +1,244 @@
+"""A small OpenAI-compatible stub server on loopback, for tests of the agent side.
+
+    with StubServer(ScriptedModel([...])) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub")
+        ...
+        server.chat_bodies()        # every /v1/chat/completions body, as received
+        server.directive_bodies()   # every /leyline/v1/directives body, as received
+
+A real HTTP server (stdlib ``ThreadingHTTPServer`` in a daemon thread) on 127.0.0.1 and a
+random port. Routes:
+- ``POST /v1/chat/completions``: the scripted model's next turn, as JSON or (``stream``)
+  as server-sent events (content in small pieces, tool-call arguments in pieces).
+- ``GET /v1/models``.
+- ``POST /leyline/v1/directives``: validated as a ``DirectivesRequest`` (422 with an
+  ``ErrorBody`` if not), recorded, answered with a ``DirectivesResponse`` (no tokens: the
+  stub has no tokenizer; ``splices[mode]`` counts the messages that differ).
+- ``GET /leyline/v1/stats``: a ``StatsResponse`` of what the stub saw.
+``leyline_routes=False`` makes it a plain OpenAI-compatible endpoint (404 on /leyline/...);
+``directives_status=500`` makes the directives route fail (to test fallbacks).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from pydantic import ValidationError
+
+from leyline_agent.wire import DirectivesRequest, DirectivesResponse, ErrorBody, StatsResponse
+
+__all__ = ["RecordedRequest", "StubServer"]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRequest:
+    method: str
+    path: str
+    body: Any  # parsed JSON, or None
+
+
+class StubServer:
+    def __init__(
+        self,
+        model: Callable[[list[dict[str, Any]]], dict[str, Any]],
+        *,
+        leyline_routes: bool = True,
+        directives_status: int = 200,
+        chunk_chars: int = 7,
+    ) -> None:
+        self.model = model
+        self.leyline_routes = leyline_routes
+        self.directives_status = directives_status
+        self.chunk_chars = chunk_chars
+        self.requests: list[RecordedRequest] = []
+        self._lock = threading.Lock()
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> StubServer:
+        handler = type("Handler", (_Handler,), {"stub": self})
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def __enter__(self) -> StubServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def base_url(self) -> str:
+        if self._httpd is None:
+            raise RuntimeError("StubServer is not started")
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    # -- what was received ------------------------------------------------------------------
+    def record(self, method: str, path: str, body: Any) -> None:
+        with self._lock:
+            self.requests.append(RecordedRequest(method, path, body))
+
+    def bodies(self, path: str) -> list[Any]:
+        with self._lock:
+            return [r.body for r in self.requests if r.path == path]
+
+    def chat_bodies(self) -> list[dict[str, Any]]:
+        return self.bodies("/v1/chat/completions")
+
+    def directive_bodies(self) -> list[dict[str, Any]]:
+        return self.bodies("/leyline/v1/directives")
+
+    def stats(self) -> StatsResponse:
+        splices: dict[str, int] = {"amortize": 0, "forget": 0}
+        for body in self.directive_bodies():
+            mode = body.get("mode", "amortize")
+            splices[mode] = splices.get(mode, 0) + 1
+        return StatsResponse(requests=len(self.chat_bodies()), splices=splices)
+
+
+def _chunks(text: str, n: int) -> list[str]:
+    return [text[i : i + n] for i in range(0, len(text), n)] or [""]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    stub: StubServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+        pass
+
+    def _send_json(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, type_: str, message: str, field: str | None = None) -> None:
+        self._send_json(
+            status, {"error": ErrorBody(type=type_, message=message, field=field).model_dump()}
+        )
+
+    def _read_json(self) -> Any:
+        n = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(n) if n else b""
+        return json.loads(raw) if raw else None
+
+    def do_GET(self) -> None:  # noqa: N802
+        path = self.path.split("?")[0]
+        self.stub.record("GET", path, None)
+        if path == "/v1/models":
+            self._send_json(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": "scripted", "object": "model", "created": 0, "owned_by": "stub"}
+                    ],
+                },
+            )
+        elif path == "/leyline/v1/stats" and self.stub.leyline_routes:
+            self._send_json(200, self.stub.stats().model_dump())
+        else:
+            self._error(404, "NotFound", f"no route {path}")
+
+    def do_POST(self) -> None:  # noqa: N802
+        path = self.path.split("?")[0]
+        try:
+            body = self._read_json()
+        except json.JSONDecodeError as e:
+            self.stub.record("POST", path, None)
+            return self._error(400, "BadRequest", f"body is not JSON: {e}")
+        self.stub.record("POST", path, body)
+        if path == "/v1/chat/completions":
+            return self._chat(body)
+        if path == "/leyline/v1/directives" and self.stub.leyline_routes:
+            return self._directives(body)
+        self._error(404, "NotFound", f"no route {path}")
+
+    def _directives(self, body: Any) -> None:
+        if self.stub.directives_status != 200:
+            return self._error(
+                self.stub.directives_status, "StubFailure", "directives disabled by the test"
+            )
+        try:
+            req = DirectivesRequest.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in err.get("loc", ())) or None
+            return self._error(422, "DirectiveError", err.get("msg", str(e)), field)
+        changed = 0
+        if req.old_messages is not None and req.new_messages is not None:
+            changed = sum(
+                1 for a, b in zip(req.old_messages, req.new_messages, strict=False) if a != b
+            )
+        resp = DirectivesResponse(tokens=[], applied=[], splices={req.mode.value: changed})
+        self._send_json(200, resp.model_dump(mode="json"))
+
+    def _chat(self, body: dict[str, Any]) -> None:
+        try:
+            reply = self.stub.model(list(body.get("messages") or []))
+        except Exception as e:  # noqa: BLE001 - report to the client
+            return self._error(500, type(e).__name__, str(e))
+        finish = "tool_calls" if reply.get("tool_calls") else "stop"
+        n = len(self.stub.chat_bodies())
+        base = {"id": f"chatcmpl-stub-{n}", "created": 0, "model": body.get("model", "scripted")}
+        if not body.get("stream"):
+            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            choice = {"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}
+            return self._send_json(
+                200, {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
+            )
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+        def emit(delta: dict[str, Any], finish_reason: str | None = None) -> None:
+            chunk = {
+                **base,
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+            }
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        emit({"role": "assistant", "content": ""})
+        for piece in _chunks(reply.get("content") or "", self.stub.chunk_chars):
+            if piece:
+                emit({"content": piece})
+        for k, call in enumerate(reply.get("tool_calls") or ()):
+            fn = call["function"]
+            emit(
+                {
+                    "tool_calls": [
+                        {
+                            "index": k,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": fn["name"], "arguments": ""},
+                        }
+                    ]
+                }
+            )
+            for piece in _chunks(fn["arguments"], self.stub.chunk_chars):
+                emit({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
+        emit({}, finish)
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()

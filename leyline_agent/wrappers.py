@@ -1,0 +1,256 @@
+"""``wrap_openai``: put context policies into an existing OpenAI-client agent loop.
+
+    client = wrap_openai(openai.OpenAI(base_url=...), policies=["stale-tool"])
+    client.chat.completions.create(model=..., messages=history, tools=tools)  # as before
+
+The result is a copy of the client (same class, same HTTP connection pool; the original is
+left untouched) whose ``chat.completions.create`` runs the policies (a ``ContextSession``)
+on the incoming messages, forwards new edits of already-cached messages to the serving
+side as directives, sends the edited list, and observes the reply (for streams: once the
+stream has been consumed). Everything else on the client passes through unchanged.
+
+Session identity: one session per wrapped client (``session_id=`` names it, default a
+random id). A call can pick another session with ``extra_body={"leyline_session": "id"}``;
+that key is removed before the request is forwarded. ``wrapped.leyline`` exposes the state
+(``.session(id)``, ``.sessions``, ``.runtime``).
+
+Runtime: a ``Runtime`` / ``AsyncRuntime`` object, or ``None`` / ``"auto"``: an
+``HTTPRuntime`` at the client's base URL (``/v1`` stripped), checked once for
+``/leyline/v1/stats``; a plain OpenAI-compatible endpoint is fine (no directives are sent,
+edits cost a re-prefill). ``"off"``: never send directives.
+
+Failures of the middleware itself (a runtime error, a trajectory the validator refuses)
+are logged and counted, and the user's call goes through (unedited if the policies could
+not run); ``strict=True`` raises them instead. ``BaseException`` is never swallowed.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+
+import structlog
+
+from leyline_agent.directives import Mode
+from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.http_runtime import AsyncHTTPRuntime, HTTPRuntime
+from leyline_agent.protocols import AsyncRuntime, Runtime
+from leyline_agent.session import ContextSession
+from leyline_agent.stream_observer import AsyncObservedStream, ObservedStream
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI, OpenAI
+
+__all__ = ["LeylineState", "wrap_openai", "SESSION_KEY"]
+
+log = structlog.get_logger(__name__)
+
+SESSION_KEY = "leyline_session"
+RuntimeSpec = Runtime | AsyncRuntime | Literal["auto", "off"] | None
+C = TypeVar("C")
+
+
+class LeylineState:
+    """What a wrapped client remembers: its sessions and its runtime."""
+
+    def __init__(
+        self,
+        client: Any,
+        policies: Sequence[Any],
+        runtime: RuntimeSpec,
+        session_id: str | None,
+        mode: Mode,
+        is_async: bool,
+        strict: bool,
+    ) -> None:
+        from leyline_agent.policies import load_policy
+
+        self.policies = [load_policy(p, where=f"policies[{k}]") for k, p in enumerate(policies)]
+        self.mode = Mode(mode)
+        self.default_session = session_id or f"leyline-{uuid.uuid4().hex[:12]}"
+        self.sessions: dict[str, ContextSession] = {}
+        self.strict = strict
+        self.failures = 0  # policy-layer failures let through
+        self._lock = threading.Lock()
+        self._detected = False
+        if runtime is None or runtime == "auto":
+            cls = AsyncHTTPRuntime if is_async else HTTPRuntime
+            self.runtime: Any = cls(str(client.base_url), api_key=getattr(client, "api_key", None))
+        elif runtime == "off":
+            self.runtime, self._detected = None, True
+        elif isinstance(runtime, (Runtime, AsyncRuntime)):
+            self.runtime, self._detected = runtime, True
+        else:
+            raise LeylineError(
+                f"runtime: expected a Runtime, 'auto', 'off' or None, got {runtime!r}"
+            )
+
+    def session(self, session_id: str | None = None) -> ContextSession:
+        sid = session_id or self.default_session
+        with self._lock:
+            if sid not in self.sessions:
+                self.sessions[sid] = ContextSession(
+                    self.policies, None, mode=self.mode, session_id=sid, fallback=not self.strict
+                )
+            return self.sessions[sid]
+
+    def split(self, kwargs: dict[str, Any]) -> tuple[ContextSession, dict[str, Any]]:
+        """The session a call belongs to, and the kwargs to forward (Leyline keys removed)."""
+        kwargs = dict(kwargs)
+        extra = kwargs.get("extra_body")
+        sid = None
+        if isinstance(extra, dict) and SESSION_KEY in extra:
+            extra = dict(extra)
+            sid = str(extra.pop(SESSION_KEY))
+            if extra:
+                kwargs["extra_body"] = extra
+            else:
+                del kwargs["extra_body"]
+        return self.session(sid), kwargs
+
+    # -- runtime detection (once) ---------------------------------------------------------
+    def _detected_runtime(self, has: bool | None) -> Any:
+        if has is None:
+            return None  # unreachable: try again next call
+        self._detected = True
+        if not has:
+            log.info("wrap_openai.plain_endpoint", base_url=self.runtime.base_url)
+            self.runtime = None
+        return self.runtime
+
+    def resolve_runtime(self) -> Any:
+        if self._detected:
+            return self.runtime
+        try:
+            has: bool | None = self.runtime.has_leyline()
+        except RuntimeUnavailableError as e:
+            log.warning("wrap_openai.runtime_unreachable", error=str(e))
+            has = None
+        return self._detected_runtime(has)
+
+    async def aresolve_runtime(self) -> Any:
+        if self._detected:
+            return self.runtime
+        try:
+            has: bool | None = await self.runtime.has_leyline()
+        except RuntimeUnavailableError as e:
+            log.warning("wrap_openai.runtime_unreachable", error=str(e))
+            has = None
+        return self._detected_runtime(has)
+
+    # -- around the call --------------------------------------------------------------------
+    def policy_failed(self, session: ContextSession, e: Exception) -> None:
+        if self.strict:
+            raise e
+        self.failures += 1
+        session.reset()
+        log.warning("wrap_openai.policies_failed", session=session.session_id, error=str(e))
+
+    def observe(self, session: ContextSession, response: Any, stream: bool, is_async: bool) -> Any:
+        if stream:
+            cls = AsyncObservedStream if is_async else ObservedStream
+            return cls(response, session.observe_reply)
+        choices = getattr(response, "choices", None)
+        if choices:
+            session.observe_reply(choices[0].message)
+        return response
+
+
+def _make_create(
+    original: Callable[..., Any], state: LeylineState, is_async: bool
+) -> Callable[..., Any]:
+    """The wrapped ``create``: one body for sync and async, the awaits switched by ``is_async``."""
+
+    def before(kwargs: dict[str, Any]) -> tuple[ContextSession, dict[str, Any], bool]:
+        session, kwargs = state.split(kwargs)
+        return session, kwargs, kwargs.get("stream") is True
+
+    if is_async:
+
+        @functools.wraps(original)
+        async def acreate(*args: Any, **kwargs: Any) -> Any:
+            session, kwargs, stream = before(kwargs)
+            if "messages" in kwargs:
+                session.runtime = await state.aresolve_runtime()
+                try:
+                    kwargs["messages"] = await session.aprepare(
+                        list(kwargs["messages"]), kwargs.get("tools"), kwargs.get("model")
+                    )
+                except Exception as e:  # noqa: BLE001
+                    state.policy_failed(session, e)
+            response = await original(*args, **kwargs)
+            return state.observe(session, response, stream, is_async=True)
+
+        return acreate
+
+    @functools.wraps(original)
+    def create(*args: Any, **kwargs: Any) -> Any:
+        session, kwargs, stream = before(kwargs)
+        if "messages" in kwargs:
+            session.runtime = state.resolve_runtime()
+            try:
+                kwargs["messages"] = session.prepare(
+                    list(kwargs["messages"]), kwargs.get("tools"), kwargs.get("model")
+                )
+            except Exception as e:  # noqa: BLE001 - let the user's call through
+                state.policy_failed(session, e)
+        response = original(*args, **kwargs)
+        return state.observe(session, response, stream, is_async=False)
+
+    return create
+
+
+@overload
+def wrap_openai(
+    client: OpenAI,
+    policies: Sequence[Any] = ...,
+    runtime: RuntimeSpec = ...,
+    session_id: str | None = ...,
+    mode: Mode = ...,
+    *,
+    strict: bool = ...,
+) -> OpenAI: ...
+@overload
+def wrap_openai(
+    client: AsyncOpenAI,
+    policies: Sequence[Any] = ...,
+    runtime: RuntimeSpec = ...,
+    session_id: str | None = ...,
+    mode: Mode = ...,
+    *,
+    strict: bool = ...,
+) -> AsyncOpenAI: ...
+def wrap_openai(
+    client: Any,
+    policies: Sequence[Any] = ("stale-tool",),
+    runtime: RuntimeSpec = None,
+    session_id: str | None = None,
+    mode: Mode = Mode.AMORTIZE,
+    *,
+    strict: bool = False,
+) -> Any:
+    """A copy of ``client`` whose ``chat.completions.create`` applies ``policies``.
+
+    ``policies``: ``Policy`` objects, names (``"stale-tool"``) or ``{"name": ..., **knobs}``.
+    """
+    if not hasattr(client, "with_options") or not hasattr(client, "chat"):
+        raise LeylineError(
+            f"client: expected an openai.OpenAI or AsyncOpenAI, got {type(client).__name__}"
+        )
+    wrapped = client.with_options()
+    completions = wrapped.chat.completions
+    original = completions.create
+    is_async = _is_async(original)
+    state = LeylineState(wrapped, policies, runtime, session_id, mode, is_async, strict)
+    completions.create = _make_create(original, state, is_async)
+    wrapped.leyline = state
+    return wrapped
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn)

@@ -1,0 +1,148 @@
+"""``FailedCallDetector``: stub tool calls that failed once the agent has moved past them.
+
+A call failed when its result matches one of ``patterns`` (regular expressions, searched
+line by line): a Python traceback, an ``...Error:`` line, a non-zero exit code, a shell's
+"command not found", or an agent framework's invalid/unknown-tool message.
+
+The agent has moved past a failure when a later call (in a later assistant message)
+succeeded, or when ``after`` assistant turns have followed the failed result. Then the
+result's content becomes a one-line stub naming the tool and the first error line, and
+(``stub_arguments``) the call's arguments become ``"{}"``. Because ``after >= 1`` and both
+rules need a later assistant message, the newest failure is never removed while it is the
+newest thing the agent saw. Messages are never removed (indices stay stable): the failed
+call's assistant message stays, only the failed call's arguments are emptied.
+
+Idempotent: a result that already reads as this policy's stub is never detected again.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from leyline_agent.directives import MessageEdit
+from leyline_agent.trajectory import ToolCall, Trajectory
+
+from .base import Policy, PolicyConfig, validate_knobs
+
+__all__ = ["DEFAULT_PATTERNS", "FailedCallConfig", "FailedCallDetector"]
+
+DEFAULT_PATTERNS: tuple[str, ...] = (
+    r"Traceback \(most recent call last\)",
+    r"^\s*(?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:",
+    r"(?i)^\s*(?:error|fatal|failed)\b[:!]?",
+    r"(?i)\b(?:exit(?:ed)? (?:code|status)|returned non-zero exit status)[:= ]*[1-9]\d*",
+    r"(?i)\bcommand not found\b",
+    r"(?i)^\s*(?:invalid|unknown) (?:tool|action|function|command)\b",
+    r"(?i)\bis not a valid tool\b",
+)
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+class FailedCallConfig(PolicyConfig):
+    patterns: tuple[str, ...] = DEFAULT_PATTERNS
+    after: int = Field(default=1, ge=1)
+    placeholder: str = Field(default="[failed call elided] {tool}: {error}", min_length=1)
+    stub_arguments: bool = True
+    exclude_tools: tuple[str, ...] = ()
+    max_error_chars: int = Field(default=160, ge=8)
+
+    @field_validator("patterns")
+    @classmethod
+    def _compiles(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("give at least one pattern")
+        for k, p in enumerate(v):
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"patterns[{k}] {p!r} is not a regular expression: {e}") from e
+        return v
+
+
+class FailedCallDetector(Policy):
+    """Stub failed tool calls (call + output) once the agent has moved past them."""
+
+    name = "failed-call"
+    config_class = FailedCallConfig
+
+    def __init__(self, **knobs: Any) -> None:
+        self.config = validate_knobs(FailedCallConfig, self.name, knobs)
+        self._patterns = [re.compile(p, re.MULTILINE) for p in self.config.patterns]
+        tpl = re.escape(self.config.placeholder)
+        tpl = tpl.replace(re.escape("{tool}"), ".*").replace(re.escape("{error}"), ".*")
+        self._stub_re = re.compile(tpl, re.DOTALL)
+
+    def is_failure(self, text: str) -> bool:
+        return not self._stub_re.fullmatch(text) and any(p.search(text) for p in self._patterns)
+
+    def error_line(self, text: str) -> str:
+        """The line that says what went wrong: a traceback's exception line, else the first
+        line matching a pattern, else the first non-empty line."""
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        line = lines[0] if lines else ""
+        if _TRACEBACK in text:
+            tail = text.split(_TRACEBACK, 1)[1].splitlines()
+            exc = [ln.strip() for ln in tail if ln.strip() and not ln[:1].isspace()]
+            if exc:
+                line = exc[-1]
+        else:
+            for ln in lines:
+                if any(p.search(ln) for p in self._patterns):
+                    line = ln
+                    break
+        limit = self.config.max_error_chars
+        return line if len(line) <= limit else line[: limit - 3] + "..."
+
+    def stub(self, tool: str, text: str) -> str:
+        return self.config.placeholder.replace("{tool}", tool).replace(
+            "{error}", self.error_line(text)
+        )
+
+    def edits(self, trajectory: Trajectory) -> list[MessageEdit]:
+        cfg = self.config
+        failed: list[ToolCall] = []
+        succeeded_at: list[int] = []  # assistant indices of calls that succeeded
+        for index, call in sorted(trajectory.result_of.items()):
+            text = trajectory.text(index)
+            if self.is_failure(text):
+                if call.name not in cfg.exclude_tools:
+                    failed.append(call)
+            elif not self._stub_re.fullmatch(text):
+                succeeded_at.append(call.message_index)
+        assistants = trajectory.assistant_indices
+        out: list[MessageEdit] = []
+        stub_args: dict[int, list[ToolCall]] = {}
+        for call in failed:
+            assert call.result_index is not None
+            later_turns = sum(1 for a in assistants if a > call.result_index)
+            recovered = any(a > call.message_index for a in succeeded_at)
+            if later_turns < cfg.after and not (recovered and later_turns >= 1):
+                continue
+            text = trajectory.text(call.result_index)
+            out.append(
+                MessageEdit(
+                    index=call.result_index,
+                    content=self.stub(call.name, text),
+                    policy=self.name,
+                    reason=f"{call.name} ({call.id}) failed and the agent moved past it",
+                )
+            )
+            stub_args.setdefault(call.message_index, []).append(call)
+        if cfg.stub_arguments:
+            for index, calls in stub_args.items():
+                tool_calls = copy.deepcopy(trajectory.messages[index]["tool_calls"])
+                for call in calls:
+                    tool_calls[call.position]["function"]["arguments"] = "{}"
+                out.append(
+                    MessageEdit(
+                        index=index,
+                        tool_calls=tool_calls,
+                        policy=self.name,
+                        reason="arguments of failed calls elided",
+                    )
+                )
+        return sorted(out, key=lambda e: e.index)
