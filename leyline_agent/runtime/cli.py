@@ -1,9 +1,63 @@
-"""CLI verbs of this layer (placeholder: filled in by the layer's owner)."""
+"""CLI verbs of the runtime: ``leyline make-model`` and ``leyline serve``.
+
+Registration imports no torch; handlers import the heavy modules when they run.
+"""
 
 from __future__ import annotations
 
 import argparse
 
+__all__ = ["add_serve_arguments", "register"]
 
-def register(sub: argparse._SubParsersAction) -> None:  # noqa: ARG001
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    p.add_argument(
+        "--cache-tokens",
+        type=int,
+        default=65536,
+        help="prefix-cache budget in tokens (LRU eviction)",
+    )
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
+    p.add_argument(
+        "--engine",
+        choices=["embedded", "sglang"],
+        default="embedded",
+        help="embedded transformers engine, or SGLang with the Leyline plugin",
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
     """Add this layer's verbs to the ``leyline`` parser."""
+    mk = sub.add_parser("make-model", help="write a seeded random-weight checkpoint + tokenizer")
+    mk.add_argument(
+        "--arch", required=True, choices=["deepseek_v2", "deepseek_v3", "llama", "qwen3"]
+    )
+    mk.add_argument("--size", default="tiny", choices=["tiny", "mini"])
+    mk.add_argument("--out", required=True, help="output directory")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=_make_model)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible server with the Leyline routes")
+    add_serve_arguments(sv)
+    sv.set_defaults(func=_serve)
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from leyline_agent.runtime.modelgen import make_model
+
+    out = make_model(args.arch, args.size, args.out, seed=args.seed)
+    print(out)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.engine == "sglang":
+        from leyline_agent.sglang_plugin.launch import serve
+    else:
+        from leyline_agent.server.main import serve
+    return int(serve(args) or 0)

@@ -1,0 +1,281 @@
+"""The embedded engine: transformers model + KV pool + radix prefix cache + splices.
+
+Engine facade, one request at a time (not thread-safe: the server's scheduler serializes).
+
+- ``generate``: longest cached prefix (at most ``len(prompt) - 1`` tokens: the last prompt
+  token is always recomputed for its logits), prefill the rest, decode, then cache
+  ``prompt + output`` (the last output token is forwarded once more so the whole sequence,
+  which the agent's next turn repeats, is in the cache).
+- ``apply_directives``: token form or message form (``directives_exec.py``).
+- ``stats``: cumulative counters (``leyline_agent.wire.StatsResponse``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from leyline_agent.errors import TrajectoryError
+from leyline_agent.runtime.allocator import SlotAllocator
+from leyline_agent.runtime.kv_pool import KVLayout, KVPool
+from leyline_agent.runtime.loader import load
+from leyline_agent.runtime.radix import Match, RadixCache
+from leyline_agent.runtime.runner import ModelRunner
+from leyline_agent.runtime.sampling import (
+    GenerationResult,
+    InvalidRequestError,
+    Sampler,
+    SamplingParams,
+    StopMatcher,
+)
+from leyline_agent.runtime.tokenizer import EOS, IM_END, IM_START
+from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
+
+__all__ = ["Engine", "EngineStats", "GenerationResult", "InvalidRequestError", "SamplingParams"]
+
+log = structlog.get_logger(__name__)
+
+_ROLES = {"system", "user", "assistant", "tool"}
+
+
+@dataclass(slots=True)
+class EngineStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    splices: dict[str, int] = field(default_factory=lambda: {"amortize": 0, "forget": 0})
+    rotated_tokens: int = 0
+    fallbacks: int = 0
+    directive_errors: int = 0
+    evicted_tokens: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_name: str = "leyline",
+        cache_budget_tokens: int = 65536,
+        prefix_cache: bool = True,
+    ) -> None:
+        from leyline_agent.kernels import RopeSpec
+
+        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = int(self.config.vocab_size)
+        self.layout = KVLayout.from_config(self.config)
+        self.rope_spec = RopeSpec.from_hf_config(self.config, cache_owner="transformers")
+        if cache_budget_tokens < 1:
+            raise InvalidRequestError(f"cache_budget_tokens: {cache_budget_tokens} must be >= 1")
+        self.cache_budget_tokens = cache_budget_tokens
+        self.prefix_cache = prefix_cache
+        cap = min(cache_budget_tokens + 1024, 8192)
+        self.pool = KVPool(self.layout, self.rope_spec, self.dtype, self.device, capacity=cap)
+        self.allocator = SlotAllocator(cap, grow=self.pool.grow)
+        self.tree = RadixCache()
+        self.runner = ModelRunner(model, self.pool, self.allocator)
+        self._stats = EngineStats()
+        ids = {tokenizer.convert_tokens_to_ids(t) for t in (IM_END, EOS)}
+        ids |= set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
+        ids |= set(_as_list(tokenizer.eos_token_id))
+        self.stop_token_ids = sorted(
+            i for i in ids if isinstance(i, int) and 0 <= i < self.vocab_size
+        )
+        self.eos_token_id = tokenizer.eos_token_id
+        self.message_boundary_id = tokenizer.convert_tokens_to_ids(IM_START)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        cache_budget_tokens: int = 65536,
+        prefix_cache: bool = True,
+    ) -> Engine:
+        ld = load(path, dtype=dtype, device=device)
+        return cls(
+            ld.model,
+            ld.tokenizer,
+            model_name=ld.name,
+            cache_budget_tokens=cache_budget_tokens,
+            prefix_cache=prefix_cache,
+        )
+
+    # ------------------------------------------------------------------ rendering
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict] | None = None,
+        add_generation_prompt: bool = True,
+        *,
+        where: str = "messages",
+    ) -> list[int]:
+        if not isinstance(messages, (list, tuple)):
+            raise TrajectoryError(f"{where}: must be a list of messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in _ROLES:
+                raise TrajectoryError(f"{where}[{i}].role: must be one of {sorted(_ROLES)}")
+            c = m.get("content")
+            if c is not None and not isinstance(c, str):
+                raise TrajectoryError(f"{where}[{i}].content: must be a string or null")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as e:  # template errors: jinja raises many types
+            raise TrajectoryError(f"{where}: the chat template cannot render them: {e}") from e
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def check_ids(self, ids: Sequence[int], where: str, allow_empty: bool = False) -> list[int]:
+        if not allow_empty and len(ids) == 0:
+            raise InvalidRequestError(f"{where}: must not be empty")
+        out = []
+        for k, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"{where}[{k}]: {t!r} is not a token id in [0, {self.vocab_size})"
+                )
+            out.append(t)
+        return out
+
+    # ------------------------------------------------------------------ generation
+    def _match(self, ids: Sequence[int]) -> Match:
+        if not self.prefix_cache:
+            return Match(0, [], self.tree.root)
+        return self.tree.match_prefix(ids)
+
+    def logits_for(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        """Next-token logits of ``prompt_ids`` through the cache path (caches nothing)."""
+        ids = self.check_ids(prompt_ids, "prompt_ids")
+        m = self._match(ids[:-1])
+        return self.runner.prefill(m.slots, ids[m.length :]).logits
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        on_token: Callable[[int, str], None] | None = None,
+    ) -> GenerationResult:
+        params = params if params is not None else SamplingParams()
+        params.validate()
+        ids = self.check_ids(prompt_ids, "prompt_ids")
+        extra_stop = self.check_ids(params.stop_token_ids, "stop_token_ids", allow_empty=True)
+        stop_ids = set(self.stop_token_ids) | set(extra_stop)
+        t0 = time.perf_counter()
+        m = self._match(ids[:-1])
+        self.tree.lock(m.node)
+        try:
+            fwd = self.runner.prefill(m.slots, ids[m.length :])
+            ttft = time.perf_counter() - t0
+            sampler = Sampler(params, self.device)
+            stopper = StopMatcher(list(params.stop))
+            out: list[int] = []
+            lps = [] if params.logprobs else None
+            finish, logits = "length", fwd.logits
+            for step in range(params.max_tokens):
+                if step:
+                    logits = self.runner.extend(fwd.cache, [out[-1]])
+                tok = sampler.choose(logits)
+                if step == 0:
+                    ttft = time.perf_counter() - t0
+                out.append(tok)
+                if lps is not None:
+                    lps.append(sampler.logprob(logits, tok, self.tokenizer))
+                delta = stopper.push(self.tokenizer.decode(out, skip_special_tokens=True))
+                done = tok in stop_ids or stopper.stopped
+                if done or step == params.max_tokens - 1:
+                    delta += stopper.flush()
+                if on_token is not None:
+                    on_token(tok, delta)
+                if done:
+                    finish = "stop"
+                    break
+            e2e = time.perf_counter() - t0
+            if self.prefix_cache:
+                if out:
+                    self.runner.extend(fwd.cache, [out[-1]], want_logits=False)
+                self._insert(ids + out, m, self.runner.store(fwd))
+        finally:
+            self.tree.unlock(m.node)
+        self._evict()
+        st = self._stats
+        st.requests += 1
+        st.prompt_tokens += len(ids)
+        st.cached_tokens += m.length
+        st.prefilled_tokens += len(ids) - m.length
+        st.generated_tokens += len(out)
+        return GenerationResult(
+            prompt_ids=ids,
+            output_ids=out,
+            text=stopper.text,
+            finish_reason=finish,
+            prompt_tokens=len(ids),
+            cached_tokens=m.length,
+            prefilled_tokens=len(ids) - m.length,
+            logprobs=lps,
+            ttft_s=ttft,
+            e2e_s=e2e,
+        )
+
+    # ------------------------------------------------------------------ cache upkeep
+    def _insert(self, tokens: list[int], m: Match, new_slots: list[int]) -> None:
+        """Insert ``tokens`` whose first ``m.length`` slots came from the tree."""
+        self.tree.insert(tokens, m.slots + new_slots)
+        self._free_unadopted(tokens, new_slots)
+
+    def _free_unadopted(self, tokens: list[int], fresh: Sequence[int]) -> None:
+        held = set(self.tree.match_prefix(tokens).slots)
+        self.tree.touch(self.tree.match_prefix(tokens).node)
+        self.allocator.free([s for s in fresh if s not in held])
+
+    def _evict(self) -> None:
+        over = self.tree.total_tokens - self.cache_budget_tokens
+        if over > 0:
+            freed = self.tree.evict(over)
+            self.allocator.free(freed)
+            self._stats.evicted_tokens += len(freed)
+
+    # ------------------------------------------------------------------ directives
+    def apply_directives(self, req: DirectivesRequest) -> DirectivesResponse:
+        from leyline_agent.runtime.directives_exec import apply_request
+
+        return apply_request(self, req)
+
+    def stats(self) -> StatsResponse:
+        st = self._stats
+        return StatsResponse(
+            requests=st.requests,
+            prompt_tokens=st.prompt_tokens,
+            cached_tokens=st.cached_tokens,
+            prefilled_tokens=st.prefilled_tokens,
+            generated_tokens=st.generated_tokens,
+            splices=dict(st.splices),
+            rotated_tokens=st.rotated_tokens,
+            fallbacks=st.fallbacks,
+            directive_errors=st.directive_errors,
+            cache_tokens=self.tree.total_tokens,
+            cache_capacity_tokens=self.cache_budget_tokens,
+            evicted_tokens=st.evicted_tokens,
+        )
+
+
+def _as_list(x: Any) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple, set)) else [x]

@@ -1,0 +1,148 @@
+"""``leyline make-model``: seeded random-weight Hugging Face checkpoints for tests and demos.
+
+``tiny`` models are a few small layers (fast tests); ``mini`` is DeepSeek-V2-Lite's shape
+scaled down (kv_lora_rank 512, rope dim 64, fewer and narrower layers) so that CPU timings
+of a splice against a re-prefill mean something. Weights are random (seeded); the
+tokenizer is trained locally (see ``tokenizer.py``) and saved next to the weights.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from leyline_agent.errors import LeylineError
+
+__all__ = ["ARCHS", "SIZES", "make_model", "model_config"]
+
+ARCHS = ("deepseek_v2", "deepseek_v3", "llama", "qwen3")
+SIZES = ("tiny", "mini")
+
+# initializer_range is larger than a real model's so that random logits have a real spread
+# (greedy argmax is not decided by 1e-6 noise in tests).
+_TINY_MLA = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    initializer_range=0.08,
+)
+_MINI_MLA = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    initializer_range=0.04,
+)
+_TINY_GQA = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    initializer_range=0.08,
+)
+_MINI_GQA = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    initializer_range=0.04,
+)
+
+
+def model_config(arch: str, size: str, vocab_size: int, special: dict[str, int]) -> Any:
+    """The transformers config of one (arch, size)."""
+    import transformers as tf
+
+    if arch not in ARCHS:
+        raise LeylineError(f"--arch: {arch!r} is not one of {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise LeylineError(f"--size: {size!r} is not one of {', '.join(SIZES)}")
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        eos_token_id=special["eos"],
+        pad_token_id=special["pad"],
+        bos_token_id=None,
+        rms_norm_eps=1e-6,
+    )
+    if arch.startswith("deepseek"):
+        shape = dict(_TINY_MLA if size == "tiny" else _MINI_MLA)
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if arch == "deepseek_v2":
+            return tf.DeepseekV2Config(
+                **common, **shape, rope_parameters=rope, topk_method="greedy"
+            )
+        if size == "tiny":
+            shape["q_lora_rank"] = 48  # exercise the q-LoRA path on V3
+        return tf.DeepseekV3Config(
+            **common, **shape, rope_parameters=rope, rope_interleave=True, n_group=1, topk_group=1
+        )
+    shape = dict(_TINY_GQA if size == "tiny" else _MINI_GQA)
+    rope = {"rope_type": "default", "rope_theta": 10000.0 if arch == "llama" else 1000000.0}
+    if arch == "llama":
+        return tf.LlamaConfig(**common, **shape, rope_parameters=rope)
+    return tf.Qwen3Config(**common, **shape, rope_parameters=rope)
+
+
+def make_model(arch: str, size: str, out: str | Path, seed: int = 0, tokenizer: Any = None) -> Path:
+    """Write a checkpoint (config, safetensors, tokenizer with chat template) to ``out``.
+
+    The directory is built in a temporary sibling and renamed into place, so a reader never
+    sees half a model. ``tokenizer``: reuse an already trained one (tests build several).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from leyline_agent.runtime.tokenizer import EOS, IM_END, train_tokenizer
+
+    out = Path(out)
+    tok = tokenizer if tokenizer is not None else train_tokenizer()
+    special = {"eos": tok.convert_tokens_to_ids(IM_END), "pad": tok.convert_tokens_to_ids(EOS)}
+    config = model_config(arch, size, len(tok), special)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = special["eos"]
+    model.generation_config.pad_token_id = special["pad"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
