@@ -1,8 +1,10 @@
 """``FailedCallDetector``: stub tool calls that failed once the agent has moved past them.
 
 A call failed when its result matches one of ``patterns`` (regular expressions, searched
-line by line): a Python traceback, an ``...Error:`` line, a non-zero exit code, a shell's
-"command not found", or an agent framework's invalid/unknown-tool message.
+with ``re.MULTILINE``): a Python traceback, an ``...Error:`` line, ``error:``/``fatal:``, a
+non-zero exit code, a shell's "command not found", or an output that opens with
+error/failed/invalid/unknown (debug-gym's tools answer "Invalid ...", its agent
+"Unknown tool ..."). A test run that reports failing tests is not a failed call.
 
 The agent has moved past a failure when a later call (in a later assistant message)
 succeeded, or when ``after`` assistant turns have followed the failed result. Then the
@@ -31,12 +33,12 @@ from .base import Policy, PolicyConfig, validate_knobs
 __all__ = ["DEFAULT_PATTERNS", "FailedCallConfig", "FailedCallDetector"]
 
 DEFAULT_PATTERNS: tuple[str, ...] = (
-    r"Traceback \(most recent call last\)",
-    r"^\s*(?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:",
-    r"(?i)^\s*(?:error|fatal|failed)\b[:!]?",
+    r"Traceback \(most recent call last\)",  # a Python traceback
+    r"^\s*(?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:",  # a "ValueError: ..." line
+    r"(?i)^\s*(?:error|fatal)\s*:",  # "error: ...", "fatal: ..." (compilers, git, shells)
+    r"(?i)\A\s*(?:error|failed|failure|invalid|unknown)\b",  # an output opening with failure
     r"(?i)\b(?:exit(?:ed)? (?:code|status)|returned non-zero exit status)[:= ]*[1-9]\d*",
     r"(?i)\bcommand not found\b",
-    r"(?i)^\s*(?:invalid|unknown) (?:tool|action|function|command)\b",
     r"(?i)\bis not a valid tool\b",
 )
 _TRACEBACK = "Traceback (most recent call last)"

@@ -1,0 +1,187 @@
+"""PolicyEngine: composition order, determinism, idempotence, and bad edits from policies."""
+
+from __future__ import annotations
+
+import copy
+from typing import ClassVar
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from leyline_agent.policies import FailedCallDetector, Policy, StaleToolTruncation
+
+from leyline_agent.directives import MessageEdit
+from leyline_agent.engine import PolicyEngine
+from leyline_agent.errors import PolicyError
+from leyline_agent.testing.trajectories import TrajectoryBuilder
+from leyline_agent.trajectory import Trajectory
+
+
+def old_and_recent_failures() -> TrajectoryBuilder:
+    t = TrajectoryBuilder().user("u")
+    t.tool_turn(("bash", {"c": 0}, "Error: old failure"))  # turn 0: stale and failed
+    t.tool_turn(("bash", {"c": 1}, "fine " * 20))  # turn 1: stale
+    t.tool_turn(("bash", {"c": 2}, "Error: recent failure"))  # turn 2: kept, failed, moved past
+    t.tool_turn(("bash", {"c": 3}, "ok"))  # turn 3: kept
+    return t
+
+
+def test_composition_order_later_policy_sees_and_overrides_earlier():
+    t = old_and_recent_failures()
+    msgs = t.messages
+    a0, a2 = t.call_index(0), t.call_index(2)
+    (r0,), (r1,), (r2,) = t.result_indices(0), t.result_indices(1), t.result_indices(2)
+    stale = "[stale output of bash elided]"
+
+    res = PolicyEngine([FailedCallDetector(), StaleToolTruncation(keep=2)]).apply(msgs)
+    assert res.messages[r0]["content"] == stale  # stale-tool ran last and wins on content
+    assert res.messages[a0]["tool_calls"][0]["function"]["arguments"] == "{}"  # failed-call's
+    assert res.messages[r1]["content"] == stale
+    assert res.messages[r2]["content"] == "[failed call elided] bash: Error: recent failure"
+    by_index = {e.index: e for e in res.edits}
+    assert by_index[r0].policy == "failed-call+stale-tool"
+    assert sorted(by_index) == sorted([a0, r0, r1, a2, r2])
+
+    res = PolicyEngine([StaleToolTruncation(keep=2), FailedCallDetector()]).apply(msgs)
+    assert res.messages[r0]["content"] == stale  # failed-call sees the stub: no failure left
+    assert res.messages[a0] == msgs[a0]
+    assert res.messages[r2]["content"] == "[failed call elided] bash: Error: recent failure"
+    assert {e.index for e in res.edits} == {r0, r1, a2, r2}
+
+
+def test_net_edits_reproduce_the_output_from_the_input():
+    t = old_and_recent_failures()
+    msgs = t.messages
+    res = PolicyEngine(
+        [FailedCallDetector(), StaleToolTruncation(keep=2, clear_inputs=True)]
+    ).apply(msgs)
+    rebuilt = copy.deepcopy(msgs)
+    for e in res.edits:
+        if e.content is not None:
+            rebuilt[e.index]["content"] = e.content
+        if e.tool_calls is not None:
+            rebuilt[e.index]["tool_calls"] = e.tool_calls
+    assert rebuilt == res.messages
+
+
+# -- property: deterministic, idempotent, input untouched, never inserts/removes ------------
+
+OUTPUTS = st.sampled_from(
+    [
+        "ok",
+        "a.py b.py",
+        "Error: nope",
+        "Traceback (most recent call last):\nOSError: x",
+        "x" * 300,
+        "exit code 3",
+        "3 passed",
+    ]
+)
+TURN = st.lists(
+    st.tuples(st.sampled_from(["bash", "view", "edit"]), OUTPUTS), min_size=1, max_size=3
+)
+
+
+@st.composite
+def trajectories(draw):
+    t = TrajectoryBuilder().user("task")
+    for k, calls in enumerate(draw(st.lists(TURN, min_size=0, max_size=7))):
+        t.tool_turn(*[(name, {"k": k, "j": j}, out) for j, (name, out) in enumerate(calls)])
+        if draw(st.booleans()):
+            t.user("continue")
+    if draw(st.booleans()):
+        t.text("done")
+    return t.messages
+
+
+POLICIES = st.lists(
+    st.one_of(
+        st.builds(
+            StaleToolTruncation,
+            keep=st.integers(1, 4),
+            min_tokens=st.sampled_from([0, 5, 50]),
+            clear_inputs=st.booleans(),
+            clear_at_least=st.sampled_from([0, 60, 400]),
+            exclude_tools=st.sampled_from([(), ("view",)]),
+        ),
+        st.builds(FailedCallDetector, after=st.integers(1, 3), stub_arguments=st.booleans()),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(msgs=trajectories(), policies=POLICIES)
+def test_engine_is_deterministic_idempotent_and_pure(msgs, policies):
+    before = copy.deepcopy(msgs)
+    engine = PolicyEngine(policies)
+    res = engine.apply(msgs)
+    assert msgs == before
+    assert len(res.messages) == len(msgs)
+    assert [m["role"] for m in res.messages] == [m["role"] for m in msgs]
+    Trajectory.parse(res.messages)  # still well formed, pairing intact
+    assert PolicyEngine(policies).apply(copy.deepcopy(msgs)) == res  # deterministic
+    again = engine.apply(res.messages)
+    assert again.edits == [] and again.messages == res.messages  # idempotent
+    changed = [i for i, (a, b) in enumerate(zip(msgs, res.messages, strict=True)) if a != b]
+    assert [e.index for e in res.edits] == changed
+
+
+# -- bad edits from a (custom) policy -------------------------------------------------------
+
+
+class Returns(Policy):
+    name: ClassVar[str] = "returns"
+
+    def __init__(self, edits):
+        self._edits = edits
+
+    def edits(self, trajectory):
+        return self._edits
+
+
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (MessageEdit(index=99, content="x", policy="returns"), r"\.index: 99"),
+        (
+            MessageEdit(index=2, tool_calls=[], policy="returns"),
+            r"\.tool_calls: messages\[2\] is a tool",
+        ),
+        (
+            MessageEdit(index=1, tool_calls=[{"id": "other"}], policy="returns"),
+            r"call ids \['other'\]",
+        ),
+        (MessageEdit(index=2, content="", policy="returns"), r"\.content: a tool result"),
+        ({"index": 2, "content": "x"}, r"expected a MessageEdit"),
+    ],
+)
+def test_bad_edits_raise_naming_the_policy_and_nothing_is_returned(edit, needle):
+    t = TrajectoryBuilder(system=None).user("u").tool_turn(("bash", {}, "out"))
+    msgs = t.messages
+    before = copy.deepcopy(msgs)
+    with pytest.raises(PolicyError, match=r"policy 'returns' edits\[0\].*" + needle):
+        PolicyEngine([StaleToolTruncation(keep=1), Returns([edit])]).apply(msgs)
+    assert msgs == before
+
+
+def test_engine_rejects_things_that_are_not_policies():
+    with pytest.raises(PolicyError, match=r"policies\[1\]"):
+        PolicyEngine([StaleToolTruncation(), "failed-call"])
+    with pytest.raises(PolicyError, match="policies"):
+        PolicyEngine("stale-tool")
+
+
+def test_a_policy_cannot_modify_the_callers_messages():
+    class Vandal(Policy):
+        name: ClassVar[str] = "vandal"
+
+        def edits(self, trajectory):
+            trajectory.messages[0]["content"] = "vandalised"
+            return []
+
+    msgs = TrajectoryBuilder().user("u").messages
+    res = PolicyEngine([Vandal()]).apply(msgs)
+    assert msgs[0]["content"] != "vandalised"
+    assert res.edits == []
