@@ -13,7 +13,7 @@ from leyline_agent.errors import RuntimeUnavailableError
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "build_app", "serve"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "build_app", "build_server", "serve"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
@@ -46,18 +46,21 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     )
 
 
-def serve(args: argparse.Namespace) -> int:
+def build_server(args: argparse.Namespace):  # -> uvicorn.Server
+    """The uvicorn server ``leyline serve`` runs: loopback unless ``--host`` says otherwise."""
     import uvicorn
 
     host = getattr(args, "host", None) or DEFAULT_HOST
     port = DEFAULT_PORT if getattr(args, "port", None) is None else int(args.port)
     app = build_app(args)
-    log.info("serving", model=args.model, host=host, port=port)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=str(getattr(args, "log_level", "warning") or "warning").lower(),
-        access_log=False,
+    log.info("serving", model=str(args.model), host=host, port=port)
+    level = str(getattr(args, "log_level", "warning") or "warning").lower()
+    return uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=level, access_log=False)
     )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT/SIGTERM; the app then closes its scheduler."""
+    build_server(args).run()
     return 0
