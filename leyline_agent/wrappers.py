@@ -243,14 +243,17 @@ def wrap_openai(
     wrapped = client.with_options()
     completions = wrapped.chat.completions
     original = completions.create
-    is_async = _is_async(original)
+    is_async = _is_async(original, client)
     state = LeylineState(wrapped, policies, runtime, session_id, mode, is_async, strict)
     completions.create = _make_create(original, state, is_async)
     wrapped.leyline = state
     return wrapped
 
 
-def _is_async(fn: Callable[..., Any]) -> bool:
+def _is_async(fn: Callable[..., Any], client: Any) -> bool:
+    """The SDK decorates ``create`` with a plain wrapper: look through it, or at the client."""
     import inspect
 
-    return inspect.iscoroutinefunction(fn)
+    return inspect.iscoroutinefunction(inspect.unwrap(fn)) or type(client).__name__.startswith(
+        "Async"
+    )

@@ -1,0 +1,273 @@
+"""wrap_openai with the real ``openai`` client against the stub server on loopback.
+
+Checks what reaches the chat endpoint (the edited history) and which edits reach
+``/leyline/v1/directives`` (only newly made edits of messages the server has cached),
+sync and async, streamed and not, for a Leyline endpoint and a plain one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import openai
+import pytest
+from leyline_agent.policies import StaleToolTruncation
+
+from leyline_agent.errors import TrajectoryError
+from leyline_agent.testing.scripted import ScriptedModel, text_turn, tool_turn
+from leyline_agent.testing.stub_server import StubServer
+from leyline_agent.wrappers import wrap_openai
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "bash", "parameters": {"type": "object", "properties": {}}},
+    }
+]
+
+
+def script(n: int = 6) -> ScriptedModel:
+    return ScriptedModel(
+        [tool_turn("bash", {"cmd": f"step {k}"}, content=f"Step {k}.") for k in range(n)]
+        + [text_turn("All done.")]
+    )
+
+
+def expected_send(raw: list[dict], keep: int) -> list[dict]:
+    turns = [m for m in raw if m["role"] == "assistant" and m.get("tool_calls")]
+    names = {
+        tc["id"]: tc["function"]["name"]
+        for m in turns[: max(0, len(turns) - keep)]
+        for tc in m["tool_calls"]
+    }
+    return [
+        {**m, "content": f"[stale output of {names[m['tool_call_id']]} elided]"}
+        if m["role"] == "tool" and m["tool_call_id"] in names
+        else m
+        for m in raw
+    ]
+
+
+def assemble(chunks) -> dict:
+    """Rebuild the assistant message from stream chunks (independently of the wrapper)."""
+    content, calls = "", {}
+    for ch in chunks:
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or ():
+            c = calls.setdefault(
+                tc.index,
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            c["id"] = tc.id or c["id"]
+            c["function"]["name"] += (tc.function.name or "") if tc.function else ""
+            c["function"]["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    msg = {"role": "assistant", "content": content or None}
+    if calls:
+        msg["tool_calls"] = [calls[k] for k in sorted(calls)]
+    return msg
+
+
+def reply_of(response) -> dict:
+    return response.choices[0].message.model_dump(exclude_none=True)  # what agents append
+
+
+def run_tools(raw: list[dict], reply: dict) -> None:
+    raw.append(reply)
+    for tc in reply.get("tool_calls") or ():
+        cmd = json.loads(tc["function"]["arguments"])["cmd"]
+        raw.append(
+            {
+                "role": "tool",
+                "tool_call_id": tc["id"],
+                "content": f"$ {cmd}\n" + "output line\n" * 25,
+            }
+        )
+
+
+def sync_loop(client, turns: int, stream_every: int = 0, **extra) -> list[list[dict]]:
+    raw = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "Fix it."}]
+    history = []
+    for k in range(turns):
+        history.append(copy.deepcopy(raw))
+        stream = bool(stream_every) and k % stream_every == 0
+        resp = client.chat.completions.create(
+            model="scripted", messages=raw, tools=TOOLS, stream=stream, **extra
+        )
+        run_tools(raw, assemble(resp) if stream else reply_of(resp))
+    return history
+
+
+def check_diffing(
+    server: StubServer, history: list[list[dict]], keep: int, session: str | None = None
+) -> None:
+    chats = server.chat_bodies()
+    assert len(chats) == len(history)
+    for body, raw in zip(chats, history, strict=True):
+        assert body["messages"] == expected_send(raw, keep)  # the edited history went out
+        assert "leyline_session" not in body
+    directives = server.directive_bodies()
+    forwarded = 0
+    for k in range(1, len(chats)):
+        prev, cur = chats[k - 1]["messages"], chats[k]["messages"]
+        reply = history[k][len(prev)]
+        old = [
+            *prev,
+            {
+                "role": "assistant",
+                "content": reply.get("content") or None,
+                "tool_calls": reply["tool_calls"],
+            },
+        ]
+        changed = [i for i, (a, b) in enumerate(zip(old, cur, strict=False)) if a != b]
+        if not changed:
+            continue
+        body = directives[forwarded]
+        forwarded += 1
+        assert body["old_messages"] == old
+        assert body["new_messages"] == cur[: len(old)]
+        assert body["mode"] == "amortize" and body["fallback"] is True
+        if session is not None:
+            assert body["session"] == session
+    assert forwarded == len(directives) > 0
+
+
+@pytest.mark.parametrize("stream_every", [0, 2, 1], ids=["json", "mixed", "stream"])
+def test_sync_client_sends_edited_history_and_forwards_new_edits(stream_every):
+    with StubServer(script()) as server:
+        base = openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0)
+        client = wrap_openai(base, policies=[StaleToolTruncation(keep=2)], session_id="agent-1")
+        assert type(client) is type(base) and client is not base
+        history = sync_loop(client, 7, stream_every=stream_every)
+        check_diffing(server, history, keep=2, session="agent-1")
+        assert server.bodies("/leyline/v1/stats") == [None]  # endpoint detected once
+        assert client.leyline.session("agent-1").stats.runtime_calls == len(
+            server.directive_bodies()
+        )
+
+
+def test_async_client_streamed_and_not():
+    async def loop(client, turns):
+        raw = [
+            {"role": "system", "content": "You fix bugs."},
+            {"role": "user", "content": "Fix it."},
+        ]
+        history = []
+        for k in range(turns):
+            history.append(copy.deepcopy(raw))
+            if k % 2:
+                stream = await client.chat.completions.create(
+                    model="scripted", messages=raw, tools=TOOLS, stream=True
+                )
+                run_tools(raw, assemble([ch async for ch in stream]))
+            else:
+                run_tools(
+                    raw,
+                    reply_of(
+                        await client.chat.completions.create(
+                            model="scripted", messages=raw, tools=TOOLS
+                        )
+                    ),
+                )
+        return history
+
+    with StubServer(script()) as server:
+        base = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0)
+        client = wrap_openai(base, policies=["stale-tool"], session_id="a")
+        assert type(client) is openai.AsyncOpenAI
+        history = asyncio.run(loop(client, 7))
+        check_diffing(server, history, keep=2, session="a")
+
+
+def test_plain_endpoint_gets_edited_history_and_no_directives():
+    with StubServer(script(), leyline_routes=False) as server:
+        client = wrap_openai(
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            policies=["stale-tool"],
+        )
+        history = sync_loop(client, 6)
+        assert [b["messages"] for b in server.chat_bodies()] == [
+            expected_send(r, 2) for r in history
+        ]
+        assert server.directive_bodies() == []
+        assert len(server.bodies("/leyline/v1/stats")) == 1
+
+
+def test_failing_directives_route_lets_calls_through():
+    with StubServer(script(), directives_status=500) as server:
+        client = wrap_openai(
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            policies=["stale-tool"],
+        )
+        history = sync_loop(client, 6)
+        assert [b["messages"] for b in server.chat_bodies()] == [
+            expected_send(r, 2) for r in history
+        ]
+        stats = client.leyline.session().stats
+        assert (
+            stats.runtime_failures == len(server.directive_bodies()) > 0
+            and stats.runtime_calls == 0
+        )
+
+
+def test_sessions_by_extra_body_are_diffed_separately_and_the_key_is_stripped():
+    with StubServer(
+        ScriptedModel([tool_turn("bash", {"cmd": f"s{k}"}) for k in range(10)])
+    ) as server:
+        client = wrap_openai(
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            policies=[StaleToolTruncation(keep=1)],
+        )
+        raws = {
+            "A": [{"role": "user", "content": "task A"}],
+            "B": [{"role": "user", "content": "task B"}],
+        }
+        for _ in range(4):
+            for sid, raw in raws.items():
+                resp = client.chat.completions.create(
+                    model="scripted", messages=raw, extra_body={"leyline_session": sid, "top_k": 5}
+                )
+                run_tools(raw, reply_of(resp))
+        for body in server.chat_bodies():
+            assert "leyline_session" not in body and body["top_k"] == 5
+        sessions = [b["session"] for b in server.directive_bodies()]
+        assert sorted(sessions) == ["A", "A", "B", "B"]
+        for b in server.directive_bodies():
+            assert b["old_messages"][0]["content"] == f"task {b['session']}"
+        assert set(client.leyline.sessions) == {"A", "B"}
+        assert all(s.stats.resets == 0 for s in client.leyline.sessions.values())
+
+
+def test_original_client_untouched_and_other_endpoints_pass_through():
+    with StubServer(script(3)) as server:
+        base = openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0)
+        client = wrap_openai(base, policies=["stale-tool"], runtime="off")
+        assert [m.id for m in client.models.list()] == ["scripted"]
+        raw = [{"role": "user", "content": "x"}]
+        base.chat.completions.create(model="scripted", messages=raw)
+        assert server.chat_bodies()[-1]["messages"] == raw
+        assert server.bodies("/leyline/v1/stats") == []  # runtime="off": never asked
+
+
+def test_bad_history_goes_through_unedited_or_raises_when_strict():
+    bad = [
+        {"role": "user", "content": "x"},
+        {"role": "tool", "tool_call_id": "nope", "content": "y"},
+    ]
+    with StubServer(script(3)) as server:
+        url = server.base_url + "/v1"
+        client = wrap_openai(
+            openai.OpenAI(base_url=url, api_key="stub", max_retries=0), policies=["stale-tool"]
+        )
+        client.chat.completions.create(model="scripted", messages=bad)
+        assert server.chat_bodies()[-1]["messages"] == bad and client.leyline.failures == 1
+        strict = wrap_openai(
+            openai.OpenAI(base_url=url, api_key="stub", max_retries=0),
+            policies=["stale-tool"],
+            strict=True,
+        )
+        with pytest.raises(TrajectoryError, match=r"messages\[1\]\.tool_call_id"):
+            strict.chat.completions.create(model="scripted", messages=bad)
+        assert len(server.chat_bodies()) == 1
