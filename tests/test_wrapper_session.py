@@ -221,13 +221,16 @@ def test_without_an_observed_reply_the_agents_echo_is_the_cached_reply():
     session = ContextSession([StaleToolTruncation(keep=1)])
     raw = [{"role": "user", "content": "go"}]
     session.plan(raw)
-    call = lambda cid: {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": cid, "type": "function", "function": {"name": "bash", "arguments": "{}"}}
-        ],
-    }  # noqa: E731
+
+    def call(cid):
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": cid, "type": "function", "function": {"name": "bash", "arguments": "{}"}}
+            ],
+        }
+
     raw += [call("a"), {"role": "tool", "tool_call_id": "a", "content": "A"}]
     session.plan(raw)
     raw += [call("b"), {"role": "tool", "tool_call_id": "b", "content": "B"}]
