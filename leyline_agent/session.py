@@ -11,12 +11,14 @@ tells the serving side which cached messages changed:
 holds for this session (the last list sent + the assistant reply it produced) and
 ``new_messages`` the same list with this turn's new edits applied. Only edits of messages
 the server has seen (index < len(old_messages)) are forwarded; edits of messages it has
-not seen yet simply go into the prompt. ``plan`` is sans-IO; ``prepare`` / ``aprepare``
+not seen yet simply go into the prompt. If the agent appends another assistant turn than
+the reply the model produced (a scripted or rewritten turn), ``old_messages`` still ends
+with the model's reply (that is what is cached) and only edits before it are forwarded. ``plan`` is sans-IO; ``prepare`` / ``aprepare``
 also send the request to a ``Runtime`` and, if the runtime fails with an ``Exception``,
 log it, count it and let the call through (the edited prompt then costs a re-prefill).
 
-Divergence: the session expects the agent's list to extend the raw list it saw last time
-plus the reply. If the agent rewrote its own history (truncation, summarisation, a new
+Divergence: the session expects the agent's list to extend the raw list it saw last time.
+If the agent rewrote its own history (truncation, summarisation, a new
 episode) the session resets: sticky edits are dropped, nothing is forwarded this turn (the
 server's prefix cache still reuses whatever common prefix it holds), and the new list
 starts a fresh history. A retry of the same list (no reply observed) is not a divergence.
@@ -93,6 +95,7 @@ class SessionStats:
     runtime_failures: int = 0  # ... that failed and were let through
     server_fallbacks: int = 0  # the server had no cached base (DirectivesResponse.fallback)
     resets: int = 0  # the agent's history diverged from what the session sent
+    replaced_replies: int = 0  # the agent appended another assistant turn than the reply
 
 
 @dataclass(slots=True)
@@ -138,8 +141,8 @@ class ContextSession:
         result = self.engine.apply(messages)  # validates; raises before any state changes
         raw = [copy.deepcopy(dict(m)) for m in messages]
         st = self._state
-        old = self._cached_messages(raw)
-        if old is None and st.raw is not None:
+        cached = self._cached_messages(raw)
+        if cached is None and st.raw is not None:
             log.info("session.reset", session=self.session_id, had=len(st.raw), got=len(raw))
             self.stats.resets += 1
             st = self._state = _State()
@@ -149,8 +152,9 @@ class ContextSession:
         to_send = apply_edits(raw, self.sticky_edits)
         request = None
         forwarded: list[MessageEdit] = []
+        old, limit = cached or ([], 0)
         if old:
-            forwarded = [e for e in new_edits if e.index < len(old)]
+            forwarded = [e for e in new_edits if e.index < limit]
             if forwarded:
                 request = DirectivesRequest(
                     model=model,
@@ -179,9 +183,12 @@ class ContextSession:
         """Record the assistant reply to the last planned list (a dict or an SDK message)."""
         self._state.reply = normalize_reply(assistant_message)
 
-    def _cached_messages(self, raw: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-        """What the server holds for this session if ``raw`` extends last turn's history,
-        else None (first turn or divergence). [] means: nothing to diff against."""
+    def _cached_messages(
+        self, raw: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], int] | None:
+        """What the server holds for this session, and below which index an edit may be
+        forwarded; None if ``raw`` does not extend last turn's list (first turn, or the
+        agent rewrote its history). ``([], 0)``: a retry, nothing new to diff against."""
         st = self._state
         if st.raw is None or st.sent is None:
             return None
@@ -189,15 +196,18 @@ class ContextSession:
         if len(raw) < n or raw[:n] != st.raw:
             return None
         if len(raw) == n:
-            return []  # a retry of the same list: nothing new to forward
-        reply = st.reply
-        if reply is not None and not _same_reply(reply, raw[n]):
-            return None
-        if reply is None:
-            if raw[n].get("role") != "assistant":
-                return list(st.sent)  # no reply produced (failed call?): the prompt only
-            reply = normalize_reply(raw[n])
-        return [*st.sent, reply]
+            return [], 0
+        echo, reply = raw[n], st.reply
+        if reply is None:  # not observed (unconsumed stream, raw response): trust the echo
+            if echo.get("role") != "assistant":
+                return list(st.sent), n  # no reply was produced (failed call?): the prompt only
+            return [*st.sent, normalize_reply(echo)], n + 1
+        if _same_reply(reply, echo):
+            return [*st.sent, reply], n + 1
+        # The agent put another assistant turn in place of the model's reply: the cache
+        # still holds the model's reply, so it stays in old/new and edits stop before it.
+        self.stats.replaced_replies += 1
+        return [*st.sent, reply], n
 
     # -- with a runtime -----------------------------------------------------------------
     def prepare(

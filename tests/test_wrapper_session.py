@@ -174,19 +174,77 @@ def test_history_rewrite_resets_the_session():
     assert [e.index for e in session.sticky_edits] == [3]
 
 
-def test_a_reply_that_differs_from_the_observed_one_resets():
+def _calls(cid: str, name: str = "bash") -> dict:
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": cid, "type": "function", "function": {"name": name, "arguments": "{}"}}
+        ],
+    }
+
+
+def test_an_agent_turn_in_place_of_the_reply_keeps_the_session_and_the_cached_reply():
     session = ContextSession([StaleToolTruncation(keep=1)])
     raw = [{"role": "user", "content": "go"}]
     session.plan(raw)
-    session.observe_reply({"role": "assistant", "content": "I will look."})
-    plan = session.plan(
-        [
-            *raw,
-            {"role": "assistant", "content": "Something else."},
-            {"role": "user", "content": "ok"},
-        ]
+    session.observe_reply(_calls("model-1"))
+    raw += [
+        _calls("x"),
+        {"role": "tool", "tool_call_id": "x", "content": "X" * 80},
+    ]  # scripted turn
+    plan = session.plan(raw)
+    assert (
+        plan.request is None and session.stats.resets == 0 and session.stats.replaced_replies == 1
     )
-    assert session.stats.resets == 1 and plan.request is None
+    sent = plan.messages_to_send
+    session.observe_reply(_calls("model-2", "view"))
+    raw += [_calls("y"), {"role": "tool", "tool_call_id": "y", "content": "Y" * 80}]
+    plan = session.plan(raw)
+    req = plan.request
+    assert req is not None and session.stats.resets == 0
+    assert req.old_messages == [*sent, normalize_reply(_calls("model-2", "view"))]  # what is cached
+    assert req.new_messages == [*plan.messages_to_send[: len(sent)], req.old_messages[-1]]
+    assert [
+        i for i, (a, b) in enumerate(zip(req.old_messages, req.new_messages, strict=True)) if a != b
+    ] == [2]
+
+
+@pytest.mark.parametrize("replaced", [False, True])
+def test_an_edit_of_a_replaced_reply_is_not_forwarded(replaced):
+    def failing_call(cid):
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": cid,
+                    "type": "function",
+                    "function": {"name": "bash", "arguments": '{"x": 1}'},
+                }
+            ],
+        }
+
+    session = ContextSession([FailedCallDetector()])
+    raw = [{"role": "user", "content": "go"}]
+    session.plan(raw)
+    session.observe_reply(failing_call("s"))
+    echo = failing_call("other" if replaced else "s")
+    cid = echo["tool_calls"][0]["id"]
+    raw += [
+        echo,
+        {"role": "tool", "tool_call_id": cid, "content": "Error: boom"},
+        _calls("t"),
+        {"role": "tool", "tool_call_id": "t", "content": "ok"},
+    ]
+    plan = session.plan(raw)  # the failure is moved past: its arguments (1) and result (2)
+    assert [e.index for e in plan.new_edits] == [1, 2]
+    assert plan.messages_to_send[1]["tool_calls"][0]["function"]["arguments"] == "{}"
+    if replaced:  # the cache holds the model's reply, not the message the edit is about
+        assert plan.request is None
+    else:  # the cached reply is that message: its edit is forwarded, the result's is not cached
+        assert plan.request is not None and len(plan.request.old_messages) == 2
+        assert plan.request.new_messages[1] == plan.messages_to_send[1]
 
 
 def test_sdk_extras_in_the_echoed_reply_are_not_a_divergence_and_a_retry_is_not_either():
