@@ -1,9 +1,162 @@
-"""CLI verbs of this layer (placeholder: filled in by the layer's owner)."""
+"""CLI verbs of the experiments layer.
+
+    leyline bench mechanism      replay trajectories against the runtime, arm by arm
+    leyline check correctness    first-token agreement and bf16 drift of splices
+    leyline eval mini-nightmare  debug-gym's froggy through Leyline, per arm
+    leyline demo                 mini model + quick mechanism benchmark + correctness report
+    leyline trajectories generate  realistic agent trajectories from the mini_nightmare tasks
+
+Registration imports nothing heavy; each handler imports its module when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # noqa: ARG001
+def _csv_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def register(sub: argparse._SubParsersAction) -> None:
     """Add this layer's verbs to the ``leyline`` parser."""
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", metavar="WHAT")
+    p = bench.add_parser("mechanism", help="replay hit rate and latency of splice vs prefix cache")
+    p.add_argument("--model", required=True, help="model folder (leyline make-model)")
+    p.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 8, 16], help="e.g. 1,4,8,16")
+    p.add_argument("--arms", default="full,radix,splice,forget,nocache")
+    p.add_argument("--out", type=Path, default=Path("runs/mechanism"))
+    p.add_argument("--quick", action="store_true", help="reduced set (~2 min on 2 cores, mini)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
+    p.add_argument(
+        "--trajectories",
+        type=Path,
+        default=None,
+        help="JSONL of trajectories to replay (default: generated)",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.set_defaults(func=_bench_mechanism)
+
+    check = sub.add_parser("check", help="correctness reports").add_subparsers(
+        dest="check", metavar="WHAT"
+    )
+    p = check.add_parser("correctness", help="splice vs full context: argmax agreement, bf16 drift")
+    p.add_argument("--model", required=True, help="model folder")
+    p.add_argument("--out", type=Path, default=Path("runs/correctness"))
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-chain", type=int, default=64)
+    p.add_argument("--quick", action="store_true")
+    p.set_defaults(func=_check_correctness)
+
+    ev = sub.add_parser("eval", help="agent evaluations").add_subparsers(
+        dest="eval", metavar="WHAT"
+    )
+    p = ev.add_parser("mini-nightmare", help="debug-gym mini_nightmare, froggy through Leyline")
+    p.add_argument(
+        "--base-url",
+        required=True,
+        help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:30000/v1",
+    )
+    p.add_argument("--model", required=True, help="served model name")
+    p.add_argument(
+        "--tokenizer", default=None, help="local HF tokenizer folder (default: --model if a folder)"
+    )
+    p.add_argument("--arms", default="baseline,stale-tool,stale-tool+failed-call,history-cutoff")
+    p.add_argument("--tasks", default="all", help="all or a comma list")
+    p.add_argument("--max-steps", type=int, default=None, help="agent steps (default: config, 50)")
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("runs/mini-nightmare"))
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="YAML over the defaults (configs/runs/eval.yaml; debug-gym's own config works)",
+    )
+    p.add_argument("--task-timeout", type=float, default=None, help="seconds per episode")
+    p.add_argument("--max-tokens", type=int, default=None, help="generation length per step")
+    p.add_argument(
+        "--context-limit-k", type=int, default=None, help="context window, thousands of tokens"
+    )
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_eval_mini_nightmare)
+
+    p = sub.add_parser("demo", help="main job: mini model, quick mechanism benchmark, correctness")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"))
+    p.add_argument("--models-dir", type=Path, default=Path(".leyline/models"))
+    p.add_argument("--arch", default="deepseek_v2")
+    p.set_defaults(func=_demo)
+
+    tr = sub.add_parser("trajectories", help="agent trajectories").add_subparsers(
+        dest="traj", metavar="WHAT"
+    )
+    p = tr.add_parser("generate", help="realistic debugging trajectories from mini_nightmare")
+    p.add_argument("--out", type=Path, default=Path("runs/trajectories.jsonl"))
+    p.add_argument("--n", type=int, default=10, help="number of trajectories")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-turns", type=int, default=10)
+    p.add_argument("--max-turns", type=int, default=40)
+    p.add_argument("--tasks", default="all")
+    p.set_defaults(func=_trajectories_generate)
+
+
+def _eval_mini_nightmare(args: argparse.Namespace) -> int:
+    from .eval_config import load_eval_config
+    from .eval_report import markdown
+    from .eval_run import run_eval
+
+    over: dict = {}
+    if args.task_timeout is not None:
+        over["task_timeout_s"] = args.task_timeout
+    if args.max_tokens is not None:
+        over["generate"] = {"max_tokens": args.max_tokens}
+    config = load_eval_config(args.config, **over)
+    summary = run_eval(
+        base_url=args.base_url,
+        model=args.model,
+        arms=args.arms,
+        tasks=args.tasks,
+        runs=args.runs,
+        out=args.out,
+        config=config,
+        max_steps=args.max_steps,
+        tokenizer=args.tokenizer,
+        context_limit_k=args.context_limit_k,
+        progress=not args.no_progress,
+    )
+    print(markdown(summary))
+    print(
+        f"episodes: {args.out / 'episodes.jsonl'}  summary: {args.out / 'summary.json'}  "
+        f"plot: {args.out / 'summary.png'}"
+    )
+    return 0
+
+
+def _bench_mechanism(args: argparse.Namespace) -> int:
+    from .mechanism import main as mechanism_main
+
+    return mechanism_main(args)
+
+
+def _check_correctness(args: argparse.Namespace) -> int:
+    from .correctness import main as correctness_main
+
+    return correctness_main(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(args)
+
+
+def _trajectories_generate(args: argparse.Namespace) -> int:
+    from .trajectories import main as trajectories_main
+
+    return trajectories_main(args)

@@ -86,7 +86,8 @@ class LeylineHuggingFaceLLM(HuggingFaceLLM):
 
     ``wrap``: a function that wraps the plain client (``None``: send unwrapped, the
     baseline). ``policies`` / ``runtime`` build the default wrapper,
-    ``wrap_openai(client, policies=policies, runtime=runtime)``, when ``wrap`` is not given.
+    ``wrap_openai(client, policies=..., runtime=..., session_id=...)``, when ``wrap`` is not
+    given (``runtime=None``: an ``HTTPRuntime`` at the client's base URL).
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class LeylineHuggingFaceLLM(HuggingFaceLLM):
         policies: Sequence[Any] = (),
         runtime: Any = None,
         wrap: ClientWrapper | None = None,
+        session_id: str | None = None,
         logger: Any = None,
         runtime_generate_kwargs: dict[str, Any] | None = None,
         timeout_s: float = 300.0,
@@ -108,10 +110,12 @@ class LeylineHuggingFaceLLM(HuggingFaceLLM):
             runtime_generate_kwargs=runtime_generate_kwargs,
         )
         if wrap is None and policies:
-            wrap = _default_wrapper(list(policies), runtime)
+            wrap = _default_wrapper(list(policies), runtime, session_id)
         self._wrap = wrap
         self._timeout_s = timeout_s
         self.usage_log: list[dict[str, int]] = []
+        self.transcript: list[dict[str, Any]] = []  # last prompt sent + the reply to it
+        self.tool_schemas: list[dict[str, Any]] = []
 
     @property
     def client(self) -> openai.OpenAI:
@@ -144,15 +148,21 @@ class LeylineHuggingFaceLLM(HuggingFaceLLM):
             )
         return response
 
+    def generate(self, messages: list[dict[str, Any]], tools: Any, **kwargs: Any) -> Any:
+        response = super().generate(messages, tools, **kwargs)
+        self.transcript = [dict(m) for m in messages] + [self.convert_response_to_message(response)]
+        self.tool_schemas = self.define_tools(tools) if tools else []
+        return response
+
     def need_to_be_retried(self, exception: BaseException) -> bool:
         # Retry rate limits only; anything else (endpoint down, bad request) ends the call.
         return isinstance(exception, openai.RateLimitError)
 
 
-def _default_wrapper(policies: list[Any], runtime: Any) -> ClientWrapper:
-    from leyline_agent.wrappers import wrap_openai  # the agent engineer's layer
+def _default_wrapper(policies: list[Any], runtime: Any, session_id: str | None) -> ClientWrapper:
+    from leyline_agent.wrappers import wrap_openai
 
     def wrap(client: openai.OpenAI) -> openai.OpenAI:
-        return wrap_openai(client, policies=policies, runtime=runtime)
+        return wrap_openai(client, policies=policies, runtime=runtime, session_id=session_id)
 
     return wrap

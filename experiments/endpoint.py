@@ -1,0 +1,88 @@
+"""An OpenAI-compatible endpoint as the experiments see it: liveness, model names, stats.
+
+``/leyline/v1/stats`` is optional (a plain OpenAI endpoint has none): ``stats()`` then
+returns ``None`` and the harness falls back to the ``usage`` blocks of the responses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.wire import StatsResponse
+
+__all__ = ["Endpoint", "stats_delta"]
+
+
+def _root(base_url: str) -> str:
+    url = base_url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass(slots=True)
+class Endpoint:
+    base_url: str
+    timeout_s: float = 10.0
+
+    @property
+    def root(self) -> str:
+        return _root(self.base_url)
+
+    @property
+    def openai_base_url(self) -> str:
+        return self.root + "/v1"
+
+    def models(self) -> list[str]:
+        url = self.openai_base_url + "/models"
+        try:
+            r = httpx.get(url, timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            raise RuntimeUnavailableError(
+                f"--base-url: endpoint {self.base_url} is not reachable ({type(e).__name__}: {e}); "
+                "start one with `leyline serve --model DIR --port N`"
+            ) from e
+        if r.status_code != 200:
+            raise RuntimeUnavailableError(
+                f"--base-url: GET {url} answered {r.status_code}: {r.text[:200]}"
+            )
+        return [m.get("id", "") for m in r.json().get("data", [])]
+
+    def check_model(self, model: str) -> None:
+        names = self.models()
+        if model not in names:
+            raise LeylineError(
+                f"--model: {model!r} is not served by {self.base_url}; served: {', '.join(names) or 'none'}"
+            )
+
+    def stats(self) -> StatsResponse | None:
+        try:
+            r = httpx.get(self.root + "/leyline/v1/stats", timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            raise RuntimeUnavailableError(f"endpoint {self.base_url} went away: {e}") from e
+        if r.status_code == 404:
+            return None
+        if r.status_code != 200:
+            raise RuntimeUnavailableError(f"GET /leyline/v1/stats answered {r.status_code}")
+        return StatsResponse.model_validate(r.json())
+
+
+def stats_delta(before: StatsResponse | None, after: StatsResponse | None) -> dict[str, object]:
+    """Counter differences ``after - before`` (``{}`` without stats)."""
+    if before is None or after is None:
+        return {}
+    splices = {
+        k: after.splices.get(k, 0) - before.splices.get(k, 0)
+        for k in sorted(set(after.splices) | set(before.splices))
+    }
+    return {
+        "requests": after.requests - before.requests,
+        "prompt_tokens": after.prompt_tokens - before.prompt_tokens,
+        "cached_tokens": after.cached_tokens - before.cached_tokens,
+        "prefilled_tokens": after.prefilled_tokens - before.prefilled_tokens,
+        "splices": splices,
+        "fallbacks": after.fallbacks - before.fallbacks,
+        "directive_errors": after.directive_errors - before.directive_errors,
+        "peak_cache_tokens": max(before.cache_tokens, after.cache_tokens),
+    }

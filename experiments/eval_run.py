@@ -1,0 +1,122 @@
+"""The loop of ``leyline eval mini-nightmare``: plan episodes, skip finished ones, run the
+rest one at a time under a progress bar, write the reports (also when stopped early)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+
+from .dataset import resolve_tasks
+from .endpoint import Endpoint
+from .eval_config import EvalConfig, resolve_arms
+from .eval_report import write_reports
+from .nightmare import EpisodeStore, load_tasks, run_episode
+
+__all__ = ["run_eval"]
+
+log = structlog.get_logger(__name__)
+
+
+def _tokenizer_dir(model: str, tokenizer: str | None) -> str:
+    path = Path(tokenizer) if tokenizer else Path(model)
+    if not path.is_dir():
+        raise LeylineError(
+            "--tokenizer: debug-gym's HuggingFaceLLM counts tokens with a local Hugging Face "
+            f"tokenizer; give its folder (the model folder works), {str(path)!r} is not one"
+        )
+    return str(path)
+
+
+def run_eval(
+    *,
+    base_url: str,
+    model: str,
+    arms: str,
+    tasks: str,
+    runs: int,
+    out: Path,
+    config: EvalConfig,
+    max_steps: int | None = None,
+    tokenizer: str | None = None,
+    data_dir: Path | None = None,
+    context_limit_k: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every missing (task, arm, run) episode; return the summary of all of them."""
+    if runs < 1:
+        raise LeylineError(f"--runs: must be >= 1, got {runs}")
+    if max_steps is not None and max_steps < 1:
+        raise LeylineError(f"--max-steps: must be >= 1, got {max_steps}")
+    arm_names = resolve_arms(arms, config)
+    task_names = resolve_tasks(tasks)
+    tok = _tokenizer_dir(model, tokenizer)
+    endpoint = Endpoint(base_url)
+    endpoint.check_model(model)
+
+    out.mkdir(parents=True, exist_ok=True)
+    store = EpisodeStore(out / "episodes.jsonl")
+    finished = store.finished()
+    (out / "run_config.json").write_text(
+        json.dumps(
+            {
+                "base_url": base_url,
+                "model": model,
+                "tokenizer": tok,
+                "arms": arm_names,
+                "tasks": task_names,
+                "runs": runs,
+                "max_steps": max_steps,
+                "config": config.model_dump(mode="json"),
+            },
+            indent=2,
+            default=str,
+        )
+    )
+    dataset = load_tasks(data_dir or out / "mini_nightmare", task_names)
+    plan = [(t, a, r) for r in range(runs) for a in arm_names for t in task_names]
+    todo = [p for p in plan if p not in finished]
+
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=len(plan),
+        initial=len(plan) - len(todo),
+        desc="mini-nightmare",
+        unit="ep",
+        disable=not progress,
+    )
+    try:
+        for task, arm, run in todo:
+            bar.set_postfix_str(f"{task}/{arm}/r{run}")
+            record = run_episode(
+                task,
+                arm,
+                run,
+                task_data=dataset[task],
+                config=config,
+                endpoint=endpoint,
+                model=model,
+                tokenizer=tok,
+                out=out,
+                max_steps=max_steps,
+                context_limit_k=context_limit_k,
+            )
+            store.append(record)
+            log.info("episode", **record.model_dump(exclude={"splices"}))
+            bar.update(1)
+    except RuntimeUnavailableError as e:
+        done = len(store.records())
+        raise RuntimeUnavailableError(
+            f"{e} -- stopped; {done} finished episode(s) kept in {store.path} "
+            "(rerun the same command to continue)"
+        ) from e
+    finally:
+        bar.close()
+        records = [r for r in store.records() if r.arm in arm_names and r.task in task_names]
+        summary = write_reports(records, out, arm_names)
+    return summary

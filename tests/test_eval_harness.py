@@ -1,0 +1,143 @@
+"""``leyline eval mini-nightmare`` end to end: debug-gym's froggy on a LocalTerminal, its
+LLM a scripted model served over real loopback HTTP.
+
+The script that applies the known fix of ``purr`` must be recognised as solved (by
+debug-gym's own pytest run), a script that only looks must not; finished episodes survive
+reruns and errors; bad input is named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+from leyline_agent.experiments.dataset import installed_task_root  # noqa: E402
+from leyline_agent.experiments.eval_config import load_eval_config  # noqa: E402
+from leyline_agent.experiments.eval_run import run_eval  # noqa: E402
+
+from leyline_agent.errors import LeylineError, RuntimeUnavailableError  # noqa: E402
+from leyline_agent.testing.scripted_llm import ScriptedLLMServer  # noqa: E402
+
+pytest.importorskip("debug_gym")
+
+# The purr bug: the `> 10` branch shadows the `> 20` one (lines 27-32 of purr_code.py).
+PURR_FIX = (
+    "        if self.hunger > 20:\n"
+    "            result = self.intense_meow()\n"
+    '            self.feed("meat")\n'
+    "        elif self.hunger > 10:\n"
+    "            result = self.meow()\n"
+    '            self.feed("fish")'
+)
+VIEW = {"content": "Let me read the code.", "tool": "view", "arguments": {"path": "purr_code.py"}}
+FIX_TURNS = [
+    VIEW,
+    {
+        "content": "Swap the branches.",
+        "tool": "edit",
+        "arguments": {"path": "purr_code.py", "start": 27, "end": 32, "new_code": PURR_FIX},
+    },
+    {"content": "Run the tests.", "tool": "eval", "arguments": {}},
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from leyline_agent.runtime.modelgen import make_model
+
+    return make_model("llama", "tiny", tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def _eval(server: ScriptedLLMServer, out: Path, tok: Path, **kw):
+    if "base_url" not in kw:
+        kw["base_url"] = server.base_url
+    args = dict(
+        model=server.model,
+        arms="baseline",
+        tasks="purr",
+        runs=1,
+        out=out,
+        config=load_eval_config(),
+        max_steps=4,
+        tokenizer=str(tok),
+        progress=False,
+    )
+    args.update(kw)
+    return run_eval(**args)
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
+
+
+def test_known_fix_is_solved_and_rerun_skips_it(tmp_path: Path, tokenizer_dir: Path) -> None:
+    assert "elif self.hunger > 20" in (installed_task_root() / "purr" / "purr_code.py").read_text()
+    with ScriptedLLMServer(FIX_TURNS) as server:
+        summary = _eval(server, tmp_path, tokenizer_dir)
+        sent = len(server.requests)
+        [rec] = _records(tmp_path)
+        assert rec["solved"] is True and rec["status"] == "done"
+        assert rec["steps"] == 3 == sent  # view, edit, eval -> terminated on resolution
+        assert rec["score"] == rec["max_score"] == 1
+        assert rec["prompt_tokens"] == server.stats().prompt_tokens > 0
+        assert summary["arms"]["baseline"]["solve_rate"] == 1.0
+        for name in ("summary.json", "summary.md", "summary.png", "trajectories.jsonl"):
+            assert (tmp_path / name).stat().st_size > 0
+        traj = json.loads((tmp_path / "trajectories.jsonl").read_text().splitlines()[0])
+        assert [m["role"] for m in traj["messages"]][-1] == "assistant"
+        assert any(m["role"] == "tool" for m in traj["messages"])
+        _eval(server, tmp_path, tokenizer_dir)  # rerun: nothing left to do
+        assert len(server.requests) == sent
+        assert len(_records(tmp_path)) == 1
+
+
+def test_looking_only_is_not_solved(tmp_path: Path, tokenizer_dir: Path) -> None:
+    with ScriptedLLMServer([VIEW]) as server:
+        _eval(server, tmp_path, tokenizer_dir, max_steps=3)
+        [rec] = _records(tmp_path)
+        assert rec["solved"] is False and rec["status"] == "done"
+        assert rec["steps"] == len(server.requests) >= 2  # debug-gym stops at max_steps - 1
+        assert rec["score"] == 0
+
+
+def test_stale_tool_arm_edits_what_the_server_receives(tmp_path: Path, tokenizer_dir: Path) -> None:
+    with ScriptedLLMServer([VIEW]) as server:
+        _eval(server, tmp_path, tokenizer_dir, arms="baseline,stale-tool", max_steps=5)
+        assert len(server.requests) == 8
+        # Requests 0-3 are the baseline episode, 4-7 the stale-tool one; the 4th request of
+        # each carries three view results. keep=2: only the stale-tool arm stubs the oldest.
+        base_tools = [m for m in server.requests[3]["messages"] if m["role"] == "tool"]
+        arm_tools = [m for m in server.requests[7]["messages"] if m["role"] == "tool"]
+        assert len(base_tools) == len(arm_tools) == 3
+        assert "class Cat" in base_tools[0]["content"]
+        assert "class Cat" not in arm_tools[0]["content"]
+        assert arm_tools[0]["content"] != base_tools[0]["content"]
+        assert [m["content"] for m in arm_tools[1:]] == [m["content"] for m in base_tools[1:]]
+
+
+def test_timeout_is_recorded_and_earlier_episodes_kept(tmp_path: Path, tokenizer_dir: Path) -> None:
+    with ScriptedLLMServer([VIEW]) as server:
+        _eval(server, tmp_path, tokenizer_dir, max_steps=1)
+        slow = load_eval_config(task_timeout_s=0.5)
+        _eval(server, tmp_path, tokenizer_dir, max_steps=1, runs=2, config=slow)
+    recs = _records(tmp_path)
+    assert [(r["run"], r["status"]) for r in recs] == [(0, "done"), (1, "timeout")]
+    assert recs[1]["solved"] is False
+
+
+def test_bad_input_is_named(tmp_path: Path, tokenizer_dir: Path) -> None:
+    with ScriptedLLMServer([VIEW]) as server:
+        with pytest.raises(LeylineError, match="--arms: unknown arm.*nope"):
+            _eval(server, tmp_path, tokenizer_dir, arms="baseline,nope")
+        with pytest.raises(LeylineError, match="--tasks: unknown task.*nosuch"):
+            _eval(server, tmp_path, tokenizer_dir, tasks="purr,nosuch")
+        with pytest.raises(LeylineError, match="--model: 'other' is not served"):
+            _eval(server, tmp_path, tokenizer_dir, model="other")
+        url = server.base_url
+    with pytest.raises(RuntimeUnavailableError, match="not reachable"):
+        _eval(server, tmp_path, tokenizer_dir, base_url=url)
