@@ -235,6 +235,14 @@ def test_bad_inputs_get_json_4xx_naming_the_field_and_change_nothing(client, htt
             assert (err["field"] or "").startswith(field), (field, err)
             assert field.split("[")[0].split(".")[0] in err["message"], err
     assert http.get("/nowhere").status_code == 404
+    types = {
+        f: http.post(p, json=b).json()["error"]["type"] for p, b, _, f in _bad_requests(name, T)[:3]
+    }
+    assert types == {
+        "directives[0].end": "DirectiveError",
+        "directives[1]": "DirectiveError",
+        "directives[0].mode": "UnsupportedModeError",
+    }
     assert http.get("/leyline/v1/stats").json() == stats
     assert probe() == before  # the cache is as it was: same hit, bitwise the same logprobs
 
@@ -244,7 +252,7 @@ def test_bad_inputs_get_json_4xx_naming_the_field_and_change_nothing(client, htt
     miss = http.post(
         "/leyline/v1/directives", json={"tokens": U, "directives": [{"start": 2, "end": 4}]}
     )
-    assert miss.status_code == 409 and miss.json()["error"]["type"] == "cache_miss_error", miss.text
+    assert miss.status_code == 409 and miss.json()["error"]["type"] == "CacheMissError", miss.text
     assert http.get("/leyline/v1/stats").json() == {
         **stats,
         "directive_errors": stats["directive_errors"] + 1,
@@ -292,3 +300,22 @@ def test_leyline_serve_binds_loopback_by_default(model_dir):
         server.should_exit = True
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_the_agent_side_http_runtime_talks_to_the_server(client, name, server):
+    """``HTTPRuntime`` (agent side) gets answers and the same error classes back."""
+    from leyline_agent.errors import CacheMissError
+    from leyline_agent.http_runtime import HTTPRuntime
+
+    T = _ids(31, 30)
+    _complete(client, name, T, 1)
+    rt = HTTPRuntime(server.base_url, retries=1)
+    try:
+        d = {"start": 4, "end": 9, "replacement": [11, 12], "mode": "amortize"}
+        resp = rt.apply_directives(DirectivesRequest(tokens=T, directives=[d]))
+        assert resp.tokens == T[:4] + [11, 12] + T[9:] and resp.splices["amortize"] == 1
+        with pytest.raises(CacheMissError):
+            rt.apply_directives(DirectivesRequest(tokens=_ids(32, 10), directives=[d]))
+        assert rt.stats().splices["amortize"] >= 1
+    finally:
+        rt.close()

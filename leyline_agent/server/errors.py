@@ -3,17 +3,21 @@
 =====================================  ======  =============================================
 raised                                  status  ``error.type``
 =====================================  ======  =============================================
-``RequestError`` (bad value, server)    400     ``invalid_request_error``
-``ModelNotFoundError``                  404     ``not_found_error``
-FastAPI ``RequestValidationError``      422     ``invalid_request_error`` (field = its path)
-``CacheMissError``                      409     ``cache_miss_error``
-``UnsupportedModeError``                400     ``unsupported_mode_error``
-other ``LeylineError`` (``ValueError``) 400     ``invalid_request_error``
-``RuntimeUnavailableError``             503     ``unavailable_error``
-Starlette ``HTTPException`` (404/405)   same    ``not_found_error`` / ``invalid_request_error``
-anything else                           500     ``internal_error``
+``RequestError`` (bad value, server)    400     ``RequestError``
+``ModelNotFoundError``                  404     ``ModelNotFoundError``
+FastAPI ``RequestValidationError``      422     ``ValidationError`` (``UnsupportedModeError``
+                                                for a reserved directive mode)
+``CacheMissError``                      409     ``CacheMissError``
+other ``LeylineError``                  400     its class name (``DirectiveError``,
+                                                ``UnsupportedModeError``, ``TrajectoryError``..)
+other ``ValueError``                    400     ``ValueError``
+``RuntimeUnavailableError``             503     ``RuntimeUnavailableError``
+Starlette ``HTTPException`` (404/405)   same    ``NotFound`` / ``MethodNotAllowed``
+anything else                           500     ``InternalError``
 =====================================  ======  =============================================
 
+``type`` is the name of the Leyline error class, so that a client (``HTTPRuntime``) can
+raise the same class on its side.
 ``field`` names the request field at fault, as a path: ``messages[2].role``,
 ``directives[0].end``, ``prompt[7]``. Errors raised by the layers below carry it as the
 prefix of their message (``"directives[0].end: ..."``); it is lifted from there.
@@ -31,12 +35,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from leyline_agent.errors import (
-    CacheMissError,
-    LeylineError,
-    RuntimeUnavailableError,
-    UnsupportedModeError,
-)
+from leyline_agent.directives import RESERVED_MODES
+from leyline_agent.errors import CacheMissError, LeylineError, RuntimeUnavailableError
 from leyline_agent.wire import ErrorBody
 
 log = structlog.get_logger(__name__)
@@ -48,7 +48,6 @@ class RequestError(LeylineError, ValueError):
     """A request the server refuses before any engine work: bad value, unsupported option."""
 
     status = 400
-    type = "invalid_request_error"
 
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(f"{field}: {message}" if field else message)
@@ -58,7 +57,6 @@ class RequestError(LeylineError, ValueError):
 
 class ModelNotFoundError(RequestError):
     status = 404
-    type = "not_found_error"
 
 
 def field_path(loc: Sequence[Any]) -> str:
@@ -89,31 +87,35 @@ def error_response(status: int, type_: str, message: str, field: str | None = No
     return JSONResponse({"error": body.model_dump()}, status_code=status)
 
 
-def _validation(errors: Sequence[dict[str, Any]]) -> tuple[str, str | None]:
-    parts, first = [], None
+def _validation(errors: Sequence[dict[str, Any]]) -> tuple[str, str | None, bool]:
+    parts, first, reserved = [], None, False
     for err in errors[:5]:
         path = field_path(err.get("loc", ()))
         first = first if first is not None else (path or None)
         parts.append(f"{path}: {err.get('msg', 'invalid')}" if path else err.get("msg", "invalid"))
-    return "; ".join(parts), first
+        reserved |= path.endswith(".mode") and str(err.get("input", "")).lower() in _RESERVED
+    return "; ".join(parts), first, reserved
+
+
+_RESERVED = {m.value for m in RESERVED_MODES}
 
 
 def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
     """(status, type, message, field) of an exception; the one mapping used everywhere."""
     if isinstance(exc, RequestError):
-        return exc.status, exc.type, str(exc), exc.field
+        return exc.status, type(exc).__name__, str(exc), exc.field
     if isinstance(exc, RequestValidationError):
-        message, field = _validation(exc.errors())
-        return 422, "invalid_request_error", message, field
+        message, field, reserved = _validation(exc.errors())
+        return 422, "UnsupportedModeError" if reserved else "ValidationError", message, field
     if isinstance(exc, CacheMissError):
-        return 409, "cache_miss_error", str(exc), _lift_field(str(exc)) or "tokens"
-    if isinstance(exc, UnsupportedModeError):
-        return 400, "unsupported_mode_error", str(exc), _lift_field(str(exc))
+        return 409, "CacheMissError", str(exc), _lift_field(str(exc)) or "tokens"
     if isinstance(exc, RuntimeUnavailableError):
-        return 503, "unavailable_error", str(exc), None
-    if isinstance(exc, LeylineError | ValueError):
-        return 400, "invalid_request_error", str(exc), _lift_field(str(exc))
-    return 500, "internal_error", f"{type(exc).__name__}: {exc}", None
+        return 503, "RuntimeUnavailableError", str(exc), None
+    if isinstance(exc, LeylineError):
+        return 400, type(exc).__name__, str(exc), _lift_field(str(exc))
+    if isinstance(exc, ValueError):
+        return 400, "ValueError", str(exc), _lift_field(str(exc))
+    return 500, "InternalError", f"{type(exc).__name__}: {exc}", None
 
 
 def install(app: FastAPI) -> None:
@@ -126,7 +128,7 @@ def install(app: FastAPI) -> None:
         return error_response(status, type_, message, field)
 
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        type_ = {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, "HTTPError")
         return error_response(exc.status_code, type_, f"{request.url.path}: {exc.detail}")
 
     app.add_exception_handler(RequestValidationError, _leyline)
