@@ -19,6 +19,10 @@ Runtime: a ``Runtime`` / ``AsyncRuntime`` object, or ``None`` / ``"auto"``: an
 ``/leyline/v1/stats``; a plain OpenAI-compatible endpoint is fine (no directives are sent,
 edits cost a re-prefill). ``"off"``: never send directives.
 
+Messages may be dicts or SDK message objects (``response.choices[0].message`` appended as
+is): objects are dumped to dicts before the policies see them. One session expects one
+conversation at a time: concurrent calls of the same session are not ordered.
+
 Failures of the middleware itself (a runtime error, a trajectory the validator refuses)
 are logged and counted, and the user's call goes through (unedited if the policies could
 not run); ``strict=True`` raises them instead. ``BaseException`` is never swallowed.
@@ -159,6 +163,21 @@ class LeylineState:
         return response
 
 
+def _call_args(kwargs: dict[str, Any]) -> tuple[list[Any], list[Any] | None, str | None]:
+    """messages (SDK message objects dumped to dicts), tools and model of a create call."""
+    messages = [
+        m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
+        for m in kwargs["messages"]
+    ]
+    tools = kwargs.get("tools")
+    model = kwargs.get("model")
+    return (
+        messages,
+        list(tools) if isinstance(tools, (list, tuple)) else None,
+        model if isinstance(model, str) else None,
+    )
+
+
 def _make_create(
     original: Callable[..., Any], state: LeylineState, is_async: bool
 ) -> Callable[..., Any]:
@@ -176,9 +195,7 @@ def _make_create(
             if "messages" in kwargs:
                 session.runtime = await state.aresolve_runtime()
                 try:
-                    kwargs["messages"] = await session.aprepare(
-                        list(kwargs["messages"]), kwargs.get("tools"), kwargs.get("model")
-                    )
+                    kwargs["messages"] = await session.aprepare(*_call_args(kwargs))
                 except Exception as e:  # noqa: BLE001
                     state.policy_failed(session, e)
             response = await original(*args, **kwargs)
@@ -192,9 +209,7 @@ def _make_create(
         if "messages" in kwargs:
             session.runtime = state.resolve_runtime()
             try:
-                kwargs["messages"] = session.prepare(
-                    list(kwargs["messages"]), kwargs.get("tools"), kwargs.get("model")
-                )
+                kwargs["messages"] = session.prepare(*_call_args(kwargs))
             except Exception as e:  # noqa: BLE001 - let the user's call through
                 state.policy_failed(session, e)
         response = original(*args, **kwargs)

@@ -271,3 +271,28 @@ def test_bad_history_goes_through_unedited_or_raises_when_strict():
         with pytest.raises(TrajectoryError, match=r"messages\[1\]\.tool_call_id"):
             strict.chat.completions.create(model="scripted", messages=bad)
         assert len(server.chat_bodies()) == 1
+
+
+def test_sdk_message_objects_in_the_history_are_accepted():
+    with StubServer(script(5)) as server:
+        client = wrap_openai(
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            policies=[StaleToolTruncation(keep=1)],
+        )
+        raw: list = [{"role": "user", "content": "go"}]
+        for _ in range(4):
+            msg = (
+                client.chat.completions.create(model="scripted", messages=raw, tools=TOOLS)
+                .choices[0]
+                .message
+            )
+            raw.append(msg)  # the SDK object itself, as many agents do
+            raw.append(
+                {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "out\n" * 30}
+            )
+        assert client.leyline.failures == 0
+        dumped = [
+            m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m for m in raw[:-2]
+        ]
+        assert server.chat_bodies()[-1]["messages"] == expected_send(dumped, keep=1)
+        assert len(server.directive_bodies()) == 2
