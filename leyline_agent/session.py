@@ -13,13 +13,16 @@ holds for this session (the last list sent + the assistant reply it produced) an
 the server has seen (index < len(old_messages)) are forwarded; edits of messages it has
 not seen yet simply go into the prompt. If the agent appends another assistant turn than
 the reply the model produced (a scripted or rewritten turn), ``old_messages`` still ends
-with the model's reply (that is what is cached) and only edits before it are forwarded. ``plan`` is sans-IO; ``prepare`` / ``aprepare``
-also send the request to a ``Runtime`` and, if the runtime fails with an ``Exception``,
-log it, count it and let the call through (the edited prompt then costs a re-prefill).
+with the model's reply (that is what is cached) and only edits before it are forwarded.
+
+``plan`` is sans-IO and assumes its ``messages_to_send`` will be sent; ``prepare`` /
+``aprepare`` also send the request to a ``Runtime`` and, if the runtime fails with an
+``Exception``, log it, count it and let the call through (the edited prompt then costs a
+re-prefill). ``fallback=False`` raises ``RuntimeUnavailableError`` instead.
 
 Divergence: the session expects the agent's list to extend the raw list it saw last time.
-If the agent rewrote its own history (truncation, summarisation, a new
-episode) the session resets: sticky edits are dropped, nothing is forwarded this turn (the
+If the agent rewrote its own history (truncation, summarisation, a new episode) the
+session resets: sticky edits are dropped, nothing is forwarded this turn (the
 server's prefix cache still reuses whatever common prefix it holds), and the new list
 starts a fresh history. A retry of the same list (no reply observed) is not a divergence.
 """

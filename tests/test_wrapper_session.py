@@ -8,6 +8,8 @@ import json
 from typing import ClassVar
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from leyline_agent.policies import FailedCallDetector, Policy, StaleToolTruncation
 
 from leyline_agent.directives import MessageEdit, Mode
@@ -399,3 +401,76 @@ def test_aprepare_with_an_async_runtime():
 
     asyncio.run(main())
     assert len(rt.requests) == 2 and session.stats.runtime_calls == 2
+
+
+OUTPUTS = [
+    "ok",
+    "Error: nope",
+    "Traceback (most recent call last):\nOSError: x",
+    "y" * 200,
+    "exit code 2",
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    outputs=st.lists(
+        st.lists(st.sampled_from(OUTPUTS), min_size=1, max_size=2), min_size=1, max_size=8
+    ),
+    keep=st.integers(1, 3),
+    with_failed=st.booleans(),
+    clear_at_least=st.sampled_from([0, 100]),
+)
+def test_property_sent_history_is_append_only_except_at_forwarded_edits(
+    outputs, keep, with_failed, clear_at_least
+):
+    policies = [StaleToolTruncation(keep=keep, clear_at_least=clear_at_least, clear_inputs=True)]
+    if with_failed:
+        policies.append(FailedCallDetector())
+    session = ContextSession(policies)
+    raw = [{"role": "user", "content": "task"}]
+    prev_sent, prev_reply = None, None
+    frozen: dict[int, dict] = {}  # index -> message as first edited
+    for k, outs in enumerate([*outputs, []]):
+        plan = session.plan(raw)
+        sent = plan.messages_to_send
+        if prev_sent is not None:
+            old = [*prev_sent, normalize_reply(prev_reply)]
+            changed = [i for i, (a, b) in enumerate(zip(old, sent, strict=False)) if a != b]
+            if plan.request is None:
+                assert changed == []
+            else:
+                assert plan.request.old_messages == old
+                assert plan.request.new_messages == sent[: len(old)]
+                assert changed and all(
+                    e.index in changed for e in plan.new_edits if e.index < len(old)
+                )
+        for i, m in frozen.items():  # sticky: an edited message never changes again
+            assert sent[i] == m
+        for e in plan.new_edits:
+            frozen[e.index] = sent[e.index]
+        reply = {
+            "role": "assistant",
+            "content": f"turn {k}",
+            "tool_calls": [
+                {
+                    "id": f"c{k}_{j}",
+                    "type": "function",
+                    "function": {"name": "bash", "arguments": json.dumps({"k": k, "j": j})},
+                }
+                for j in range(len(outs))
+            ],
+        }
+        if not outs:
+            del reply["tool_calls"]
+        session.observe_reply(reply)
+        raw = [
+            *raw,
+            reply,
+            *(
+                {"role": "tool", "tool_call_id": f"c{k}_{j}", "content": o}
+                for j, o in enumerate(outs)
+            ),
+        ]
+        prev_sent, prev_reply = sent, reply
+    assert session.stats.resets == 0
