@@ -2,7 +2,13 @@
 
 from leyline_agent.policies import Policy, StaleToolTruncation, FailedCallDetector
 from leyline_agent.policies import load_policy, load_policies
+
+A custom policy subclasses ``Policy`` (``name`` + ``edits(trajectory) -> list[MessageEdit]``)
+and loads by ``module:Class``; ``Trajectory`` and ``MessageEdit`` are re-exported for it.
 """
+
+from leyline_agent.directives import MessageEdit
+from leyline_agent.trajectory import Trajectory
 
 from .base import Policy, PolicyConfig
 from .failed_call import FailedCallDetector
@@ -12,9 +18,11 @@ from .stale_tool import StaleToolTruncation
 __all__ = [
     "BUILTIN_POLICIES",
     "FailedCallDetector",
+    "MessageEdit",
     "Policy",
     "PolicyConfig",
     "StaleToolTruncation",
+    "Trajectory",
     "load_policies",
     "load_policy",
 ]
