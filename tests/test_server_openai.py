@@ -348,3 +348,23 @@ def test_tool_history_from_an_openai_client_renders_like_the_template(client, na
     )
     flat = [*history[:-1], {**history[-1], "content": "def f(): pass"}]
     assert r.usage.prompt_tokens == len(_template_ids(tok, flat, TOOLS))
+
+
+def test_a_stream_whose_client_leaves_is_stopped_and_frees_the_scheduler(
+    server, client, name, model_dir, stop_ids
+):
+    ids = _ids(4, 24)
+    assert not hf_greedy(model_dir, ids, 20, stop_ids).stopped, (
+        "pick a prompt that does not stop early"
+    )
+    stats = f"{server.url}/leyline/v1/stats"
+    before = httpx.get(stats).json()
+    body = {"model": name, "prompt": ids, "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+    assert json.loads(first[len("data: ") :])["choices"][0]["finish_reason"] is None
+    # queued behind the abandoned stream: runs once that stream has been stopped
+    nxt = client.completions.create(model=name, prompt=_ids(5, 8), max_tokens=1, temperature=0)
+    after = httpx.get(stats).json()
+    assert after["requests"] == before["requests"] + 1  # the abandoned one never completed
+    assert after["generated_tokens"] == before["generated_tokens"] + nxt.usage.completion_tokens

@@ -107,3 +107,59 @@ def test_field_paths_name_the_field_like_the_request_writes_it():
     assert field_path(("body", "messages", 2, "role")) == "messages[2].role"
     assert field_path(("body", "directives", 0, "end")) == "directives[0].end"
     assert field_path(("body", 17)) == "body[17]"
+
+
+def _params(body: dict, prompt_len: int = 10, context: int | None = 100, default: int = 50):
+    from leyline_agent.runtime.sampling import SamplingParams
+    from leyline_agent.server.completions import ModelLimits, ServedModel, sampling_params
+    from leyline_agent.server.openai_api import ChatCompletionRequest, CompletionRequest
+
+    model = ServedModel("m", frozenset(), 0, ModelLimits(1000, context), default_max_tokens=default)
+    cls = ChatCompletionRequest if "messages" in body else CompletionRequest
+    return sampling_params(
+        cls.model_validate({"model": "m", **body}), prompt_len, model, SamplingParams
+    )
+
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+def test_max_tokens_defaults_and_limits():
+    from leyline_agent.server.errors import RequestError
+
+    assert _params(CHAT).max_tokens == 50  # the server's chat default
+    assert _params(CHAT, prompt_len=80).max_tokens == 20  # ... within the context
+    assert _params(CHAT, context=None, default=7).max_tokens == 7
+    assert _params({"prompt": "x"}).max_tokens == 16  # legacy completions default
+    assert _params({**CHAT, "max_tokens": 5, "max_completion_tokens": 9}).max_tokens == 9
+    with pytest.raises(RequestError) as e:
+        _params({**CHAT, "max_completion_tokens": 95})
+    assert e.value.field == "max_completion_tokens"
+    with pytest.raises(RequestError) as e:
+        _params(CHAT, prompt_len=100)
+    assert e.value.field == "messages"
+
+
+def test_sampling_fields_reach_the_engine_params():
+    p = _params(
+        {
+            **CHAT,
+            "temperature": 0.5,
+            "top_p": 0.8,
+            "seed": 3,
+            "stop": "END",
+            "logprobs": True,
+            "top_logprobs": 4,
+        }
+    )
+    assert (p.temperature, p.top_p, p.seed, p.stop, p.logprobs, p.top_logprobs) == (
+        0.5,
+        0.8,
+        3,
+        ["END"],
+        True,
+        4,
+    )
+    assert _params(CHAT).temperature == 1.0  # OpenAI's default
+    q = _params({"prompt": [1, 2], "logprobs": 0})
+    assert (q.logprobs, q.top_logprobs) == (True, 0)

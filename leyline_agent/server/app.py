@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from leyline_agent.server import errors
-from leyline_agent.server.completions import ModelLimits, ServedModel
+from leyline_agent.server.completions import CHAT_DEFAULT_MAX_TOKENS, ModelLimits, ServedModel
 from leyline_agent.server.leyline_routes import router as leyline_router
 from leyline_agent.server.openai_routes import router as openai_router
 from leyline_agent.server.scheduler import Engine, Scheduler
@@ -46,8 +46,10 @@ def create_app(
     served_model_name: str | None = None,
     aliases: Iterable[str] = (),
     params_cls: type | None = None,
+    default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS,
 ) -> FastAPI:
-    """The app serving one engine. ``served_model_name`` defaults to the engine's name."""
+    """The app serving one engine. ``served_model_name`` defaults to the engine's name;
+    ``default_max_tokens`` bounds a chat answer whose request sets no ``max_tokens``."""
     if isinstance(engine_or_scheduler, Scheduler):
         scheduler, owned = engine_or_scheduler, False
     else:
@@ -59,6 +61,7 @@ def create_app(
         aliases=frozenset({engine_name, *aliases}),
         created=int(time.time()),
         limits=scheduler.call(model_limits),
+        default_max_tokens=default_max_tokens,
     )
 
     @asynccontextmanager

@@ -30,6 +30,10 @@ __all__ = [
 
 MAX_STOP = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions API
+# Chat without max_tokens: OpenAI runs to the context's end. One scheduler serves every
+# session, so an unbounded answer (a random-weight model rarely stops) would stall them
+# all; the default is capped (``create_app(default_max_tokens=...)``).
+CHAT_DEFAULT_MAX_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,7 @@ class ServedModel:
     aliases: frozenset[str]
     created: int
     limits: ModelLimits
+    default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS
 
     def check(self, requested: str | None, field: str = "model") -> None:
         if requested is not None and requested != self.id and requested not in self.aliases:
@@ -89,11 +94,12 @@ def _stop(stop: str | list[str] | None) -> list[str]:
 def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
     prompt_len: int,
-    limits: ModelLimits,
+    model: ServedModel,
     params_cls: type,
 ) -> Any:
     """The engine's ``SamplingParams`` for ``req`` (raises ``RequestError`` naming the field)."""
     _refuse_unsupported(req)
+    limits = model.limits
     field, max_tokens = "max_tokens", req.max_tokens
     if isinstance(req, ChatCompletionRequest):
         if req.max_completion_tokens is not None:
@@ -111,10 +117,9 @@ def sampling_params(
             f"the prompt has {prompt_len} tokens; the model's context is {limits.max_context}",
             "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
         )
-    if max_tokens is None:  # chat: up to the context (OpenAI); completions: 16
-        max_tokens = (
-            room if isinstance(req, ChatCompletionRequest) else COMPLETIONS_DEFAULT_MAX_TOKENS
-        )
+    if max_tokens is None:
+        chat = isinstance(req, ChatCompletionRequest)
+        max_tokens = model.default_max_tokens if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         max_tokens = max_tokens if room is None else min(max_tokens, room)
     elif room is not None and max_tokens > room:
         raise RequestError(

@@ -10,7 +10,10 @@ job (JSON answer) or streamed as server-sent events, ``data: {chunk}`` per delta
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -78,7 +81,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         lambda e: e.render(messages, tools=tools, add_generation_prompt=True)
     )
     check_prompt_ids(ids, st.model.limits, "messages")
-    params = sampling_params(req, len(ids), st.model.limits, st.params_cls)
+    params = sampling_params(req, len(ids), st.model, st.params_cls)
     if req.stream:
         return _event_stream(_chat_events(st, req, ids, params, tools is not None))
     result = await st.scheduler.run(lambda e: e.generate(ids, params))
@@ -129,11 +132,12 @@ async def _chat_events(
     yield chunk({"role": "assistant", "content": ""})
     text = IncrementalText(_decoder(st), stop=params.stop, tool_tag=OPEN_TAG if tools_on else None)
     result = None
-    async for event in _generate(st, ids, params, text):
-        if isinstance(event, StreamEnd):
-            result = event.result
-        elif event:
-            yield chunk({"content": event})
+    async with aclosing(_generate(st, ids, params, text)) as events:
+        async for event in events:
+            if isinstance(event, StreamEnd):
+                result = event.result
+            elif event:
+                yield chunk({"content": event})
     assert result is not None  # _generate always ends with StreamEnd or raises
     parsed = parse_tool_calls(result.text) if tools_on else None
     calls = parsed.tool_calls if parsed else []
@@ -159,7 +163,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     else:
         ids = prompt  # token ids are used as given: no BOS, no template
     check_prompt_ids(ids, st.model.limits, "prompt")
-    params = sampling_params(req, len(ids), st.model.limits, st.params_cls)
+    params = sampling_params(req, len(ids), st.model, st.params_cls)
     if req.stream:
         return _event_stream(_completion_events(st, req, ids, params))
     result = await st.scheduler.run(lambda e: e.generate(ids, params))
@@ -202,11 +206,12 @@ async def _completion_events(
 
     text = IncrementalText(_decoder(st), stop=params.stop)
     result = None
-    async for event in _generate(st, ids, params, text):
-        if isinstance(event, StreamEnd):
-            result = event.result
-        elif event:
-            yield chunk(event)
+    async with aclosing(_generate(st, ids, params, text)) as events:
+        async for event in events:
+            if isinstance(event, StreamEnd):
+                result = event.result
+            elif event:
+                yield chunk(event)
     assert result is not None
     rest = text.finish(result.text)
     logprobs = lp.legacy(result.logprobs, params.top_logprobs) if params.logprobs else None
@@ -221,23 +226,42 @@ def _decoder(st: ServerState) -> Callable[[list[int]], str]:
     return lambda ids: tok.decode(ids, skip_special_tokens=True)
 
 
+class GenerationCancelled(Exception):
+    """Raised from ``on_token`` on the worker when the stream's client has gone away."""
+
+
 async def _generate(
     st: ServerState, ids: list[int], params: Any, text: IncrementalText
 ) -> AsyncIterator[str | StreamEnd]:
-    """Text deltas (computed on the worker, where the tokenizer lives), then ``StreamEnd``."""
+    """Text deltas (computed on the worker, where the tokenizer lives), then ``StreamEnd``.
+
+    If the consumer stops early (the client disconnected), the generation is stopped at
+    its next token, before the engine caches or counts anything, and the scheduler moves on.
+    """
+    gone = threading.Event()
+
+    def on_token(emit: Callable[..., None], token_id: int, *_: Any) -> None:
+        if gone.is_set():
+            raise GenerationCancelled("the client disconnected")
+        emit(text.push(token_id))
 
     def job(engine: Any, emit: Callable[..., None]) -> Any:
-        return engine.generate(ids, params, on_token=lambda token_id, *_: emit(text.push(token_id)))
+        return engine.generate(ids, params, on_token=partial(on_token, emit))
 
-    async for event in st.scheduler.stream(job):
-        yield event if isinstance(event, StreamEnd) else event[0]
+    try:
+        async with aclosing(st.scheduler.stream(job)) as events:
+            async for event in events:
+                yield event if isinstance(event, StreamEnd) else event[0]
+    finally:
+        gone.set()
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     async def framed() -> AsyncIterator[str]:
         try:
-            async for item in events:
-                yield item
+            async with aclosing(events) as items:
+                async for item in items:
+                    yield item
         except Exception as exc:  # headers are gone: report in-band, as OpenAI does
             _, type_, message, field = classify(exc)
             yield sse({"error": ErrorBody(type=type_, message=message, field=field).model_dump()})
