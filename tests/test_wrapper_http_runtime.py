@@ -14,6 +14,7 @@ from leyline_agent.http_runtime import (
     NoLeylineRoutesError,
     server_root,
 )
+from leyline_agent.protocols import AsyncRuntime, Runtime
 from leyline_agent.testing.scripted import ScriptedModel
 from leyline_agent.testing.stub_server import StubServer
 from leyline_agent.wire import DirectivesRequest
@@ -49,6 +50,9 @@ def test_apply_and_stats_round_trip():
         assert body == request().model_dump(mode="json", exclude_none=True)
         assert rt.stats().splices["amortize"] == 1
         assert rt.has_leyline()
+        assert isinstance(rt, Runtime) and isinstance(
+            AsyncHTTPRuntime(server.base_url), AsyncRuntime
+        )
 
 
 def test_plain_endpoint_is_detected_not_raised():

@@ -296,3 +296,44 @@ def test_sdk_message_objects_in_the_history_are_accepted():
         ]
         assert server.chat_bodies()[-1]["messages"] == expected_send(dumped, keep=1)
         assert len(server.directive_bodies()) == 2
+
+
+def test_stream_as_context_manager_and_a_stream_left_unconsumed():
+    with StubServer(script(4)) as server:
+        client = wrap_openai(
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            policies=[StaleToolTruncation(keep=1)],
+        )
+        raw: list = [{"role": "user", "content": "go"}]
+        with client.chat.completions.create(
+            model="scripted", messages=raw, tools=TOOLS, stream=True
+        ) as stream:
+            run_tools(raw, assemble(list(stream)))
+        session = client.leyline.session()
+        assert session._state.reply is not None  # observed when the stream ended
+        stream = client.chat.completions.create(
+            model="scripted", messages=raw, tools=TOOLS, stream=True
+        )
+        first = next(iter(stream))  # the agent reads one chunk and drops the stream
+        stream.close()
+        assert first.choices[0].delta.role == "assistant" and session._state.reply is None
+        # the agent goes on with its own turn: the session trusts the echo, no reset
+        run_tools(
+            raw,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "own",
+                        "type": "function",
+                        "function": {"name": "bash", "arguments": '{"cmd": "own"}'},
+                    }
+                ],
+            },
+        )
+        client.chat.completions.create(model="scripted", messages=raw, tools=TOOLS)
+        assert session.stats.resets == 0
+        [body] = server.directive_bodies()
+        assert body["old_messages"][-1]["tool_calls"][0]["id"] == "own"
+        assert server.chat_bodies()[-1]["messages"] == expected_send(raw, keep=1)
