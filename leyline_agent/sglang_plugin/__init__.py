@@ -1,5 +1,72 @@
-"""SGLang integration (placeholder: filled in by its owner)."""
+"""Leyline as an SGLang 0.5.23 plugin: AMORTIZE splices inside SGLang's scheduler.
+
+Three levels, as SGLang has them: the ``RadixCache`` (token ids -> int64 slot indices per
+node), the ``TokenToKVPoolAllocator`` (hands out and takes back slots), the KV pool
+(``MLATokenToKVPool`` rows ``[latent | k_pe]``, or ``MHATokenToKVPool`` keys/values).
+
+- ``treeview``: read-only prefix lookups (``match_prefix`` splits nodes; validation must not).
+- ``plan``: pure, from two lookups and a directive to a ``SplicePlan`` of slot indices.
+- ``kv_write``: the bytes (``leyline_agent.kernels.rotate_band``, out of place).
+- ``splice``: lock, allocate, write, insert ``T'``, unlock (no leaks, no double frees).
+- ``scheduler_hook``: ``Scheduler.leyline_splice(**flat_scalars)`` for ``collective_rpc``.
+- ``client``: ``SGLangRuntime`` (the ``Runtime`` protocol over an embedded ``sglang.Engine``).
+- ``http_route``: ``POST /leyline/v1/directives`` on SGLang's own HTTP server.
+- ``launch``: ``leyline serve --engine sglang``.
+
+``register`` is the ``sglang.srt.plugins`` entry point; SGLang's ``load_plugins()`` calls it
+with no arguments in every process (main, schedulers, detokenizer) before the engine
+starts, then applies the registered hooks. Importing this package imports neither torch
+nor SGLang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+__all__ = ["RADIX_CACHE_BACKEND", "register"]
+
+RADIX_CACHE_BACKEND = "leyline"
 
 
 def register() -> None:
-    """Entry point of the ``sglang.srt.plugins`` group."""
+    """Entry point of the ``sglang.srt.plugins`` group (see the module docstring)."""
+    from sglang.srt.mem_cache.registry import (
+        get_radix_cache_factory,
+        register_radix_cache_backend,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from leyline_agent.sglang_plugin.scheduler_hook import after_scheduler_init
+
+    # --radix-cache-backend leyline: the plain RadixCache the splice works on (SGLang's
+    # default chain builds a UnifiedRadixCache). Registered in every process: the main
+    # process validates the flag, the schedulers build the tree.
+    if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
+        register_radix_cache_backend(RADIX_CACHE_BACKEND, _radix_cache_factory)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.__init__", after_scheduler_init, HookType.AFTER
+    )
+    if multiprocessing.parent_process() is None:  # the HTTP server lives in the main process
+        from leyline_agent.sglang_plugin.http_route import before_http_server
+
+        HookRegistry.register(
+            "sglang.srt.entrypoints.http_server._setup_and_run_http_server",
+            before_http_server,
+            HookType.BEFORE,
+        )
+
+
+def _radix_cache_factory(ctx):  # noqa: ANN001, ANN202 (sglang's TreeCacheBuildContext)
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    from leyline_agent.errors import RuntimeUnavailableError
+
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
+        raise RuntimeUnavailableError(
+            "--radix-cache-backend leyline: hybrid SWA/SSM and DSA models are not supported"
+        )
+    if ctx.enable_hierarchical_cache:
+        raise RuntimeUnavailableError(
+            "--radix-cache-backend leyline: --enable-hierarchical-cache is not supported"
+        )
+    return RadixCache(ctx.params)

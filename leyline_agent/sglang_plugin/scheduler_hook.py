@@ -1,0 +1,155 @@
+"""How the splice reaches every scheduler rank: ``Engine.collective_rpc("leyline_splice", ...)``.
+
+SGLang's ``Scheduler.handle_rpc_request`` calls ``getattr(scheduler, method)(**parameters)``
+on every TP rank (rank 0 receives the request and broadcasts it), then barriers, and answers
+``RpcReqOutput(success, message=str(exception))``. ``RpcReqInput.parameters`` holds flat
+scalars only (``bool | int | float | str | None``), so token lists travel as JSON strings.
+
+``install`` (run by the plugin after ``Scheduler.__init__``) binds ``leyline_splice`` on the
+scheduler instance. Every TP rank holds its own replica of the tree (the ranks make the same
+decisions in lockstep) and of the MLA latent cache (or its shard of the KV heads for MHA):
+each rank splices its own, with the same slot indices.
+
+A failure is re-raised as ``SpliceRpcError("leyline:<ErrorClass>: message")`` so that the
+caller (``client.py``) can give back the same Leyline error class on its side.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from typing import Any
+
+from leyline_agent.directives import Directive
+from leyline_agent.errors import DirectiveError, LeylineError
+
+__all__ = [
+    "RPC_METHOD",
+    "SpliceRpcError",
+    "decode_splice_kwargs",
+    "encode_splice_kwargs",
+    "install",
+    "leyline_splice",
+    "target_of",
+]
+
+RPC_METHOD = "leyline_splice"
+_ERROR_PREFIX = "leyline:"
+
+
+class SpliceRpcError(RuntimeError):
+    """Carries a Leyline error across the RPC boundary as ``leyline:<Class>: message``."""
+
+
+def encode_splice_kwargs(tokens: list[int], directive: Directive) -> dict[str, str | int]:
+    """Flat scalars for ``collective_rpc``: token lists as compact JSON strings."""
+    if not isinstance(directive.replacement, list):
+        raise DirectiveError("directive.replacement: text must be compiled to token ids first")
+    return {
+        "tokens_json": json.dumps([int(t) for t in tokens], separators=(",", ":")),
+        "start": int(directive.start),
+        "end": int(directive.end),
+        "replacement_json": json.dumps(directive.replacement, separators=(",", ":")),
+        "mode": directive.mode.value,
+    }
+
+
+def _token_list(text: Any, field: str) -> list[int]:
+    try:
+        value = json.loads(text) if isinstance(text, str) else None
+    except json.JSONDecodeError as e:
+        raise DirectiveError(f"{field}: not valid JSON ({e.msg} at {e.pos})") from e
+    if not isinstance(value, list):
+        raise DirectiveError(f"{field}: must be a JSON list of token ids")
+    for i, t in enumerate(value):
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise DirectiveError(f"{field}[{i}]: {t!r} is not a token id")
+    return value
+
+
+def decode_splice_kwargs(
+    *, tokens_json: Any, start: Any, end: Any, replacement_json: Any, mode: Any = "amortize"
+) -> tuple[list[int], Directive]:
+    tokens = _token_list(tokens_json, "tokens_json")
+    replacement = _token_list(replacement_json, "replacement_json")
+    directive = Directive.parse(
+        {"start": start, "end": end, "replacement": replacement, "mode": mode}, where="directive"
+    )
+    return tokens, directive
+
+
+def target_of(scheduler: Any) -> Any:
+    """The ``SpliceTarget`` of one scheduler rank (its tree, allocator, KV pool, RoPE spec)."""
+    from leyline_agent.kernels import RopeSpec
+    from leyline_agent.sglang_plugin.splice import SpliceTarget
+
+    spec = getattr(scheduler, "_leyline_rope_spec", None)
+    if spec is None:
+        spec = RopeSpec.from_hf_config(scheduler.model_config.hf_config, cache_owner="sglang")
+        scheduler._leyline_rope_spec = spec
+    allocator = scheduler.token_to_kv_pool_allocator
+    return SpliceTarget(
+        tree=scheduler.tree_cache, allocator=allocator, kv_pool=allocator.get_kvcache(), spec=spec
+    )
+
+
+def leyline_splice(
+    scheduler: Any,
+    *,
+    tokens_json: str,
+    start: int,
+    end: int,
+    replacement_json: str,
+    mode: str = "amortize",
+) -> None:
+    """The RPC method: AMORTIZE-splice ``tokens`` on this rank's tree and pool."""
+    from leyline_agent.sglang_plugin.splice import splice_amortize
+
+    try:
+        tokens, directive = decode_splice_kwargs(
+            tokens_json=tokens_json,
+            start=start,
+            end=end,
+            replacement_json=replacement_json,
+            mode=mode,
+        )
+        target = target_of(scheduler)
+        _sync(target.kv_pool)
+        splice_amortize(target, tokens, directive)
+        _sync(target.kv_pool)
+    except LeylineError as e:
+        raise SpliceRpcError(f"{_ERROR_PREFIX}{type(e).__name__}: {e}") from e
+
+
+def _sync(pool: Any) -> None:
+    """Order the splice after in-flight forwards (overlap scheduling) and before the next."""
+    import torch
+
+    device = getattr(pool, "device", "cpu")
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+
+
+def install(scheduler: Any) -> None:
+    """Bind ``leyline_splice`` on a scheduler instance (the RPC looks it up with getattr)."""
+    scheduler.leyline_splice = types.MethodType(leyline_splice, scheduler)
+
+
+def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """``HookType.AFTER`` hook on ``Scheduler.__init__``."""
+    install(scheduler)
+    return None
+
+
+def error_from_message(message: str) -> LeylineError | None:
+    """Turn an RPC failure message back into the Leyline error it carried (None if foreign)."""
+    import leyline_agent.errors as errors
+
+    idx = message.find(_ERROR_PREFIX)
+    if idx < 0:
+        return None
+    name, _, text = message[idx + len(_ERROR_PREFIX) :].partition(": ")
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, LeylineError)):
+        cls = LeylineError
+    return cls(text)
