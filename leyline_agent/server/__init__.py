@@ -1,0 +1,15 @@
+"""``leyline serve``: the embedded engine behind an OpenAI-compatible HTTP API.
+
+Layers, one job each:
+
+- ``scheduler``: one worker thread runs every piece of engine work, FIFO.
+- ``openai_api`` (wire models) -> ``completions`` (checks, sampling parameters) ->
+  ``openai_routes`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``),
+  with ``streaming`` (SSE, incremental text), ``tool_calls`` and ``logprobs``.
+- ``leyline_routes``: ``POST /leyline/v1/directives``, ``GET /leyline/v1/stats``.
+- ``errors``: every failure -> ``{"error": ErrorBody}`` with a 4xx/5xx status.
+- ``app.create_app(engine_or_scheduler)``; ``main.serve(args)`` runs uvicorn.
+
+Nothing is imported here: ``leyline_agent.server.app`` pulls in FastAPI, and the engine
+pulls in torch.
+"""
