@@ -4,8 +4,9 @@
     GET  {base}/leyline/v1/stats        -> StatsResponse
 
 ``base`` is the server root; a trailing ``/v1`` (an OpenAI client's base URL) is stripped.
-Connection errors and timeouts are retried (tenacity, ``retries`` attempts, exponential
-backoff) and then raise ``RuntimeUnavailableError``. Answers: 2xx -> the response model;
+Connection errors are retried (tenacity, ``retries`` attempts, exponential backoff; a GET
+also on read timeouts, a POST not: it may have been applied) and then raise
+``RuntimeUnavailableError``. Answers: 2xx -> the response model;
 404/405 -> ``RuntimeUnavailableError`` (a plain OpenAI-compatible endpoint has no Leyline
 routes; ``has_leyline()`` asks without raising); other 4xx -> the server's ``ErrorBody``
 as ``DirectiveError`` / ``CacheMissError`` / ``UnsupportedModeError``; 5xx ->
@@ -49,6 +50,7 @@ _ERRORS: dict[str, type[LeylineError]] = {
     "DirectiveError": DirectiveError,
 }
 M = TypeVar("M", bound=BaseModel)
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 class NoLeylineRoutesError(RuntimeUnavailableError):
@@ -83,19 +85,23 @@ class _HTTPRuntimeBase:
         self.backoff_s = backoff_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    def _retry_kwargs(self) -> dict[str, Any]:
+    def _retry_kwargs(self, method: str) -> dict[str, Any]:
+        # A POST is retried only if it never reached the server (a directive applied twice
+        # would find its base gone); a GET is retried on any transport error.
+        retry_on = _CONNECT_ERRORS if method == "POST" else (httpx.TransportError,)
         return {
             "stop": stop_after_attempt(self.retries),
             "wait": wait_exponential(multiplier=self.backoff_s, max=2.0),
-            "retry": retry_if_exception_type((httpx.TransportError,)),
+            "retry": retry_if_exception_type(retry_on),
             "reraise": False,
         }
 
     def _unreachable(self, path: str, e: BaseException) -> RuntimeUnavailableError:
-        cause = e.last_attempt.exception() if isinstance(e, RetryError) else e
+        retried = isinstance(e, RetryError)
+        cause = e.last_attempt.exception() if retried else e
+        tries = f" after {self.retries} attempts" if retried else ""
         return RuntimeUnavailableError(
-            f"cannot reach {self.base_url}{path} after {self.retries} attempts: "
-            f"{type(cause).__name__}: {cause}"
+            f"cannot reach {self.base_url}{path}{tries}: {type(cause).__name__}: {cause}"
         )
 
     def _parse(self, path: str, resp: httpx.Response, model: type[M]) -> M:
@@ -140,7 +146,7 @@ class HTTPRuntime(_HTTPRuntimeBase):
 
     def _call(self, method: str, path: str, model: type[M], json: Any = None) -> M:
         try:
-            for attempt in Retrying(**self._retry_kwargs()):
+            for attempt in Retrying(**self._retry_kwargs(method)):
                 with attempt:
                     resp = self._client.request(
                         method, self.base_url + path, json=json, headers=self.headers
@@ -179,7 +185,7 @@ class AsyncHTTPRuntime(_HTTPRuntimeBase):
 
     async def _call(self, method: str, path: str, model: type[M], json: Any = None) -> M:
         try:
-            async for attempt in AsyncRetrying(**self._retry_kwargs()):
+            async for attempt in AsyncRetrying(**self._retry_kwargs(method)):
                 with attempt:
                     resp = await self._client.request(
                         method, self.base_url + path, json=json, headers=self.headers
