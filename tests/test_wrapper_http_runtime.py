@@ -103,3 +103,12 @@ def test_async_twin():
         resp, stats, has = asyncio.run(main(server.base_url, free_port()))
         assert resp.splices == {"amortize": 1} and stats.splices["amortize"] == 1 and has
         assert server.directive_bodies()[0]["fallback"] is True
+
+
+def test_a_post_that_reached_the_server_is_not_retried():
+    with StubServer(ScriptedModel([]), directives_delay_s=1.0) as server:
+        rt = HTTPRuntime(server.base_url, timeout=0.2, retries=3, backoff_s=0.01)
+        with pytest.raises(RuntimeUnavailableError, match="ReadTimeout") as info:
+            rt.apply_directives(request())
+        assert "attempts" not in str(info.value)
+        assert len(server.directive_bodies()) == 1

@@ -16,13 +16,15 @@ random port. Routes:
   stub has no tokenizer; ``splices[mode]`` counts the messages that differ).
 - ``GET /leyline/v1/stats``: a ``StatsResponse`` of what the stub saw.
 ``leyline_routes=False`` makes it a plain OpenAI-compatible endpoint (404 on /leyline/...);
-``directives_status=500`` makes the directives route fail (to test fallbacks).
+``directives_status=500`` makes the directives route fail (to test fallbacks);
+``directives_delay_s`` makes it answer late (to test client timeouts).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,11 +51,13 @@ class StubServer:
         *,
         leyline_routes: bool = True,
         directives_status: int = 200,
+        directives_delay_s: float = 0.0,
         chunk_chars: int = 7,
     ) -> None:
         self.model = model
         self.leyline_routes = leyline_routes
         self.directives_status = directives_status
+        self.directives_delay_s = directives_delay_s
         self.chunk_chars = chunk_chars
         self.requests: list[RecordedRequest] = []
         self._lock = threading.Lock()
@@ -173,6 +177,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._error(404, "NotFound", f"no route {path}")
 
     def _directives(self, body: Any) -> None:
+        if self.stub.directives_delay_s:
+            time.sleep(self.stub.directives_delay_s)
         if self.stub.directives_status != 200:
             return self._error(
                 self.stub.directives_status, "StubFailure", "directives disabled by the test"
