@@ -23,6 +23,7 @@ random port. Routes:
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -67,7 +68,7 @@ class StubServer:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> StubServer:
         handler = type("Handler", (_Handler,), {"stub": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd = _QuietServer(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._thread.start()
@@ -113,6 +114,12 @@ class StubServer:
             mode = body.get("mode", "amortize")
             splices[mode] = splices.get(mode, 0) + 1
         return StatsResponse(requests=len(self.chat_bodies()), splices=splices)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)  # a client that left is not an error
 
 
 def _chunks(text: str, n: int) -> list[str]:
