@@ -6,6 +6,8 @@ The arguments are registered by ``leyline_agent.runtime.cli``; this module only 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import sys
 
 import structlog
 
@@ -62,5 +64,22 @@ def build_server(args: argparse.Namespace):  # -> uvicorn.Server
 
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; the app then closes its scheduler."""
-    build_server(args).run()
+    server = build_server(args)
+    host, port = server.config.host, server.config.port
+    if not _is_loopback(host):
+        log.warning("not loopback: anyone who can reach this address can use the server", host=host)
+    url = f"http://{host}:{port}"
+    print(
+        f"leyline: serving {server.config.app.state.leyline.model.id} at {url} (OpenAI base URL {url}/v1)",
+        file=sys.stderr,
+        flush=True,
+    )
+    server.run()
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
