@@ -16,14 +16,19 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "data" / "trajectory_10turn.json"
 
 
+SCRIPT = Path(sys.executable).parent / "leyline"  # the console script the install made
+
+
 def leyline(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    # cwd outside the repository: its policies/ and kernels/ must not shadow anything
+    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "leyline_agent.cli"]
     return subprocess.run(
-        [sys.executable, "-m", "leyline_agent.cli", *args],
+        [*cmd, *args],
         input=stdin,
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=ROOT,
+        cwd=FIXTURE.parent,
     )
 
 
@@ -78,7 +83,9 @@ def inproc(monkeypatch, capsys, *args: str, stdin: str = "") -> subprocess.Compl
 
 def test_two_policies_and_a_config_file(monkeypatch, capsys):
     messages = json.loads(FIXTURE.read_text())
-    run = leyline(
+    run = inproc(
+        monkeypatch,
+        capsys,
         "policies",
         "apply",
         "--policy",
@@ -104,7 +111,9 @@ def test_two_policies_and_a_config_file(monkeypatch, capsys):
     assert by_index[failed]["policy"] == "failed-call+stale-tool"
     assert out["messages"][caller]["tool_calls"][0]["function"]["arguments"] == "{}"
 
-    cfg = leyline(
+    cfg = inproc(
+        monkeypatch,
+        capsys,
         "policies",
         "apply",
         "--config",
