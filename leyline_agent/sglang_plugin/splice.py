@@ -9,7 +9,8 @@ prefilled into the tree by SGLang (``client.py`` sends it as a normal request fi
 1. look ``T`` and ``T'`` up read-only and plan (``plan.py``): every check happens here;
    a refused directive leaves tree, allocator and pool bitwise unchanged;
 2. lock both matched paths (``inc_lock_ref``), so the eviction an allocation may trigger
-   cannot free the slots being read;
+   cannot free the slots being read; if free + evictable slots cannot hold the tail, unlock
+   and refuse before evicting anything;
 3. allocate one new slot per cached tail token, write them (``kv_write.write_tail``:
    latent/values copied, rotary band rotated by delta) out of place;
 4. insert ``T'`` into the tree with value ``tree's slots of the head + new tail slots``:
@@ -83,6 +84,11 @@ def splice_amortize(
     locks = [tree.lock(old.node), tree.lock(new.node)]
     dst: torch.Tensor | None = None
     try:
+        room = allocator.available_size() + tree.evictable_size()  # unlocked = evictable
+        if room < plan.num_new:
+            raise RuntimeUnavailableError(
+                f"KV pool full: the splice needs {plan.num_new} slots, {room} free or evictable"
+            )
         dst = _alloc(tree, allocator, plan.num_new)
         write_tail(target.kv_pool, target.spec, plan.src_slots, dst, plan.delta)
         _insert(tree, allocator, plan, dst)
