@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from leyline_agent.kernels.rope_spec import RopeSpec
 
 KERNEL_ENV = "LEYLINE_KERNEL"
@@ -31,6 +32,8 @@ class RotationPlan:
     gather_first: bool  # a destination row is read by another item: read all sources first
     band_offset: int
     backend: str  # "triton" | "torch"
+    max_row: int  # largest row index in src or dst (-1 when empty)
+    rotary_dim: int
 
     @property
     def num_rows(self) -> int:
@@ -115,6 +118,22 @@ def resolve_backend(device: torch.device, backend: str | None) -> str:
     return backend
 
 
+def check_plan_fits(buffer: object, plan: RotationPlan, spec: RopeSpec) -> torch.Tensor:
+    """Cheap re-check (no device sync) that a plan made for one buffer fits ``buffer``."""
+    buf = _check_buffer(buffer)
+    if not isinstance(plan, RotationPlan):
+        raise TypeError(f"plan must be a RotationPlan, got {type(plan).__name__}")
+    if not isinstance(spec, RopeSpec) or spec.rotary_dim != plan.rotary_dim:
+        raise ValueError("spec must be the RopeSpec the plan was made with")
+    if plan.max_row >= buf.shape[-2]:
+        raise ValueError(f"plan reaches row {plan.max_row} but buffer has {buf.shape[-2]} rows")
+    if plan.band_offset + plan.rotary_dim > buf.shape[-1]:
+        raise ValueError(f"plan's band ends at {plan.band_offset + plan.rotary_dim} > buffer width")
+    if plan.src.device != buf.device:
+        raise ValueError(f"plan is on {plan.src.device}, buffer on {buf.device}")
+    return buf
+
+
 def plan_rotation(
     buffer: object,
     src: object,
@@ -157,4 +176,6 @@ def plan_rotation(
         gather_first=gather_first,
         band_offset=band_offset,
         backend=chosen,
+        max_row=int(torch.maximum(s.max(), d.max())) if s.numel() else -1,
+        rotary_dim=spec.rotary_dim,
     )

@@ -39,6 +39,7 @@ with :class:`~leyline_agent.errors.RopeSpecError`, so callers fall back to FORGE
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from typing import Any, Literal
@@ -118,10 +119,8 @@ class RopeSpec(BaseModel):
         return len(self.inv_freq)
 
     def inv_freq_tensor(self, device: Any = "cpu") -> Any:
-        """``inv_freq`` as an fp32 torch tensor on ``device``."""
-        import torch
-
-        return torch.tensor(self.inv_freq, dtype=torch.float32, device=device)
+        """``inv_freq`` as an fp32 torch tensor on ``device`` (cached: do not modify it)."""
+        return _inv_freq_on(self.inv_freq, str(device))
 
     @classmethod
     def from_hf_config(cls, config: Any, cache_owner: CacheOwner = "transformers") -> RopeSpec:
@@ -152,6 +151,13 @@ class RopeSpec(BaseModel):
             model_type=config.model_type,
             cache_owner=cache_owner,
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq_on(values: tuple[float, ...], device: str) -> Any:
+    import torch
+
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def _layout_for(config: Any, cache_owner: str) -> tuple[Layout, bool]:

@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from leyline_agent.kernels.plan import RotationPlan, plan_rotation
+
+from leyline_agent.kernels.plan import RotationPlan, check_plan_fits, plan_rotation
 from leyline_agent.kernels.rope_spec import RopeSpec
 
 
@@ -61,6 +62,20 @@ def rotate_band(
     None (``$LEYLINE_KERNEL``, else by device).
     """
     plan = plan_rotation(buffer, src, dst, delta, spec, band_offset, backend)
+    _run(buffer, plan, spec)
+
+
+def apply_plan(buffer: torch.Tensor, plan: RotationPlan, spec: RopeSpec) -> None:
+    """Run a plan from ``plan_rotation`` on ``buffer`` (e.g. the same splice on every layer).
+
+    Index validation (which syncs with the device) is paid once in ``plan_rotation``; here only
+    cheap checks of ``buffer`` against the plan run. MUTATES ``buffer``.
+    """
+    check_plan_fits(buffer, plan, spec)
+    _run(buffer, plan, spec)
+
+
+def _run(buffer: torch.Tensor, plan: RotationPlan, spec: RopeSpec) -> None:
     if plan.num_rows == 0:
         return
     if plan.backend == "triton":
@@ -90,20 +105,28 @@ def pair_views(band: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Ten
 
 
 def rotate_band_torch(buffer: torch.Tensor, plan: RotationPlan, spec: RopeSpec) -> None:
-    """Torch reference (and CPU path): gather rows, rotate the band in fp32, scatter rows."""
+    """Torch reference (and CPU path): gather, rotate the band in fp32, scatter.
+
+    All reads (the source bands, and the full source rows of moved items) happen before the
+    first write, so overlapping src/dst sets are safe.
+    """
     LAUNCHES.torch += 1
     lo, hi = plan.band_offset, plan.band_offset + spec.rotary_dim
-    rows = buffer.index_select(-2, plan.src)  # [*lead, K, width], a copy: all reads first
-    a, b = pair_views(rows[..., lo:hi].to(torch.float32), spec.layout)
+    band = buffer[..., lo:hi]
+    a, b = pair_views(band.index_select(-2, plan.src).to(torch.float32), spec.layout)
     cos, sin = rotation_cos_sin(plan.delta, spec)  # [K, half], broadcast over lead dims
-    new_a, new_b = a * cos - b * sin, b * cos + a * sin
-    out_a, out_b = pair_views(rows[..., lo:hi], spec.layout)
-    out_a.copy_(new_a)
-    out_b.copy_(new_b)
-    if plan.any_moved:
-        moved = plan.moved.nonzero().squeeze(1)
-        buffer.index_copy_(-2, plan.dst[moved], rows.index_select(-2, moved))
+    lead = band.shape[:-2]
+    rotated = torch.empty(
+        *lead, plan.num_rows, spec.rotary_dim, dtype=buffer.dtype, device=buffer.device
+    )
+    out_a, out_b = pair_views(rotated, spec.layout)
+    out_a.copy_(a * cos - b * sin)  # rounds to buffer.dtype (nearest even)
+    out_b.copy_(b * cos + a * sin)
+    moved = plan.moved.nonzero().squeeze(1)
+    rows = buffer.index_select(-2, plan.src[moved]) if plan.any_moved else None
+    if rows is not None:
+        rows[..., lo:hi] = rotated.index_select(-2, moved)
+        buffer.index_copy_(-2, plan.dst[moved], rows)
     still = (~plan.moved).nonzero().squeeze(1)
     if still.numel():
-        band = buffer[..., lo:hi]
-        band.index_copy_(-2, plan.dst[still], rows[..., lo:hi].index_select(-2, still))
+        band.index_copy_(-2, plan.dst[still], rotated.index_select(-2, still))

@@ -22,6 +22,7 @@ import struct
 import torch
 import triton
 import triton.language as tl
+
 from leyline_agent.kernels.plan import RotationPlan
 from leyline_agent.kernels.rope_spec import RopeSpec
 from leyline_agent.kernels.rotate_band import LAUNCHES
@@ -63,6 +64,7 @@ def _rotate_band_kernel(
     COPY_ROWS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    OUT_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     items = pid * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)  # [R]
@@ -96,6 +98,17 @@ def _rotate_band_kernel(
     xb = tl.load(src_base[:, None] + col_b[None, :], mask=m2, other=0.0).to(tl.float32)
     ya = xa * cos - xb * sin
     yb = xb * cos + xa * sin
+    if OUT_BF16:
+        # Round to nearest even by hand: the Triton interpreter's fp32 -> bf16 cast truncates,
+        # and the same bits on GPU (cvt.rn) and CPU keep the two paths comparable.
+        # (Inlined: a @triton.jit helper cannot be called from the interpreted kernel.)
+        # NaN -> canonical quiet NaN, as torch does.
+        a_bits = ya.to(tl.uint32, bitcast=True)
+        b_bits = yb.to(tl.uint32, bitcast=True)
+        a_bits = tl.where(ya != ya, 0x7FC00000, a_bits + 0x7FFF + ((a_bits >> 16) & 1))
+        b_bits = tl.where(yb != yb, 0x7FC00000, b_bits + 0x7FFF + ((b_bits >> 16) & 1))
+        ya = (a_bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        yb = (b_bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     out_ty = dst_ptr.dtype.element_ty
     tl.store(dst_base[:, None] + col_a[None, :], ya.to(out_ty), mask=m2)
     tl.store(dst_base[:, None] + col_b[None, :], yb.to(out_ty), mask=m2)
@@ -165,6 +178,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, src_rows, plan: RotationPlan, 
         COPY_ROWS=plan.any_moved,
         BLOCK_R=BLOCK_R,
         BLOCK_W=BLOCK_W,
+        OUT_BF16=dst.dtype == torch.bfloat16,
     )
     LAUNCHES.triton += 1
 

@@ -14,8 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from leyline_agent.kernels import RopeSpec, band_offset_for, rotate_band
-from leyline_agent.kernels.reference import rope_float64
 from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
@@ -30,6 +28,9 @@ from transformers.models.glm import modeling_glm as glm
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.phi3 import modeling_phi3 as phi3
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+from leyline_agent.kernels import RopeSpec, band_offset_for, rotate_band
+from leyline_agent.kernels.reference import rope_float64
 
 DELTAS = [-1024, -129, -128, -127, -1, 0, 1, 127, 128, 129, 1024]
 POSITIONS = [0, 3, 128, 1025, 2048, 4097, 6000, 8191]

@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 import torch
+import triton
+
 from leyline_agent.kernels import LAUNCHES, RopeSpec, rotate_band
 
 # Values of one dtype ulp (relative) at most: fp32 results that differ in the last bit can
@@ -164,3 +166,48 @@ def test_env_triton_in_fresh_interpreter_process():
     # R(1 rad) applied to the pair (1, 0): (cos 1, sin 1).
     assert float(a) == pytest.approx(0.540302, abs=1e-6)
     assert float(b) == pytest.approx(0.841471, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "dtype,layout,copy_rows",
+    [("*bf16", "interleaved", True), ("*fp32", "half", False)],
+)
+def test_kernel_compiles_for_cuda_sm90(tmp_path, monkeypatch, dtype, layout, copy_rows):
+    """No GPU here: compile the same kernel ahead of time for an H100/H200 (sm_90) down to a
+    cubin, so a typing or lowering error that the interpreter tolerates fails on CPU too."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from leyline_agent.kernels.rotate_band_triton import _compiled
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    ptr = {n: dtype for n in ("src_ptr", "dst_ptr")}
+    i64 = {n: "i64" for n in ("n_items", "n_k", "src_stride_l", "src_stride_r")}
+    signature = {
+        **ptr,
+        "src_rows_ptr": "*i64",
+        "dst_rows_ptr": "*i64",
+        "delta_ptr": "*i64",
+        "moved_ptr": "*i8",
+        "inv_freq_ptr": "*fp32",
+        **i64,
+        "dst_stride_l": "i64",
+        "dst_stride_r": "i64",
+        "width": "i32",
+        "band_offset": "i32",
+    }
+    constexprs = dict(
+        HALF=32,
+        BLOCK_H=32,
+        INTERLEAVED=layout == "interleaved",
+        COPY_ROWS=copy_rows,
+        BLOCK_R=16,
+        BLOCK_W=128,
+        OUT_BF16=dtype == "*bf16",
+    )
+    signature.update({name: "constexpr" for name in constexprs})
+    src = ASTSource(_compiled, signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
+    # The angle really is reduced in fp64 and only then narrowed to fp32.
+    assert "cvt.rn.f32.f64" in compiled.asm["ptx"]
