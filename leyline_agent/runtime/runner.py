@@ -34,7 +34,7 @@ class Forward:
 
 class ModelRunner:
     def __init__(
-        self, model: Any, pool: KVPool, allocator: SlotAllocator, chunk: int = 4096
+        self, model: Any, pool: KVPool, allocator: SlotAllocator, chunk: int = 2048
     ) -> None:
         self.model, self.pool, self.allocator, self.chunk = model, pool, allocator, chunk
         self.device = pool.device
