@@ -1,0 +1,131 @@
+"""Pure: from a ``DirectivesRequest`` (token form) to the SGLang calls that execute it.
+
+Directives run right to left (``plan_batch``), each on the sequence the previous one left:
+
+- AMORTIZE ``(s, e, R)`` on ``T``: (1) a normal SGLang request for ``T[:s] + R`` with one
+  new token: SGLang's own prefill (radix hit on ``T[:s]``, chunked prefill, every TP rank)
+  computes R's KV over the prefix and caches it; (2) ``collective_rpc("leyline_splice")``
+  moves the cached tail ``T[e:]`` behind it (``splice.py``).
+- FORGET: one normal request for ``T'``: prefix hit on ``T[:s]``, ``R + T[e:]`` prefilled.
+
+Why a normal request for R rather than the scheduler's internal prefill: it is SGLang's
+exact path (attention backend, CUDA graphs, chunking, TP/DP placement, accounting), needs
+no private scheduler state, and what it caches is an ordinary tree path that the splice
+then locks. The cost is one sampled token per directive, and a window between the two
+calls in which LRU could evict the head: the splice then fails with ``CacheMissError``
+and nothing is changed (retry, or fall back to FORGET).
+
+No torch here: the HTTP route and the embedded-engine client share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from leyline_agent.directives import Directive, Mode, plan_batch
+from leyline_agent.errors import DirectiveError, TrajectoryError
+from leyline_agent.wire import DirectivesRequest, DirectivesResponse
+
+__all__ = ["PREFILL_PARAMS", "SpliceStep", "compile_request", "plan_steps", "response_for"]
+
+# one greedy token: the prompt's KV is computed and cached when the request finishes
+PREFILL_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}
+
+
+@dataclass(slots=True, frozen=True)
+class SpliceStep:
+    directive: Directive
+    tokens_before: list[int]
+    tokens_after: list[int]
+    prefill_ids: list[int]  # AMORTIZE: T[:s] + R; FORGET: all of T'
+    rpc_kwargs: dict[str, str | int] | None  # AMORTIZE only
+
+    @property
+    def rotated(self) -> int:
+        return len(self.tokens_before) - self.directive.end if self.rpc_kwargs else 0
+
+    @property
+    def prefilled(self) -> int:
+        d = self.directive
+        return len(self.prefill_ids) - d.start
+
+
+def plan_steps(tokens: Sequence[int], directives: Sequence[Directive]) -> list[SpliceStep]:
+    from leyline_agent.sglang_plugin.scheduler_hook import encode_splice_kwargs
+
+    cur = [int(t) for t in tokens]
+    steps = []
+    for i, d in enumerate(plan_batch(list(directives), seq_len=len(cur))):
+        if not isinstance(d.replacement, list):
+            raise DirectiveError(f"directives[{i}].replacement: compile text to token ids first")
+        after = cur[: d.start] + d.replacement + cur[d.end :]
+        if d.mode is Mode.AMORTIZE:
+            head = cur[: d.start] + d.replacement
+            steps.append(SpliceStep(d, cur, after, head, encode_splice_kwargs(cur, d)))
+        else:
+            steps.append(SpliceStep(d, cur, after, after, None))
+        cur = after
+    return steps
+
+
+def compile_request(req: DirectivesRequest, tokenizer: Any) -> tuple[list[int], list[Directive]]:
+    """Token form as is (text replacements encoded); message form rendered with the model's
+    chat template and diffed per message (``runtime.compile.diff_spans``).
+
+    SGLang caches a finished request's prompt and reply but not the reply's last token, so
+    message-form spans are clipped to ``len(old) - 1`` tokens (a span past it is dropped:
+    the next request prefills it anyway).
+    """
+    from leyline_agent.runtime.compile import clip_to_cached, diff_spans
+
+    if req.tokens is not None and req.directives is not None:
+        out = []
+        for d in req.directives:
+            if isinstance(d.replacement, str):
+                ids = list(tokenizer.encode(d.replacement, add_special_tokens=False))
+                d = Directive(start=d.start, end=d.end, replacement=ids, mode=d.mode)
+            out.append(d)
+        return list(req.tokens), out
+    old = _render(tokenizer, req.old_messages or [], req.tools, "old_messages")
+    new = _render(tokenizer, req.new_messages or [], req.tools, "new_messages")
+    boundary = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    boundary = (
+        boundary if isinstance(boundary, int) and boundary != tokenizer.unk_token_id else None
+    )
+    spans = clip_to_cached(diff_spans(old, new, boundary), max(0, len(old) - 1))
+    directives = [
+        Directive(start=s.start, end=s.end, replacement=s.replacement, mode=req.mode) for s in spans
+    ]
+    return old, directives
+
+
+def _render(tokenizer: Any, messages: list, tools: Any, where: str) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=False
+        )
+    except Exception as e:  # jinja raises many types
+        raise TrajectoryError(f"{where}: the chat template cannot render them: {e}") from e
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def response_for(
+    steps: Sequence[SpliceStep], tokens: Sequence[int], *, fallback: bool = False
+) -> DirectivesResponse:
+    """Counts are what the steps asked for; each scheduler rank logs what it did."""
+    splices = {"amortize": 0, "forget": 0}
+    for st in steps:
+        splices[st.directive.mode.value] += 1
+    final = steps[-1].tokens_after if steps else list(tokens)
+    done = [] if fallback else steps
+    return DirectivesResponse(
+        tokens=final,
+        applied=[st.directive for st in steps],
+        splices={} if fallback else splices,
+        fallback=fallback,
+        reused_tokens=sum(st.directive.start for st in done),
+        prefilled_tokens=sum(st.prefilled for st in done),
+        rotated_tokens=sum(st.rotated for st in done),
+    )

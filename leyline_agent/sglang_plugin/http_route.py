@@ -1,0 +1,132 @@
+"""``POST /leyline/v1/directives`` and ``GET /leyline/v1/stats`` on SGLang's HTTP server.
+
+The plugin framework can hook any function: a ``BEFORE`` hook on
+``http_server._setup_and_run_http_server`` (called once in the main process, before
+uvicorn starts) adds the two routes to SGLang's FastAPI ``app``. The route speaks the same
+wire models as ``leyline serve`` (``leyline_agent.wire``), so the agent-side
+``HTTPRuntime`` works against either server.
+
+Execution per step (``batch.plan_steps``): the head goes through the server's own
+``TokenizerManager.generate_request`` (SGLang's prefill, caching it), then an
+``RpcReqInput("leyline_splice")`` goes to scheduler rank 0 over the RPC socket SGLang
+created for ``Engine.collective_rpc`` (``port_args.rpc_ipc_name``; in HTTP-server mode no
+``Engine`` binds it, so the route does) and is broadcast to every TP rank. Requests are
+serialized with one lock. Single tokenizer worker only (``--tokenizer-worker-num 1``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import structlog
+
+from leyline_agent.errors import CacheMissError, LeylineError, RuntimeUnavailableError
+from leyline_agent.sglang_plugin.batch import (
+    PREFILL_PARAMS,
+    compile_request,
+    plan_steps,
+    response_for,
+)
+from leyline_agent.sglang_plugin.client import SpliceCounters
+from leyline_agent.sglang_plugin.scheduler_hook import RPC_METHOD, error_from_message
+from leyline_agent.wire import DirectivesRequest, ErrorBody
+
+__all__ = ["LeylineRoute", "before_http_server"]
+
+log = structlog.get_logger(__name__)
+
+
+class LeylineRoute:
+    def __init__(self, tokenizer_manager: Any, rpc_ipc_name: str) -> None:
+        self.tm = tokenizer_manager
+        self.rpc_ipc_name = rpc_ipc_name
+        self.counters = SpliceCounters()
+        self._lock = asyncio.Lock()
+        self._sock: Any = None
+
+    async def directives(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        try:
+            req = DirectivesRequest.model_validate(body)
+        except ValueError as e:
+            self.counters.directive_errors += 1
+            return 400, _error("DirectiveError", str(e))
+        t0 = time.perf_counter()
+        async with self._lock:
+            try:
+                tokens, directives = compile_request(req, self.tm.tokenizer)
+                steps = plan_steps(tokens, directives)
+                try:
+                    for st in steps:
+                        await self._prefill(st.prefill_ids)
+                        if st.rpc_kwargs is not None:
+                            await self._rpc(st.rpc_kwargs)
+                    resp = response_for(steps, tokens)
+                except CacheMissError:
+                    if not req.fallback:
+                        raise
+                    resp = response_for(steps, tokens, fallback=True)
+            except LeylineError as e:
+                self.counters.directive_errors += 1
+                status = 503 if isinstance(e, RuntimeUnavailableError) else 400
+                return status, _error(type(e).__name__, str(e))
+        resp = resp.model_copy(update={"elapsed_s": time.perf_counter() - t0})
+        self.counters.add(resp)
+        return 200, resp.model_dump(mode="json")
+
+    async def _prefill(self, ids: list[int]) -> None:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        obj = GenerateReqInput(input_ids=list(ids), sampling_params=dict(PREFILL_PARAMS))
+        await self.tm.generate_request(obj, None).__anext__()
+
+    async def _rpc(self, kwargs: dict[str, Any]) -> None:
+        from sglang.srt.managers.io_struct import RpcReqInput, async_sock_recv, async_sock_send
+
+        if self._sock is None:
+            import zmq
+            import zmq.asyncio
+            from sglang.srt.utils.network import get_zmq_socket
+
+            self._sock = get_zmq_socket(zmq.asyncio.Context(1), zmq.DEALER, self.rpc_ipc_name, True)
+        await async_sock_send(self._sock, RpcReqInput(method=RPC_METHOD, parameters=kwargs))
+        out = await async_sock_recv(self._sock)
+        if not out.success:
+            err = error_from_message(out.message)
+            raise err if err is not None else RuntimeUnavailableError(out.message)
+
+
+def _error(kind: str, message: str) -> dict[str, Any]:
+    return {"error": ErrorBody(type=kind, message=message).model_dump(mode="json")}
+
+
+def add_routes(app: Any, route: LeylineRoute) -> None:
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    async def directives(request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse(_error("DirectiveError", "body: not valid JSON"), status_code=400)
+        status, content = await route.directives(body)
+        return JSONResponse(content, status_code=status)
+
+    async def stats() -> JSONResponse:
+        return JSONResponse(route.counters.stats().model_dump(mode="json"))
+
+    app.add_api_route("/leyline/v1/directives", directives, methods=["POST"])
+    app.add_api_route("/leyline/v1/stats", stats, methods=["GET"])
+
+
+def before_http_server(server_args: Any, tokenizer_manager: Any, template_manager: Any,
+                       port_args: Any, *args: Any, **kwargs: Any) -> None:  # fmt: skip
+    """``HookType.BEFORE`` on ``_setup_and_run_http_server``: add the routes; args unchanged."""
+    from sglang.srt.entrypoints.http_server import app
+
+    if tokenizer_manager is None:
+        log.warning("leyline routes not added: no tokenizer manager in this process")
+        return None
+    add_routes(app, LeylineRoute(tokenizer_manager, port_args.rpc_ipc_name))
+    return None
