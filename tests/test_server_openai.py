@@ -368,3 +368,9 @@ def test_a_stream_whose_client_leaves_is_stopped_and_frees_the_scheduler(
     after = httpx.get(stats).json()
     assert after["requests"] == before["requests"] + 1  # the abandoned one never completed
     assert after["generated_tokens"] == before["generated_tokens"] + nxt.usage.completion_tokens
+
+
+def test_developer_role_renders_as_system(client, name, tok):
+    dev = [{"role": "developer", "content": MESSAGES[0]["content"]}, MESSAGES[1]]
+    r = client.chat.completions.create(model=name, messages=dev, max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == len(_template_ids(tok, MESSAGES))

@@ -163,3 +163,25 @@ def test_sampling_fields_reach_the_engine_params():
     assert _params(CHAT).temperature == 1.0  # OpenAI's default
     q = _params({"prompt": [1, 2], "logprobs": 0})
     assert (q.logprobs, q.top_logprobs) == (True, 0)
+
+
+def test_logprobs_formats_and_minus_infinity():
+    from leyline_agent.runtime.sampling import TokenLogprob
+    from leyline_agent.server import logprobs
+
+    entries = [
+        TokenLogprob(5, "ab", -0.25, [(5, "ab", -0.25), (9, "c", -1.5)]),
+        TokenLogprob(7, "é", float("-inf"), [(3, "x", -0.1), (7, "é", float("-inf"))]),
+    ]
+    chat = logprobs.chat(entries)["content"]
+    assert [(c["token"], c["logprob"], c["bytes"]) for c in chat] == [
+        ("ab", -0.25, [97, 98]),
+        ("é", -9999.0, [195, 169]),
+    ]
+    assert [t["token"] for t in chat[0]["top_logprobs"]] == ["ab", "c"]
+    legacy = logprobs.legacy(entries, 2)
+    assert legacy["tokens"] == ["ab", "é"] and legacy["text_offset"] == [0, 2]
+    assert legacy["token_logprobs"] == [-0.25, -9999.0]
+    assert legacy["top_logprobs"] == [{"ab": -0.25, "c": -1.5}, {"x": -0.1, "é": -9999.0}]
+    json.dumps(legacy, allow_nan=False)  # JSON-safe
+    assert logprobs.legacy(entries, 0)["top_logprobs"] is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import wait
 
 import pytest
 
@@ -128,9 +129,12 @@ def test_close_can_cancel_what_is_still_queued():
     first = sched.submit(blocker)
     queued = [sched.submit(lambda e, k=k: e.work(k)) for k in range(3)]
     assert started.wait(5)
-    sched.close(cancel_pending=True, timeout=0.01)  # returns while the first job still runs
-    assert all(f.cancelled() for f in queued)
+    closer = threading.Thread(target=sched.close, kwargs={"cancel_pending": True})
+    closer.start()  # blocks in join() while the first job still runs
+    done, _ = wait(queued, timeout=5)
+    assert len(done) == 3 and all(f.cancelled() for f in queued)
+    assert not first.done()
     gate.set()
-    sched.close()
+    closer.join(5)
     assert first.result(5) is True
-    assert rec.log == []
+    assert rec.log == [] and not closer.is_alive()

@@ -159,12 +159,16 @@ def check_messages(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
 
 
 def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Text content parts joined into one string (the template renders strings)."""
+    """What the chat template renders: text parts joined into one string, and OpenAI's
+    ``developer`` role (the newer name of ``system``) as ``system``. Both the chat route and
+    message-form directives go through this, so they render a conversation identically."""
     out = []
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
             m = {**m, "content": "".join(p["text"] for p in content)}
+        if m.get("role") == "developer":
+            m = {**m, "role": "system"}
         out.append(m)
     return out
 

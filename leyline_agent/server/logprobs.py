@@ -6,6 +6,7 @@ Legacy completions: ``{"tokens", "token_logprobs", "top_logprobs": [{text: logpr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -22,14 +23,22 @@ def _get(entry: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
+FLOOR = -9999.0  # stands for -inf, which JSON cannot carry
+
+
+def _finite(value: Any) -> float:
+    v = float(value)
+    return v if math.isfinite(v) else FLOOR
+
+
 def _token(entry: Any) -> tuple[str, float]:
-    return str(_get(entry, "text", "token", default="")), float(_get(entry, "logprob"))
+    return str(_get(entry, "text", "token", default="")), _finite(_get(entry, "logprob"))
 
 
 def _top(entry: Any) -> list[tuple[str, float]]:
     """The engine's alternatives: ``(token_id, text, logprob)`` tuples (or entries)."""
     top = _get(entry, "top", "top_logprobs", default=None) or []
-    return [(str(t[1]), float(t[2])) if isinstance(t, tuple | list) else _token(t) for t in top]
+    return [(str(t[1]), _finite(t[2])) if isinstance(t, tuple | list) else _token(t) for t in top]
 
 
 def _bytes(text: str) -> list[int]:

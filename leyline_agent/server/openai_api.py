@@ -80,7 +80,7 @@ class ChatMessage(BaseModel):
 
     model_config = _REQUEST
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None

@@ -152,8 +152,8 @@ class Scheduler:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if job is not None:
-                job.future.cancel()
+            if job is not None and job.future.cancel():
+                job.future.set_running_or_notify_cancel()  # wakes concurrent.futures.wait()
 
     def _work(self) -> None:
         while True:
