@@ -2,10 +2,12 @@
 
 Directives run right to left (``plan_batch``), each on the sequence the previous one left:
 
-- AMORTIZE ``(s, e, R)`` on ``T``: (1) a normal SGLang request for ``T[:s] + R`` with one
-  new token: SGLang's own prefill (radix hit on ``T[:s]``, chunked prefill, every TP rank)
-  computes R's KV over the prefix and caches it; (2) ``collective_rpc("leyline_splice")``
-  moves the cached tail ``T[e:]`` behind it (``splice.py``).
+- AMORTIZE ``(s, e, R)`` on ``T``: (0) ``collective_rpc("leyline_check")``, read-only: is
+  ``T`` cached through ``e``? (a refused directive changes nothing, not even the tree);
+  (1) a normal SGLang request for ``T[:s] + R`` with one new token: SGLang's own prefill
+  (radix hit on ``T[:s]``, chunked prefill, every TP rank) computes R's KV over the prefix
+  and caches it; (2) ``collective_rpc("leyline_splice")`` moves the cached tail ``T[e:]``
+  behind it (``splice.py``).
 - FORGET: one normal request for ``T'``: prefix hit on ``T[:s]``, ``R + T[e:]`` prefilled.
 
 Why a normal request for R rather than the scheduler's internal prefill: it is SGLang's

@@ -1,8 +1,9 @@
 """``SGLangRuntime``: the ``Runtime`` protocol over an embedded ``sglang.Engine``.
 
-Each directive is one or two calls (``batch.plan_steps``): a normal generate request for
-the head (SGLang's own prefill caches ``T[:s] + R``), then ``collective_rpc`` of
-``leyline_splice`` on every scheduler rank. ``collective_rpc`` answers only success or the
+Each AMORTIZE directive is three calls (``batch.plan_steps``): ``collective_rpc`` of the
+read-only ``leyline_check`` (base cached far enough? fails before anything changes), a
+normal generate request for the head (SGLang's own prefill caches ``T[:s] + R``), then
+``collective_rpc`` of ``leyline_splice`` on every scheduler rank. ``collective_rpc`` answers only success or the
 failure's message; the plugin's errors travel as ``leyline:<Class>: message`` and are
 raised here as the same class. Needs CUDA and a full SGLang install (``launch``).
 """
@@ -20,7 +21,7 @@ from leyline_agent.sglang_plugin.batch import (
     plan_steps,
     response_for,
 )
-from leyline_agent.sglang_plugin.scheduler_hook import RPC_METHOD, error_from_message
+from leyline_agent.sglang_plugin.scheduler_hook import RPC_CHECK, RPC_METHOD, error_from_message
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
 __all__ = ["SGLangRuntime", "SpliceCounters"]
@@ -84,9 +85,11 @@ class SGLangRuntime:
             raise
         try:
             for st in steps:
+                if st.rpc_kwargs is not None:  # read-only: fail before prefilling anything
+                    self.rpc(st.rpc_kwargs, RPC_CHECK)
                 self.engine.generate(input_ids=st.prefill_ids, sampling_params=PREFILL_PARAMS)
                 if st.rpc_kwargs is not None:
-                    self.rpc(st.rpc_kwargs)
+                    self.rpc(st.rpc_kwargs, RPC_METHOD)
             resp = response_for(steps, tokens)
         except CacheMissError:
             if not request.fallback:
@@ -100,14 +103,14 @@ class SGLangRuntime:
         self.counters.add(resp)
         return resp
 
-    def rpc(self, kwargs: dict[str, Any]) -> None:
+    def rpc(self, kwargs: dict[str, Any], method: str = RPC_METHOD) -> None:
         try:
-            self.engine.collective_rpc(RPC_METHOD, **kwargs)
+            self.engine.collective_rpc(method, **kwargs)
         except AssertionError as e:  # Engine.collective_rpc asserts success with the message
             err = error_from_message(str(e))
             if err is not None:
                 raise err from e
-            raise RuntimeUnavailableError(f"{RPC_METHOD} failed in the scheduler: {e}") from e
+            raise RuntimeUnavailableError(f"{method} failed in the scheduler: {e}") from e
 
     def stats(self) -> StatsResponse:
         return self.counters.stats()

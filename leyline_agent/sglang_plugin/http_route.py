@@ -6,9 +6,9 @@ uvicorn starts) adds the two routes to SGLang's FastAPI ``app``. The route speak
 wire models as ``leyline serve`` (``leyline_agent.wire``), so the agent-side
 ``HTTPRuntime`` works against either server.
 
-Execution per step (``batch.plan_steps``): the head goes through the server's own
-``TokenizerManager.generate_request`` (SGLang's prefill, caching it), then an
-``RpcReqInput("leyline_splice")`` goes to scheduler rank 0 over the RPC socket SGLang
+Execution per step (``batch.plan_steps``): ``RpcReqInput("leyline_check")`` (read-only),
+the head through the server's own ``TokenizerManager.generate_request`` (SGLang's
+prefill, caching it), then ``RpcReqInput("leyline_splice")``; the RPCs go to scheduler rank 0 over the RPC socket SGLang
 created for ``Engine.collective_rpc`` (``port_args.rpc_ipc_name``; in HTTP-server mode no
 ``Engine`` binds it, so the route does) and is broadcast to every TP rank. Requests are
 serialized with one lock. Single tokenizer worker only (``--tokenizer-worker-num 1``).
@@ -30,7 +30,7 @@ from leyline_agent.sglang_plugin.batch import (
     response_for,
 )
 from leyline_agent.sglang_plugin.client import SpliceCounters
-from leyline_agent.sglang_plugin.scheduler_hook import RPC_METHOD, error_from_message
+from leyline_agent.sglang_plugin.scheduler_hook import RPC_CHECK, RPC_METHOD, error_from_message
 from leyline_agent.wire import DirectivesRequest, ErrorBody
 
 __all__ = ["LeylineRoute", "before_http_server"]
@@ -59,9 +59,11 @@ class LeylineRoute:
                 steps = plan_steps(tokens, directives)
                 try:
                     for st in steps:
+                        if st.rpc_kwargs is not None:  # read-only pre-check
+                            await self._rpc(st.rpc_kwargs, RPC_CHECK)
                         await self._prefill(st.prefill_ids)
                         if st.rpc_kwargs is not None:
-                            await self._rpc(st.rpc_kwargs)
+                            await self._rpc(st.rpc_kwargs, RPC_METHOD)
                     resp = response_for(steps, tokens)
                 except CacheMissError:
                     if not req.fallback:
@@ -81,7 +83,7 @@ class LeylineRoute:
         obj = GenerateReqInput(input_ids=list(ids), sampling_params=dict(PREFILL_PARAMS))
         await self.tm.generate_request(obj, None).__anext__()
 
-    async def _rpc(self, kwargs: dict[str, Any]) -> None:
+    async def _rpc(self, kwargs: dict[str, Any], method: str) -> None:
         from sglang.srt.managers.io_struct import RpcReqInput, async_sock_recv, async_sock_send
 
         if self._sock is None:
@@ -90,7 +92,7 @@ class LeylineRoute:
             from sglang.srt.utils.network import get_zmq_socket
 
             self._sock = get_zmq_socket(zmq.asyncio.Context(1), zmq.DEALER, self.rpc_ipc_name, True)
-        await async_sock_send(self._sock, RpcReqInput(method=RPC_METHOD, parameters=kwargs))
+        await async_sock_send(self._sock, RpcReqInput(method=method, parameters=kwargs))
         out = await async_sock_recv(self._sock)
         if not out.success:
             err = error_from_message(out.message)

@@ -22,7 +22,7 @@ import torch
 from leyline_agent.directives import Directive, Mode
 from leyline_agent.errors import CacheMissError, DirectiveError
 
-__all__ = ["SplicePlan", "plan_amortize", "spliced_tokens"]
+__all__ = ["SplicePlan", "check_base", "plan_amortize", "spliced_tokens"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,15 +57,9 @@ def spliced_tokens(tokens: Sequence[int], directive: Directive) -> list[int]:
     )
 
 
-def plan_amortize(
-    tokens: Sequence[int],
-    directive: Directive,
-    old_len: int,
-    old_slots: torch.Tensor,
-    new_len: int,
-    new_slots: torch.Tensor,
-) -> SplicePlan:
-    """Plan the tail copy for ``directive`` on ``tokens`` (T); see the module docstring."""
+def check_base(tokens: Sequence[int], directive: Directive, old_len: int) -> None:
+    """Everything about the base sequence: mode, span inside ``T``, span inside the cached
+    ``old_len`` tokens, no negative position. (``plan_amortize`` adds the head check.)"""
     if directive.mode is not Mode.AMORTIZE:
         raise DirectiveError(
             f"directive.mode: {directive.mode.value!r} is not spliced in the scheduler; "
@@ -73,7 +67,7 @@ def plan_amortize(
         )
     spliced_tokens(tokens, directive)  # span inside T, replacement compiled
     n = len(tokens)
-    start, end, repl = directive.start, directive.end, list(directive.replacement)
+    start, end = directive.start, directive.end
     if old_len == 0 and n > 0:
         raise CacheMissError("tokens: the base sequence is not in the radix cache")
     if old_len < end:
@@ -86,6 +80,20 @@ def plan_amortize(
         raise DirectiveError(
             f"directive: start {start} / delta {delta} would put tail positions below 0"
         )
+
+
+def plan_amortize(
+    tokens: Sequence[int],
+    directive: Directive,
+    old_len: int,
+    old_slots: torch.Tensor,
+    new_len: int,
+    new_slots: torch.Tensor,
+) -> SplicePlan:
+    """Plan the tail copy for ``directive`` on ``tokens`` (T); see the module docstring."""
+    check_base(tokens, directive, old_len)
+    start, end, repl = directive.start, directive.end, list(directive.replacement)
+    delta = directive.delta
     head = list(tokens[:start]) + repl
     head_len = len(head)
     if new_len < head_len:

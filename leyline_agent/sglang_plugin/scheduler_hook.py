@@ -24,16 +24,19 @@ from leyline_agent.directives import Directive
 from leyline_agent.errors import DirectiveError, LeylineError
 
 __all__ = [
+    "RPC_CHECK",
     "RPC_METHOD",
     "SpliceRpcError",
     "decode_splice_kwargs",
     "encode_splice_kwargs",
     "install",
+    "leyline_check",
     "leyline_splice",
     "target_of",
 ]
 
 RPC_METHOD = "leyline_splice"
+RPC_CHECK = "leyline_check"
 _ERROR_PREFIX = "leyline:"
 
 
@@ -105,18 +108,37 @@ def leyline_splice(
     """The RPC method: AMORTIZE-splice ``tokens`` on this rank's tree and pool."""
     from leyline_agent.sglang_plugin.splice import splice_amortize
 
+    kwargs = dict(
+        tokens_json=tokens_json, start=start, end=end, replacement_json=replacement_json, mode=mode
+    )
     try:
-        tokens, directive = decode_splice_kwargs(
-            tokens_json=tokens_json,
-            start=start,
-            end=end,
-            replacement_json=replacement_json,
-            mode=mode,
-        )
+        tokens, directive = decode_splice_kwargs(**kwargs)
         target = target_of(scheduler)
         _sync(target.kv_pool)
         splice_amortize(target, tokens, directive)
         _sync(target.kv_pool)
+    except LeylineError as e:
+        raise SpliceRpcError(f"{_ERROR_PREFIX}{type(e).__name__}: {e}") from e
+
+
+def leyline_check(
+    scheduler: Any,
+    *,
+    tokens_json: str,
+    start: int,
+    end: int,
+    replacement_json: str,
+    mode: str = "amortize",
+) -> None:
+    """The read-only RPC sent before the head's prefill: fail early, change nothing."""
+    from leyline_agent.sglang_plugin.splice import check_splice_base
+
+    kwargs = dict(
+        tokens_json=tokens_json, start=start, end=end, replacement_json=replacement_json, mode=mode
+    )
+    try:
+        tokens, directive = decode_splice_kwargs(**kwargs)
+        check_splice_base(target_of(scheduler), tokens, directive)
     except LeylineError as e:
         raise SpliceRpcError(f"{_ERROR_PREFIX}{type(e).__name__}: {e}") from e
 
@@ -131,8 +153,9 @@ def _sync(pool: Any) -> None:
 
 
 def install(scheduler: Any) -> None:
-    """Bind ``leyline_splice`` on a scheduler instance (the RPC looks it up with getattr)."""
+    """Bind the RPC methods on a scheduler instance (the RPC looks them up with getattr)."""
     scheduler.leyline_splice = types.MethodType(leyline_splice, scheduler)
+    scheduler.leyline_check = types.MethodType(leyline_check, scheduler)
 
 
 def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

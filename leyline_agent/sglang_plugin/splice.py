@@ -33,10 +33,10 @@ import torch
 from leyline_agent.directives import Directive
 from leyline_agent.errors import RuntimeUnavailableError
 from leyline_agent.sglang_plugin.kv_write import check_pool, write_tail
-from leyline_agent.sglang_plugin.plan import SplicePlan, plan_amortize, spliced_tokens
+from leyline_agent.sglang_plugin.plan import SplicePlan, check_base, plan_amortize, spliced_tokens
 from leyline_agent.sglang_plugin.treeview import check_tree, peek_prefix, radix_key
 
-__all__ = ["SpliceResult", "SpliceTarget", "plan_splice", "splice_amortize"]
+__all__ = ["SpliceResult", "SpliceTarget", "check_splice_base", "plan_splice", "splice_amortize"]
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +57,16 @@ class SpliceResult:
     reused_tokens: int  # tokens of T' that were already in the tree (prefix + R, ...)
     rotated_tokens: int  # tail tokens written into new slots
     delta: int
+
+
+def check_splice_base(target: SpliceTarget, tokens: Sequence[int], directive: Directive) -> None:
+    """Read-only pre-check, before the head is prefilled: is the base cached far enough?"""
+    check_tree(target.tree)
+    check_pool(target.kv_pool, target.spec)
+    directive = Directive.parse(directive, where="directive")
+    tokens = [int(t) for t in tokens]
+    spliced_tokens(tokens, directive)
+    check_base(tokens, directive, peek_prefix(target.tree, tokens).length)
 
 
 def plan_splice(target: SpliceTarget, tokens: Sequence[int], directive: Directive) -> tuple:

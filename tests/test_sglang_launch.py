@@ -1,0 +1,47 @@
+"""``leyline serve --engine sglang``: what it asks SGLang for, and its one-line refusal here.
+
+On a machine without CUDA (or with SGLang installed ``--no-deps``, as the test set-up
+does) the command must print one line naming the problem and exit non-zero; on a GPU box
+it starts SGLang's server (not exercised here).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from leyline_agent.cli import main
+from leyline_agent.errors import RuntimeUnavailableError
+from leyline_agent.sglang_plugin import RADIX_CACHE_BACKEND
+from leyline_agent.sglang_plugin.launch import require_full_sglang, server_kwargs
+
+
+def _args(**over) -> argparse.Namespace:
+    base = dict(
+        model="/models/x", host="127.0.0.1", port=30001, dtype="bfloat16", device="auto",
+        cache_tokens=65536, no_prefix_cache=False, engine="sglang",
+    )  # fmt: skip
+    return argparse.Namespace(**{**base, **over})
+
+
+def test_sglang_server_kwargs() -> None:
+    kw = server_kwargs(_args())
+    assert kw["page_size"] == 1 and kw["radix_cache_backend"] == RADIX_CACHE_BACKEND
+    assert (kw["model_path"], kw["port"], kw["dtype"]) == ("/models/x", 30001, "bfloat16")
+    with pytest.raises(RuntimeUnavailableError, match="--no-prefix-cache"):
+        server_kwargs(_args(no_prefix_cache=True))
+    with pytest.raises(RuntimeUnavailableError, match="--device cpu"):
+        server_kwargs(_args(device="cpu"))
+
+
+def test_sglang_serve_refuses_in_one_line_without_gpu(tmp_path, capsys) -> None:
+    if torch.cuda.is_available():  # pragma: no cover - GPU boxes start the server instead
+        pytest.skip("this machine has CUDA: serve would start SGLang")
+    with pytest.raises(RuntimeUnavailableError, match="CUDA"):
+        require_full_sglang()
+    code = main(["serve", "--engine", "sglang", "--model", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code != 0
+    assert len(err.splitlines()) == 1 and "CUDA" in err and "--engine embedded" in err
