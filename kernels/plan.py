@@ -33,6 +33,7 @@ class RotationPlan:
     band_offset: int
     backend: str  # "triton" | "torch"
     max_row: int  # largest row index in src or dst (-1 when empty)
+    uniform_delta: bool  # every item moves by the same delta (one directive)
     rotary_dim: int
 
     @property
@@ -161,12 +162,19 @@ def plan_rotation(
         raise ValueError(f"src has {s.numel()} rows but dst has {d.numel()}")
     _check_range(s, "src", rows)
     _check_range(d, "dst", rows)
-    if d.numel() and torch.unique(d).numel() != d.numel():
+    # Row bitmaps instead of sort-based unique/isin: O(K + rows) on either device.
+    if d.numel() and int(torch.bincount(d, minlength=rows).max()) > 1:
         raise ValueError("dst has duplicate rows: two items would write the same row")
     dl = _as_delta(delta, s.numel(), buf.device)
     chosen = resolve_backend(buf.device, backend)
     moved = s != d
-    gather_first = bool(torch.isin(d[moved], s).any()) or bool(torch.isin(d, s[moved]).any())
+    is_src = torch.zeros(rows, dtype=torch.bool, device=buf.device)
+    is_src[s] = True
+    is_moved_src = torch.zeros(rows, dtype=torch.bool, device=buf.device)
+    is_moved_src[s[moved]] = True
+    # A row written by one item and read by another: a moved item writes a source row, or an
+    # in-place row is also the source of a moved item.
+    gather_first = bool(is_src[d[moved]].any() | is_moved_src[d].any())
     return RotationPlan(
         src=s.contiguous(),
         dst=d.contiguous(),
@@ -178,4 +186,5 @@ def plan_rotation(
         backend=chosen,
         max_row=int(torch.maximum(s.max(), d.max())) if s.numel() else -1,
         rotary_dim=spec.rotary_dim,
+        uniform_delta=bool((dl == dl[0]).all()) if dl.numel() else True,
     )

@@ -107,26 +107,29 @@ def pair_views(band: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Ten
 def rotate_band_torch(buffer: torch.Tensor, plan: RotationPlan, spec: RopeSpec) -> None:
     """Torch reference (and CPU path): gather, rotate the band in fp32, scatter.
 
-    All reads (the source bands, and the full source rows of moved items) happen before the
-    first write, so overlapping src/dst sets are safe.
+    All reads (full source rows of moved items, source bands of in-place items) happen before
+    the first write, so overlapping src/dst sets are safe.
     """
     LAUNCHES.torch += 1
     lo, hi = plan.band_offset, plan.band_offset + spec.rotary_dim
     band = buffer[..., lo:hi]
-    a, b = pair_views(band.index_select(-2, plan.src).to(torch.float32), spec.layout)
-    cos, sin = rotation_cos_sin(plan.delta, spec)  # [K, half], broadcast over lead dims
-    lead = band.shape[:-2]
-    rotated = torch.empty(
-        *lead, plan.num_rows, spec.rotary_dim, dtype=buffer.dtype, device=buffer.device
-    )
-    out_a, out_b = pair_views(rotated, spec.layout)
-    out_a.copy_(a * cos - b * sin)  # rounds to buffer.dtype (nearest even)
-    out_b.copy_(b * cos + a * sin)
     moved = plan.moved.nonzero().squeeze(1)
-    rows = buffer.index_select(-2, plan.src[moved]) if plan.any_moved else None
-    if rows is not None:
-        rows[..., lo:hi] = rotated.index_select(-2, moved)
-        buffer.index_copy_(-2, plan.dst[moved], rows)
     still = (~plan.moved).nonzero().squeeze(1)
-    if still.numel():
-        band.index_copy_(-2, plan.dst[still], rotated.index_select(-2, still))
+    rows = buffer.index_select(-2, plan.src[moved]) if moved.numel() else None
+    kept = band.index_select(-2, plan.src[still]) if still.numel() else None
+    if rows is not None:
+        _rotate_gathered(rows[..., lo:hi], plan.delta[moved], spec, plan.uniform_delta)
+        buffer.index_copy_(-2, plan.dst[moved], rows)
+    if kept is not None:
+        _rotate_gathered(kept, plan.delta[still], spec, plan.uniform_delta)
+        band.index_copy_(-2, plan.dst[still], kept)
+
+
+def _rotate_gathered(x: torch.Tensor, delta: torch.Tensor, spec: RopeSpec, uniform: bool) -> None:
+    """Rotate the gathered bands ``x`` (``[..., K, rotary_dim]``, a private copy) in place."""
+    a, b = pair_views(x, spec.layout)
+    fa, fb = a.to(torch.float32), b.to(torch.float32)
+    cos, sin = rotation_cos_sin(delta[:1] if uniform else delta, spec)  # [K or 1, half]
+    new_a, new_b = fa * cos - fb * sin, fb * cos + fa * sin  # both before any write
+    a.copy_(new_a)  # rounds to the buffer dtype (nearest even)
+    b.copy_(new_b)
