@@ -38,6 +38,7 @@ from .eval_config import ArmSpec, EvalConfig
 __all__ = ["EpisodeRecord", "EpisodeStore", "EpisodeTimeout", "run_episode"]
 
 log = structlog.get_logger(__name__)
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # debug-gym imports litellm
 
 
 class EpisodeTimeout(BaseException):
@@ -169,9 +170,8 @@ def _make_llm(
     policies: list[Any] = []
     runtime = None
     if arm.policies:
-        from leyline_agent.policies import load_policies
-
         from leyline_agent.http_runtime import HTTPRuntime
+        from leyline_agent.policies import load_policies
 
         policies = load_policies(list(arm.policies))
         runtime = HTTPRuntime(endpoint.root)

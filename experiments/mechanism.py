@@ -1,0 +1,228 @@
+"""``leyline bench mechanism``: replay hit rate, prefill and latency per arm and concurrency.
+
+For every arm, concurrency C and repetition: a fresh engine (the model is loaded once and
+shared; the KV pool and prefix cache are new), the same sessions replayed with C in flight
+(``replay.py``), and one row: hit rate = cached prompt tokens / prompt tokens, tokens
+prefilled, TTFT and end-to-end p50/p90, splices executed, peak cache tokens. Repetitions
+are aggregated into mean and spread (min-max) per (arm, C). Outputs: ``results.json``
+(rows), ``runs.json`` (every repetition), ``results.md`` and ``results.png``.
+
+``--quick``: C from ``--concurrency`` but sessions = max(C), 6 turns per session and tool
+outputs cut to ~200 tokens, 1 repetition: the reduced set of the main job. Full: every
+turn of each trajectory (up to 40), max(C, 16) sessions, 3 repetitions.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leyline_agent.errors import LeylineError
+
+from .replay import ARMS, replay
+from .trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
+
+__all__ = ["BenchSettings", "main", "run_mechanism"]
+
+POLICIES: list[Any] = [{"name": "stale-tool", "keep": 2}, {"name": "failed-call"}]
+
+
+@dataclass(slots=True)
+class BenchSettings:
+    concurrency: list[int]
+    arms: list[str]
+    reps: int
+    sessions: int
+    max_turns: int | None
+    max_message_chars: int | None
+    max_tokens: int = 8
+    cache_budget_tokens: int = 65536
+    dtype: str = "float32"
+
+    @classmethod
+    def make(
+        cls,
+        concurrency: list[int],
+        arms: list[str],
+        quick: bool,
+        reps: int | None,
+        dtype: str = "float32",
+    ) -> BenchSettings:
+        unknown = [a for a in arms if a not in ARMS]
+        if unknown:
+            raise LeylineError(
+                f"--arms: unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}"
+            )
+        if reps is not None and reps < 1:
+            raise LeylineError(f"--reps: must be >= 1, got {reps}")
+        if quick:
+            return cls(concurrency, arms, reps or 1, max(concurrency), 6, 800, dtype=dtype)
+        return cls(concurrency, arms, reps or 3, max(max(concurrency), 16), None, None, dtype=dtype)
+
+
+def cap_messages(traj: TrajectoryRecord, max_chars: int | None) -> TrajectoryRecord:
+    if not max_chars:
+        return traj
+    msgs = []
+    for m in traj.messages:
+        c = m.get("content")
+        if m.get("role") in ("tool", "system") and isinstance(c, str) and len(c) > max_chars:
+            m = {**m, "content": c[: max_chars // 2] + "\n[...]\n" + c[-max_chars // 2 :]}
+        msgs.append(m)
+    return traj.model_copy(update={"messages": msgs})
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _run_row(
+    loaded: Any, arm: str, c: int, rep: int, trajs: list[TrajectoryRecord], st: BenchSettings
+) -> dict[str, Any]:
+    from leyline_agent.policies import load_policies
+    from leyline_agent.runtime.engine import Engine
+
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        model_name=loaded.name,
+        cache_budget_tokens=st.cache_budget_tokens,
+        prefix_cache=arm != "nocache",
+    )
+    t0 = time.perf_counter()
+    res = replay(
+        engine,
+        arm,
+        trajs,
+        concurrency=c,
+        sessions=st.sessions,
+        policies_factory=lambda: load_policies(POLICIES),
+        max_turns=st.max_turns,
+        max_tokens=st.max_tokens,
+    )
+    wall = time.perf_counter() - t0
+    stats = engine.stats()
+    sm = res.samples
+    prompt = sum(s.prompt_tokens for s in sm)
+    cached = sum(s.cached_tokens for s in sm)
+    ttft = [s.ttft_s for s in sm]
+    e2e = [s.e2e_s for s in sm]
+    return {
+        "arm": arm,
+        "concurrency": c,
+        "rep": rep,
+        "requests": len(sm),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "prefilled_tokens": sum(s.prefilled_tokens for s in sm),
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p90_s": _pct(ttft, 0.9),
+        "e2e_p50_s": _pct(e2e, 0.5),
+        "e2e_p90_s": _pct(e2e, 0.9),
+        "directive_s": sum(s.directive_s for s in sm),
+        "splices": dict(stats.splices),
+        "fallbacks": stats.fallbacks,
+        "directive_errors": stats.directive_errors,
+        "runtime_failures": sum(x.runtime_failures for x in res.session_stats),
+        "peak_cache_tokens": res.peak_cache_tokens,
+        "evicted_tokens": stats.evicted_tokens,
+        "makespan_s": res.makespan_s,
+        "wall_s": wall,
+    }
+
+
+_AGG = (
+    "hit_rate",
+    "prefilled_tokens",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "e2e_p50_s",
+    "e2e_p90_s",
+    "peak_cache_tokens",
+    "makespan_s",
+)
+
+
+def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (arm, C): means over repetitions, ``<metric>_min`` / ``_max`` spread."""
+    rows = []
+    keys = list(dict.fromkeys((r["arm"], r["concurrency"]) for r in runs))
+    for arm, c in keys:
+        rs = [r for r in runs if r["arm"] == arm and r["concurrency"] == c]
+        row: dict[str, Any] = {
+            "arm": arm,
+            "concurrency": c,
+            "reps": len(rs),
+            "requests": rs[0]["requests"],
+            "prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in rs),
+            "cached_tokens": statistics.fmean(r["cached_tokens"] for r in rs),
+        }
+        for k in _AGG:
+            vals = [float(r[k]) for r in rs]
+            row[k] = statistics.fmean(vals)
+            row[k + "_min"], row[k + "_max"] = min(vals), max(vals)
+        row["splices"] = {
+            m: statistics.fmean(r["splices"].get(m, 0) for r in rs) for m in ("amortize", "forget")
+        }
+        row["fallbacks"] = statistics.fmean(r["fallbacks"] for r in rs)
+        row["runtime_failures"] = statistics.fmean(r["runtime_failures"] for r in rs)
+        rows.append(row)
+    return rows
+
+
+def run_mechanism(
+    model_dir: Path,
+    st: BenchSettings,
+    out: Path,
+    trajectories: Path | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    from leyline_agent.runtime.loader import load
+
+    from .mechanism_report import write_reports
+
+    if not Path(model_dir).is_dir():
+        raise LeylineError(f"--model: no model folder at {model_dir} (leyline make-model)")
+    trajs = [
+        cap_messages(t, st.max_message_chars)
+        for t in load_trajectories(trajectories or DEFAULT_SET)
+    ]
+    loaded = load(model_dir, dtype=st.dtype, device="cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    plan = [(a, c, r) for r in range(st.reps) for c in st.concurrency for a in st.arms]
+    for arm, c, rep in tqdm(plan, desc="mechanism", unit="run", disable=not progress):
+        runs.append(_run_row(loaded, arm, c, rep, trajs, st))
+        (out / "runs.json").write_text(json.dumps(runs, indent=1))
+    rows = aggregate(runs)
+    meta = {
+        "model": str(model_dir),
+        "settings": {k: getattr(st, k) for k in st.__slots__},
+        "trajectories": str(trajectories or DEFAULT_SET),
+        "policies": POLICIES,
+    }
+    write_reports(rows, out, meta)
+    return rows
+
+
+def main(args: Any) -> int:
+    from .mechanism_report import markdown
+
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    st = BenchSettings.make(args.concurrency, arms, args.quick, args.reps, args.dtype)
+    rows = run_mechanism(Path(args.model), st, args.out, args.trajectories)
+    print(markdown(rows))
+    print(f"results: {args.out / 'results.json'}  plot: {args.out / 'results.png'}")
+    return 0

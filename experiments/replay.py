@@ -1,0 +1,210 @@
+"""Replay of agent trajectories against the embedded engine, C sessions in flight.
+
+In-process, on purpose. ``leyline serve`` serializes engine work on one scheduler thread
+(FIFO, one request at a time), so C sessions in flight means: C agents whose requests queue
+in front of one engine. The replay reproduces exactly that scheduling in virtual time: each
+job (a directive request or a chat request) runs for real on the engine, its measured
+service time advances a virtual clock, and a session's next job is queued when its previous
+one finishes (no think time). Latency = queue wait + service time. This keeps Python thread
+and GIL jitter of a client living in the same process out of the numbers, and makes the
+interleaving (hence the cache contents under eviction) deterministic.
+
+Arms (how the next prompt is built and what runs before it):
+- ``full``: the unedited history; the prefix cache only (the upper bound on hits);
+- ``radix``: the policies edit the history (ContextSession, no runtime): every edit costs
+  a re-prefill from the edit point, as production engines do today;
+- ``splice``: the same edits, forwarded to the engine as AMORTIZE directives first;
+- ``forget``: the same, as FORGET directives;
+- ``nocache``: the edited history with the prefix cache off.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from leyline_agent.directives import Mode
+from leyline_agent.errors import LeylineError
+
+from .trajectories import TrajectoryRecord
+
+__all__ = ["ARMS", "Sample", "replay"]
+
+ARMS = ("full", "radix", "splice", "forget", "nocache")
+_MODES = {"splice": Mode.AMORTIZE, "forget": Mode.FORGET}
+
+
+@dataclass(slots=True)
+class Sample:
+    session: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+    ttft_s: float
+    e2e_s: float
+    queue_s: float
+    directive_s: float
+
+
+@dataclass(slots=True)
+class _Done:
+    value: Any
+    start: float
+    service: float
+
+
+Job = Callable[[], Any]
+SessionGen = Generator[Job, _Done, None]
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    samples: list[Sample] = field(default_factory=list)
+    peak_cache_tokens: int = 0
+    makespan_s: float = 0.0
+    session_stats: list[Any] = field(default_factory=list)
+
+
+def personalize(traj: TrajectoryRecord, sid: int) -> TrajectoryRecord:
+    """Session ``sid``'s copy: its first user message names the session, so sessions that
+    replay the same trajectory share the system prompt and tools but not their history."""
+    msgs = [dict(m) for m in traj.messages]
+    for m in msgs:
+        if m.get("role") == "user":
+            m["content"] = f"[session {sid}] {m.get('content') or ''}"
+            break
+    return traj.model_copy(update={"messages": msgs})
+
+
+def _requests(traj: TrajectoryRecord, max_turns: int | None) -> list[int]:
+    idx = [i for i, m in enumerate(traj.messages) if m.get("role") == "assistant"]
+    return idx[:max_turns] if max_turns else idx
+
+
+def _session(
+    engine: Any,
+    arm: str,
+    traj: TrajectoryRecord,
+    sid: int,
+    policies: list[Any],
+    max_turns: int | None,
+    max_tokens: int,
+    out: ReplayResult,
+) -> SessionGen:
+    from leyline_agent.runtime.engine import SamplingParams
+    from leyline_agent.session import ContextSession
+
+    session = None
+    if arm != "full":
+        runtime = engine if arm in _MODES else None
+        session = ContextSession(
+            policies, runtime, mode=_MODES.get(arm, Mode.AMORTIZE), session_id=f"s{sid}"
+        )
+        out.session_stats.append(session.stats)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    for turn, a in enumerate(_requests(traj, max_turns)):
+        history = traj.messages[:a]
+        directive_s = 0.0
+        if session is None:
+            to_send = history
+        elif session.runtime is None:
+            to_send = session.plan(history, traj.tools).messages_to_send
+        else:  # plan + directives to the engine: a job of its own in the queue
+            done = yield (lambda h=history: session.prepare(h, traj.tools))
+            to_send, directive_s = done.value, done.service
+        ids = engine.render(to_send, traj.tools)
+        done = yield (lambda ids=ids: engine.generate(ids, params))
+        res = done.value
+        if session is not None:
+            session.observe_reply({"role": "assistant", "content": res.text})
+        out.samples.append(
+            Sample(
+                session=sid,
+                turn=turn,
+                prompt_tokens=res.prompt_tokens,
+                cached_tokens=res.cached_tokens,
+                prefilled_tokens=res.prefilled_tokens,
+                ttft_s=done.start + res.ttft_s,
+                e2e_s=0.0,
+                queue_s=0.0,
+                directive_s=directive_s,
+            )
+        )
+
+
+def replay(
+    engine: Any,
+    arm: str,
+    trajectories: list[TrajectoryRecord],
+    *,
+    concurrency: int,
+    sessions: int,
+    policies_factory: Callable[[], list[Any]],
+    max_turns: int | None,
+    max_tokens: int = 8,
+) -> ReplayResult:
+    """Replay ``sessions`` sessions (trajectory ``i % len``), ``concurrency`` in flight."""
+    if arm not in ARMS:
+        raise LeylineError(f"--arms: unknown arm {arm!r}; known: {', '.join(ARMS)}")
+    out = ReplayResult()
+    clock = 0.0
+    heap: list[tuple[float, int, int]] = []  # (ready time, session id, tiebreak)
+    gens: dict[int, SessionGen] = {}
+    pending: dict[int, Job] = {}
+    turn_start: dict[int, float] = {}
+    queue_wait: dict[int, float] = {}
+    next_sid = 0
+
+    def admit(at: float) -> None:
+        nonlocal next_sid
+        sid = next_sid
+        next_sid += 1
+        g = _session(
+            engine,
+            arm,
+            personalize(trajectories[sid % len(trajectories)], sid),
+            sid,
+            policies_factory(),
+            max_turns,
+            max_tokens,
+            out,
+        )
+        job = next(g, None)
+        if job is not None:
+            gens[sid], pending[sid] = g, job
+            turn_start[sid], queue_wait[sid] = at, 0.0
+            heapq.heappush(heap, (at, sid, 0))
+
+    for _ in range(min(concurrency, sessions)):
+        admit(0.0)
+    while heap:
+        ready, sid, _ = heapq.heappop(heap)
+        start = max(clock, ready)
+        queue_wait[sid] += start - ready
+        n_samples = len(out.samples)
+        t0 = time.perf_counter()
+        value = pending[sid]()
+        service = time.perf_counter() - t0
+        clock = start + service
+        out.peak_cache_tokens = max(out.peak_cache_tokens, engine.stats().cache_tokens)
+        try:
+            pending[sid] = gens[sid].send(_Done(value, start, service))
+        except StopIteration:
+            pending.pop(sid)
+            gens.pop(sid)
+        if len(out.samples) > n_samples:  # a chat request finished: the turn is complete
+            s = out.samples[-1]
+            s.queue_s = queue_wait[sid]
+            s.ttft_s -= turn_start[sid]  # (generate start + engine TTFT) - turn start
+            s.e2e_s = clock - turn_start[sid]
+            turn_start[sid], queue_wait[sid] = clock, 0.0
+        if sid in pending:
+            heapq.heappush(heap, (clock, sid, 0))
+        elif next_sid < sessions:
+            admit(clock)
+    out.makespan_s = clock
+    return out
