@@ -192,6 +192,8 @@ def test_bad_message_form_and_bad_generate_inputs(eng):
         eng.generate([1, 2], SamplingParams(top_p=0))
     with pytest.raises(LeylineError, match="prompt_ids"):
         eng.generate([])
+    with pytest.raises(LeylineError, match="max_tokens.*context"):
+        eng.generate([1, 2], SamplingParams(max_tokens=eng.config.max_position_embeddings))
     assert _same(before, _snapshot(eng))
 
 

@@ -175,6 +175,12 @@ class Engine:
         params = params if params is not None else SamplingParams()
         params.validate()
         ids = self.check_ids(prompt_ids, "prompt_ids")
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit and len(ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the model's context of {limit} tokens"
+            )
         extra_stop = self.check_ids(params.stop_token_ids, "stop_token_ids", allow_empty=True)
         stop_ids = set(self.stop_token_ids) | set(extra_stop)
         t0 = time.perf_counter()
