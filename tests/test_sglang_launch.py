@@ -27,9 +27,12 @@ def _args(**over) -> argparse.Namespace:
 
 
 def test_sglang_server_kwargs() -> None:
+    from sglang.srt.server_args import ServerArgs
+
     kw = server_kwargs(_args())
-    assert kw["page_size"] == 1 and kw["radix_cache_backend"] == RADIX_CACHE_BACKEND
-    assert (kw["model_path"], kw["port"], kw["dtype"]) == ("/models/x", 30001, "bfloat16")
+    sa = ServerArgs(**kw)  # SGLang's own constructor rejects unknown keywords
+    assert sa.page_size == 1 and sa.radix_cache_backend == RADIX_CACHE_BACKEND
+    assert (sa.model_path, sa.port, sa.dtype) == ("/models/x", 30001, "bfloat16")
     with pytest.raises(RuntimeUnavailableError, match="--no-prefix-cache"):
         server_kwargs(_args(no_prefix_cache=True))
     with pytest.raises(RuntimeUnavailableError, match="--device cpu"):
