@@ -1,4 +1,4 @@
-"""``SGLangRuntime`` and the HTTP route's orchestration over SGLang's real tree and MLA pool.
+"""``SGLangRuntime`` and the HTTP route (on SGLang's real FastAPI app) over the real tree + MLA pool.
 
 Only the two transports that need a GPU server are stood in for, each by what it does:
 ``Engine.generate`` / ``TokenizerManager.generate_request`` by a prefill into the real
@@ -10,7 +10,6 @@ does with ``assert recv_req.success, recv_req.message``). Expected KV: ``RefStat
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -21,12 +20,12 @@ from leyline_agent.errors import CacheMissError
 from leyline_agent.runtime.engine import Engine
 from leyline_agent.sglang_plugin import scheduler_hook as hook
 from leyline_agent.sglang_plugin.client import SGLangRuntime
-from leyline_agent.sglang_plugin.http_route import LeylineRoute
+from leyline_agent.sglang_plugin.http_route import LeylineRoute, before_http_server
 from leyline_agent.sglang_plugin.treeview import peek_prefix
 from leyline_agent.testing import sglang_pools as sp
 from leyline_agent.testing.kv_reference import RefState
 from leyline_agent.testing.models import tiny_model_dir
-from leyline_agent.wire import DirectivesRequest
+from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
 MESSAGES = [
     {"role": "system", "content": "You fix bugs."},
@@ -133,28 +132,37 @@ def test_sglang_runtime_message_form(engine: Engine) -> None:
     assert peek_prefix(loop.cache.tree, new).length == len(new) - 1
 
 
-def test_sglang_http_route_orchestration(engine: Engine, monkeypatch) -> None:
-    loop = Loopback(engine)
-    route = LeylineRoute(loop.tokenizer_manager, rpc_ipc_name="ipc:///unused")
+def test_sglang_http_route_on_sglang_app(engine: Engine, monkeypatch) -> None:
+    """The BEFORE hook adds the routes to SGLang's real FastAPI app; requests go through it."""
+    import sglang.srt.entrypoints.http_server as http_server
+    from fastapi.testclient import TestClient
 
-    async def rpc(kwargs, method):  # the socket round trip: RpcReqOutput(success, message)
+    monkeypatch.setattr(http_server.app.router, "routes", list(http_server.app.router.routes))
+    loop = Loopback(engine)
+
+    async def rpc(self, kwargs, method):  # the socket round trip: RpcReqOutput(success, message)
         try:
             getattr(loop.scheduler, method)(**kwargs)
         except Exception as e:
             err = hook.error_from_message(str(e))
             raise (err if err is not None else e) from None
 
-    monkeypatch.setattr(route, "_rpc", rpc)
+    monkeypatch.setattr(LeylineRoute, "_rpc", rpc)
+    before_http_server(None, loop.tokenizer_manager, None, SimpleNamespace(rpc_ipc_name="ipc://x"))
+    client = TestClient(http_server.app)
     tokens = engine.render(MESSAGES, add_generation_prompt=False)
     sp.prefill(loop.cache, engine.model, tokens)
     body = {"tokens": tokens, "directives": [{"start": 30, "end": 44, "replacement": "[x]"}]}
-    status, out = asyncio.run(route.directives(body))
-    assert status == 200, out
-    assert peek_prefix(loop.cache.tree, out["tokens"]).length == len(out["tokens"])
+    r = client.post("/leyline/v1/directives", json=body)
+    assert r.status_code == 200, r.text
+    out = DirectivesResponse.model_validate(r.json())
+    assert peek_prefix(loop.cache.tree, out.tokens).length == len(out.tokens)
+    assert out.splices == {"amortize": 1, "forget": 0}
 
-    status, out = asyncio.run(route.directives({"tokens": tokens}))
-    assert status == 400 and "directives" in out["error"]["message"]
+    r = client.post("/leyline/v1/directives", json={"tokens": tokens})
+    assert r.status_code == 400 and "directives" in r.json()["error"]["message"]
     body["directives"][0]["end"] = len(tokens) + 9
-    status, out = asyncio.run(route.directives(body))
-    assert status == 400 and out["error"]["type"] == "DirectiveError"
-    assert route.counters.stats().directive_errors == 2
+    r = client.post("/leyline/v1/directives", json=body)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "DirectiveError"
+    stats = StatsResponse.model_validate(client.get("/leyline/v1/stats").json())
+    assert stats.directive_errors == 2 and stats.splices["amortize"] == 1

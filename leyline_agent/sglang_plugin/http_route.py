@@ -21,6 +21,8 @@ import time
 from typing import Any
 
 import structlog
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from leyline_agent.errors import CacheMissError, LeylineError, RuntimeUnavailableError
 from leyline_agent.sglang_plugin.batch import (
@@ -104,9 +106,6 @@ def _error(kind: str, message: str) -> dict[str, Any]:
 
 
 def add_routes(app: Any, route: LeylineRoute) -> None:
-    from fastapi import Request
-    from fastapi.responses import JSONResponse
-
     async def directives(request: Request) -> JSONResponse:
         try:
             body = await request.json()
