@@ -59,7 +59,7 @@ def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base**exponents)
 
 
-def _yarn(config: Any, rp: dict[str, Any], truncate_default: bool) -> tuple[torch.Tensor, float]:
+def _yarn(config: Any, rp: dict[str, Any], truncate: bool | None) -> tuple[torch.Tensor, float]:
     base, dim = rp["rope_theta"], _rotary_dim(config, rp)
     factor = rp.get("factor")
     original_max = rp.get("original_max_position_embeddings")
@@ -88,7 +88,7 @@ def _yarn(config: Any, rp: dict[str, Any], truncate_default: bool) -> tuple[torc
         return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if rp.get("truncate", truncate_default):
+    if rp.get("truncate", True) if truncate is None else truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
@@ -137,9 +137,13 @@ def _longrope(config: Any, rp: dict[str, Any]) -> tuple[torch.Tensor, float]:
 
 
 def compute_inv_freq(
-    config: Any, default_honours_partial: bool, truncate_default: bool = True
+    config: Any, default_honours_partial: bool, truncate: bool | None = None
 ) -> tuple[torch.Tensor, float, str]:
-    """``(inv_freq fp32 [rotary_dim // 2], attention_scaling, rope_type)`` of ``config``."""
+    """``(inv_freq fp32 [rotary_dim // 2], attention_scaling, rope_type)`` of ``config``.
+
+    ``truncate``: YaRN correction-range truncation; None = the config's ``truncate`` (default
+    True, as transformers), a bool forces it (SGLang always truncates).
+    """
     rp = rope_parameters(config)
     rope_type = rp["rope_type"]
     if rope_type in _REFUSED or "dynamic" in rope_type:
@@ -157,7 +161,7 @@ def compute_inv_freq(
     if rope_type == "llama3":
         return _llama3(config, rp), 1.0, rope_type
     if rope_type == "yarn":
-        inv_freq, attention = _yarn(config, rp, truncate_default)
+        inv_freq, attention = _yarn(config, rp, truncate)
         return inv_freq, attention, rope_type
     if rope_type == "longrope":
         inv_freq, attention = _longrope(config, rp)

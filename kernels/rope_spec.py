@@ -132,9 +132,10 @@ class RopeSpec(BaseModel):
         from leyline_agent.kernels.inv_freq import compute_inv_freq
 
         layout, honours_partial = _layout_for(config, cache_owner)
-        # SGLang's YaRN always truncates the correction range (yarn_find_correction_range).
+        # SGLang's YaRN always truncates the correction range (yarn_find_correction_range);
+        # transformers follows the config's `truncate`.
         inv_freq, attention, rope_type = compute_inv_freq(
-            config, honours_partial, truncate_default=True
+            config, honours_partial, truncate=True if cache_owner == "sglang" else None
         )
         if cache_owner == "sglang" and rope_type not in ("default", "yarn"):
             raise RopeSpecError(

@@ -173,3 +173,37 @@ def test_spec_is_a_frozen_validated_model():
     with pytest.raises(pydantic.ValidationError):
         RopeSpec(inv_freq=(1.0,), rotary_dim=2, layout="adjacent")
     assert hash(spec) == hash(RopeSpec.model_validate_json(spec.model_dump_json()))
+
+
+@pytest.mark.parametrize("mscale,mscale_all_dim", [(0.707, 0.707), (1.0, 0.0)])
+def test_sglang_deepseek_frequencies_match_sglang(mscale, mscale_all_dim):
+    """SGLang turns any DeepSeek rope_scaling into its own YaRN (DeepseekScalingRotaryEmbedding);
+    run its frequency method (on a plain namespace: the class needs CUDA kernels to build)."""
+    from sglang.srt.layers.rotary_embedding.rope_variant import DeepseekScalingRotaryEmbedding
+    from sglang.srt.layers.rotary_embedding.yarn import yarn_get_mscale
+
+    rope = dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=mscale,
+        mscale_all_dim=mscale_all_dim,
+    )
+    config = DeepseekV2Config(**_MLA, max_position_embeddings=163840, rope_parameters=rope)
+    spec = RopeSpec.from_hf_config(config, cache_owner="sglang")
+    ns = SimpleNamespace(
+        base=10000.0,
+        rotary_dim=64,
+        device="cpu",
+        beta_fast=32,
+        beta_slow=1,
+        max_position_embeddings=4096,  # SGLang passes original_max_position_embeddings here
+        extrapolation_factor=1,
+    )
+    theirs = DeepseekScalingRotaryEmbedding._compute_inv_freq(ns, 40.0)
+    assert torch.equal(spec.inv_freq_tensor(), theirs)
+    their_mscale = yarn_get_mscale(40.0, mscale) / yarn_get_mscale(40.0, mscale_all_dim)
+    assert spec.attention_scaling == pytest.approx(their_mscale, rel=1e-12)
