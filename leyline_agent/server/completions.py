@@ -186,9 +186,9 @@ def check_prompt_ids(ids: list[int], limits: ModelLimits, field: str) -> None:
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
     """One prompt: a string, or token ids used as given. Batches of prompts are refused."""
     p = req.prompt
+    if not p:
+        raise RequestError("the prompt is empty", "prompt")
     if isinstance(p, str):
-        if not p:
-            raise RequestError("the prompt is empty", "prompt")
         return p
     if p and all(isinstance(x, int) for x in p):
         return list(p)  # type: ignore[arg-type]
