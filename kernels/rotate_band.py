@@ -19,8 +19,10 @@ for CPU buffers; ``$LEYLINE_KERNEL=triton|torch`` or the ``backend=`` argument o
 
 Precision: ``delta * inv_freq`` is formed in fp64, where it is exact for |delta| < 2**29
 (inv_freq has 24 significant bits), and reduced modulo 2π before the fp32 cos/sin. In plain
-fp32 the angle alone would carry up to ~6e-5 rad of rounding error at |delta| = 1024 and
-inv_freq ~ 1 (fp32 spacing at 1024 is 1.2e-4), as large as the 5e-5 error budget.
+fp32 the product alone may be off by half an fp32 spacing: up to 6e-5 rad at |delta * f| ~
+1024 (the whole 5e-5 error budget) and 4e-3 rad at 1e5, growing linearly with |delta|
+(``test_large_delta_keeps_fp64_angle_accuracy`` fails with an fp32 angle). fp64 costs a few
+flops per (row, pair) in a memory-bound kernel.
 """
 
 from __future__ import annotations
