@@ -91,6 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--models-dir", type=Path, default=Path(".leyline/models"))
     p.add_argument("--arch", default="deepseek_v2")
+    p.add_argument("--size", default="mini", choices=["tiny", "mini"])
     p.set_defaults(func=_demo)
 
     tr = sub.add_parser("trajectories", help="agent trajectories").add_subparsers(

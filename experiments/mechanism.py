@@ -7,8 +7,9 @@ prefilled, TTFT and end-to-end p50/p90, splices executed, peak cache tokens. Rep
 are aggregated into mean and spread (min-max) per (arm, C). Outputs: ``results.json``
 (rows), ``runs.json`` (every repetition), ``results.md`` and ``results.png``.
 
-``--quick``: C from ``--concurrency`` but sessions = max(C), 6 turns per session and tool
-outputs cut to ~200 tokens, 1 repetition: the reduced set of the main job. Full: every
+``--quick``: C from ``--concurrency`` but sessions = max(C), 5 turns per session, tool
+outputs and tool descriptions cut short, 4 generated tokens, 1 repetition: the reduced set
+of the main job (CPU prompts stay around a thousand tokens). Full: every
 turn of each trajectory (up to 40), max(C, 16) sessions, 3 repetitions.
 """
 
@@ -42,6 +43,7 @@ class BenchSettings:
     max_tokens: int = 8
     cache_budget_tokens: int = 65536
     dtype: str = "float32"
+    max_tool_description_chars: int | None = None
 
     @classmethod
     def make(
@@ -60,11 +62,31 @@ class BenchSettings:
         if reps is not None and reps < 1:
             raise LeylineError(f"--reps: must be >= 1, got {reps}")
         if quick:
-            return cls(concurrency, arms, reps or 1, max(concurrency), 6, 800, dtype=dtype)
+            return cls(
+                concurrency,
+                arms,
+                reps or 1,
+                max(concurrency),
+                5,
+                600,
+                max_tokens=4,
+                dtype=dtype,
+                max_tool_description_chars=160,
+            )
         return cls(concurrency, arms, reps or 3, max(max(concurrency), 16), None, None, dtype=dtype)
 
 
-def cap_messages(traj: TrajectoryRecord, max_chars: int | None) -> TrajectoryRecord:
+def cap_messages(
+    traj: TrajectoryRecord, max_chars: int | None, max_description_chars: int | None = None
+) -> TrajectoryRecord:
+    """Cut long tool/system contents (middle elided) and tool descriptions (quick runs)."""
+    if max_description_chars:
+        tools = []
+        for t in traj.tools:
+            fn = dict(t.get("function", {}))
+            fn["description"] = str(fn.get("description", ""))[:max_description_chars]
+            tools.append({**t, "function": fn})
+        traj = traj.model_copy(update={"tools": tools})
     if not max_chars:
         return traj
     msgs = []
@@ -124,7 +146,10 @@ def _run_row(
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "hit_rate": cached / prompt if prompt else 0.0,
-        "prefilled_tokens": sum(s.prefilled_tokens for s in sm),
+        # requests' prefill + what the directives prefilled (R for AMORTIZE, R + tail for FORGET)
+        "prefilled_tokens": sum(s.prefilled_tokens for s in sm) + res.runtime.prefilled_tokens,
+        "directive_prefilled_tokens": res.runtime.prefilled_tokens,
+        "rotated_tokens": res.runtime.rotated_tokens,
         "ttft_p50_s": _pct(ttft, 0.5),
         "ttft_p90_s": _pct(ttft, 0.9),
         "e2e_p50_s": _pct(e2e, 0.5),

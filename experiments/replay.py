@@ -62,11 +62,30 @@ SessionGen = Generator[Job, _Done, None]
 
 
 @dataclass(slots=True)
+class CountingRuntime:
+    """The engine as a ``Runtime``, adding up what its directives prefill and rotate."""
+
+    engine: Any
+    prefilled_tokens: int = 0
+    rotated_tokens: int = 0
+
+    def apply_directives(self, request: Any) -> Any:
+        resp = self.engine.apply_directives(request)
+        self.prefilled_tokens += resp.prefilled_tokens
+        self.rotated_tokens += resp.rotated_tokens
+        return resp
+
+    def stats(self) -> Any:
+        return self.engine.stats()
+
+
+@dataclass(slots=True)
 class ReplayResult:
     samples: list[Sample] = field(default_factory=list)
     peak_cache_tokens: int = 0
     makespan_s: float = 0.0
     session_stats: list[Any] = field(default_factory=list)
+    runtime: CountingRuntime | None = None
 
 
 def personalize(traj: TrajectoryRecord, sid: int) -> TrajectoryRecord:
@@ -100,7 +119,7 @@ def _session(
 
     session = None
     if arm != "full":
-        runtime = engine if arm in _MODES else None
+        runtime = out.runtime if arm in _MODES else None
         session = ContextSession(
             policies, runtime, mode=_MODES.get(arm, Mode.AMORTIZE), session_id=f"s{sid}"
         )
@@ -150,7 +169,7 @@ def replay(
     """Replay ``sessions`` sessions (trajectory ``i % len``), ``concurrency`` in flight."""
     if arm not in ARMS:
         raise LeylineError(f"--arms: unknown arm {arm!r}; known: {', '.join(ARMS)}")
-    out = ReplayResult()
+    out = ReplayResult(runtime=CountingRuntime(engine))
     clock = 0.0
     heap: list[tuple[float, int, int]] = []  # (ready time, session id, tiebreak)
     gens: dict[int, SessionGen] = {}

@@ -1,0 +1,290 @@
+"""``leyline check correctness``: what a splice changes in what the model says.
+
+Over N prompts (agent trajectories rendered with the model's chat template) and one edit
+each (the oldest tool result replaced by a stub, as StaleToolTruncation would), the
+first-token argmax after the next user turn ``Q``:
+
+- full context: a plain forward of ``T' + Q`` (Hugging Face, no cache of any kind);
+- splice: ``T`` cached in the engine, AMORTIZE directive, ``engine.logits_for(T' + Q)``;
+- re-prefill: ``T`` cached, no directive, ``engine.logits_for(T' + Q)`` (the prefix cache
+  reuses ``T[:start]`` and prefills the rest: what a radix cache does after an edit);
+- splice ground truth: ``RefState`` (``leyline_agent.testing.kv_reference``), AMORTIZE
+  built from the model's own modules and RoPE, never from ``rotate_band``.
+
+splice vs ground truth must agree exactly (fp32); splice vs full context measures the
+approximation AMORTIZE makes (the tail keeps values computed over the old span).
+
+Drift (bf16, MLA models): k = 1..K chained AMORTIZE splices on a bf16 engine, each moving
+the tail by a small delta; the tail's cached rotary band against the float64 rotation of
+the band as first stored by the cumulative delta: rel-L2 = ||band - exact|| / ||exact||.
+"fp32 rotation" is the engine (rotate_band, fp32 math); "bf16 rotation" applies the same
+deltas to the stored band with cos/sin and products in bf16 (what a rotation written in the
+cache dtype would do). Writes ``correctness.json`` and ``correctness.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from leyline_agent.errors import LeylineError
+
+from .trajectories import DEFAULT_SET, load_trajectories
+
+__all__ = ["agreement", "drift", "main"]
+
+STUB = "[stale output elided]"
+_MAX_CHARS = 1200  # message contents are cut to this, to keep CPU prompts short
+
+
+def _edit_spans(old: list[int], new: list[int]) -> tuple[int, int, list[int]]:
+    s = 0
+    while s < min(len(old), len(new)) and old[s] == new[s]:
+        s += 1
+    t = 0
+    while t < min(len(old), len(new)) - s and old[-1 - t] == new[-1 - t]:
+        t += 1
+    return s, len(old) - t, new[s : len(new) - t]
+
+
+def _prompts(engine: Any, n: int, max_tokens: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(T, T') token pairs: trajectory prefixes with their oldest tool result stubbed."""
+    rng = random.Random(seed)
+    out = []
+    trajs = load_trajectories(DEFAULT_SET)
+    for k in range(n * 4):
+        traj = trajs[k % len(trajs)]
+        msgs = traj.messages
+        tools = [i for i, m in enumerate(msgs) if m.get("role") == "tool"]
+        if len(tools) < 2:
+            continue
+        end = rng.choice(tools[1:4]) + 1
+        first = next(i for i in tools if i < end)
+        old = [{**m, "content": (m.get("content") or "")[:_MAX_CHARS]} for m in msgs[:end]]
+        new = [dict(m) for m in old]
+        new[first]["content"] = STUB
+        T = engine.render(old, add_generation_prompt=False)
+        Tn = engine.render(new, add_generation_prompt=False)
+        if len(T) > max_tokens or T == Tn:
+            continue
+        out.append((T, Tn))
+        if len(out) == n:
+            break
+    if not out:
+        raise LeylineError(f"no prompt of at most {max_tokens} tokens in {DEFAULT_SET}")
+    return out
+
+
+def agreement(model_dir: Path, n: int, max_tokens: int = 2048, seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    from leyline_agent.runtime.engine import Engine, SamplingParams
+    from leyline_agent.testing.kv_reference import RefState, logits_from_kv
+    from leyline_agent.wire import DirectivesRequest
+
+    probe = Engine.from_pretrained(model_dir)
+    model = probe.model
+    Q = probe.render([{"role": "user", "content": "Continue."}], add_generation_prompt=True)
+    rows = []
+    for T, Tn in _prompts(probe, n, max_tokens, seed):
+        s, e, R = _edit_spans(T, Tn)
+        with torch.inference_mode():
+            full = model(input_ids=torch.tensor([Tn + Q])).logits[0, -1].float()
+        spl = Engine(model, probe.tokenizer)
+        spl.generate(T, SamplingParams(max_tokens=0))
+        spl.apply_directives(
+            DirectivesRequest(
+                tokens=T, directives=[{"start": s, "end": e, "replacement": R, "mode": "amortize"}]
+            )
+        )
+        splice = spl.logits_for(Tn + Q).float()
+        rep = Engine(model, probe.tokenizer)
+        rep.generate(T, SamplingParams(max_tokens=0))
+        reprefill = rep.logits_for(Tn + Q).float()
+        truth = logits_from_kv(model, RefState.prefill(model, T).amortize(s, e, R).kv(), Q)
+        a = {
+            k: int(v.argmax())
+            for k, v in (
+                ("full", full),
+                ("splice", splice),
+                ("reprefill", reprefill),
+                ("truth", truth),
+            )
+        }
+        rows.append(
+            {
+                "tokens": len(T),
+                "start": s,
+                "end": e,
+                "replacement": len(R),
+                "argmax": a,
+                "splice_vs_truth_max_abs": float((splice - truth).abs().max()),
+                "reprefill_vs_full_max_abs": float((reprefill - full).abs().max()),
+                "splice_vs_full_max_abs": float((splice - full).abs().max()),
+            }
+        )
+
+    def frac(x: str, y: str) -> float:
+        return sum(r["argmax"][x] == r["argmax"][y] for r in rows) / len(rows)
+
+    return {
+        "prompts": len(rows),
+        "splice_vs_full": frac("splice", "full"),
+        "reprefill_vs_full": frac("reprefill", "full"),
+        "splice_vs_truth": frac("splice", "truth"),
+        "splice_vs_truth_max_abs": max(r["splice_vs_truth_max_abs"] for r in rows),
+        "rows": rows,
+    }
+
+
+def _exact_rotation(band: Any, delta: int, inv_freq: Any, layout: str) -> Any:
+    """float64 rotation of ``band`` [..., 2h] by ``delta`` positions (pairs per layout)."""
+    import torch
+
+    x = band.to(torch.float64)
+    h = inv_freq.numel()
+    a, b = (x[..., 0::2], x[..., 1::2]) if layout == "interleaved" else (x[..., :h], x[..., h:])
+    ang = delta * inv_freq.to(torch.float64)
+    c, s = ang.cos(), ang.sin()
+    na, nb = a * c - b * s, b * c + a * s
+    if layout == "interleaved":
+        return torch.stack((na, nb), dim=-1).flatten(-2)
+    return torch.cat((na, nb), dim=-1)
+
+
+def _bf16_rotation(band: Any, delta: int, inv_freq: Any, layout: str) -> Any:
+    import torch
+
+    h = inv_freq.numel()
+    ang = delta * inv_freq.float()
+    c, s = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    a, b = (
+        (band[..., 0::2], band[..., 1::2])
+        if layout == "interleaved"
+        else (band[..., :h], band[..., h:])
+    )
+    na, nb = a * c - b * s, b * c + a * s
+    if layout == "interleaved":
+        return torch.stack((na, nb), dim=-1).flatten(-2)
+    return torch.cat((na, nb), dim=-1)
+
+
+def _rel(x: Any, ref: Any) -> float:
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+def drift(model_dir: Path, max_chain: int = 64, seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    from leyline_agent.runtime.engine import Engine, SamplingParams
+    from leyline_agent.wire import DirectivesRequest
+
+    eng = Engine.from_pretrained(model_dir, dtype="bfloat16")
+    if not eng.config.model_type.startswith("deepseek"):
+        raise LeylineError("--model: the drift report reads the MLA k_pe band (deepseek_v2/v3)")
+    spec = eng.rope_spec
+    inv_freq, layout = spec.inv_freq_tensor().cpu(), spec.layout
+    rng = random.Random(seed)
+    T = _prompts(eng, 1, 2048, seed)[0][0]
+    eng.generate(T, SamplingParams(max_tokens=0))
+    s, width = 16, 8  # every splice rewrites T[16:24]; the tail after it is rotated
+
+    def band(tokens: list[int]) -> Any:
+        m = eng.tree.match_prefix(tokens)
+        if m.length != len(tokens):
+            raise LeylineError("drift: the spliced sequence is not cached")
+        return torch.stack([v[0, 0, s + width :] for _, v in eng.pool.as_cache_data(m.slots)])
+
+    stored = band(T)
+    naive = stored.clone()
+    total, curve = 0, []
+    for k in range(1, max_chain + 1):
+        n_r = width + rng.choice([-3, -2, -1, 1, 2, 3])
+        R = [rng.randrange(100, eng.vocab_size) for _ in range(n_r)]
+        resp = eng.apply_directives(
+            DirectivesRequest(
+                tokens=T,
+                directives=[{"start": s, "end": s + width, "replacement": R, "mode": "amortize"}],
+            )
+        )
+        delta = n_r - width
+        T, total = resp.tokens, total + delta
+        width = n_r
+        naive = _bf16_rotation(naive, delta, inv_freq, layout)
+        exact = _exact_rotation(stored, total, inv_freq, layout)
+        curve.append(
+            {
+                "k": k,
+                "cumulative_delta": total,
+                "fp32_rotation": _rel(band(T), exact),
+                "bf16_rotation": _rel(naive, exact),
+            }
+        )
+    return {"tail_tokens": int(stored.shape[1]), "layers": int(stored.shape[0]), "curve": curve}
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    ag = report["agreement"]
+    names = ["splice_vs_truth", "reprefill_vs_full", "splice_vs_full"]
+    a1.bar(names, [ag[k] for k in names], color=["tab:green", "tab:blue", "tab:orange"])
+    a1.set_ylim(0, 1.05)
+    a1.set_title(f"first-token argmax agreement ({ag['prompts']} prompts, fp32)")
+    c = report["drift"]["curve"]
+    ks = [p["k"] for p in c]
+    a2.plot(ks, [p["fp32_rotation"] for p in c], marker=".", label="fp32 rotation (engine)")
+    a2.plot(ks, [p["bf16_rotation"] for p in c], marker=".", label="bf16 rotation")
+    a2.set_xlabel("chained splices k")
+    a2.set_ylabel("rel-L2 drift of the rotated band")
+    a2.set_title("bf16 cache: drift after k splices")
+    a2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_correctness(
+    model_dir: Path, out: Path, prompts: int = 8, max_chain: int = 64
+) -> dict[str, Any]:
+    if not Path(model_dir).is_dir():
+        raise LeylineError(f"--model: no model folder at {model_dir} (leyline make-model)")
+    if prompts < 1 or max_chain < 1:
+        raise LeylineError("--prompts and --max-chain must be >= 1")
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "model": str(model_dir),
+        "agreement": agreement(model_dir, prompts),
+        "drift": drift(model_dir, max_chain),
+    }
+    (out / "correctness.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "correctness.png")
+    return report
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    ag, c = report["agreement"], report["drift"]["curve"]
+    last = c[-1]
+    return [
+        f"argmax agreement over {ag['prompts']} prompts (fp32): splice vs ground truth "
+        f"{ag['splice_vs_truth']:.2f} (max |logit diff| {ag['splice_vs_truth_max_abs']:.1e}), "
+        f"re-prefill vs full {ag['reprefill_vs_full']:.2f}, splice vs full {ag['splice_vs_full']:.2f}",
+        f"bf16 drift after {last['k']} chained splices: fp32 rotation {last['fp32_rotation']:.2e}, "
+        f"bf16 rotation {last['bf16_rotation']:.2e}",
+    ]
+
+
+def main(args: Any) -> int:
+    prompts = 4 if args.quick else args.prompts
+    chain = min(args.max_chain, 16) if args.quick else args.max_chain
+    report = run_correctness(Path(args.model), args.out, prompts, chain)
+    print("\n".join(summary_lines(report)))
+    print(f"report: {args.out / 'correctness.json'}  plot: {args.out / 'correctness.png'}")
+    return 0
