@@ -23,6 +23,17 @@ _COMMAND_MODULES = (
 )
 
 
+class _Stderr:
+    """Writes to whatever ``sys.stderr`` is at the time of the write (not at configure time:
+    a captured or replaced stream may be closed later)."""
+
+    def write(self, s: str) -> int:
+        return sys.stderr.write(s)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "warning", json_logs: bool = False) -> None:
     lvl = getattr(logging, level.upper(), logging.WARNING)
     logging.basicConfig(level=lvl, stream=sys.stderr, format="%(message)s")
@@ -37,8 +48,8 @@ def configure_logging(level: str = "warning", json_logs: bool = False) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
+        cache_logger_on_first_use=False,
     )
 
 
