@@ -55,13 +55,17 @@ class ModelRunner:
         """Forward ``token_ids`` after what ``cache`` holds; return the last position's logits."""
         logits = None
         ids = list(token_ids)
+        none = torch.empty(0, dtype=torch.long, device=self.device)  # cache-only: no lm_head
         for i in range(0, len(ids), self.chunk):
+            last = i + self.chunk >= len(ids)
             part = torch.tensor([ids[i : i + self.chunk]], dtype=torch.long, device=self.device)
+            keep = 1 if (last and want_logits) else none
             out = self.model(
-                input_ids=part, past_key_values=cache, use_cache=True, logits_to_keep=1
+                input_ids=part, past_key_values=cache, use_cache=True, logits_to_keep=keep
             )
-            logits = out.logits[0, -1].float()
-        return logits if want_logits else None
+            if last and want_logits:
+                logits = out.logits[0, -1].float()
+        return logits
 
     def prefill(
         self, prefix_slots: Sequence[int], token_ids: Sequence[int], want_logits: bool = True
