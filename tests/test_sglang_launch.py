@@ -8,11 +8,13 @@ it starts SGLang's server (not exercised here).
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from leyline_agent.cli import main
 from leyline_agent.errors import RuntimeUnavailableError
 from leyline_agent.sglang_plugin import RADIX_CACHE_BACKEND
 from leyline_agent.sglang_plugin.launch import require_full_sglang, server_kwargs
@@ -39,12 +41,19 @@ def test_sglang_server_kwargs() -> None:
         server_kwargs(_args(device="cpu"))
 
 
-def test_sglang_serve_refuses_in_one_line_without_gpu(tmp_path, capsys) -> None:
+def test_sglang_serve_refuses_in_one_line_without_gpu(tmp_path) -> None:
     if torch.cuda.is_available():  # pragma: no cover - GPU boxes start the server instead
         pytest.skip("this machine has CUDA: serve would start SGLang")
     with pytest.raises(RuntimeUnavailableError, match="CUDA"):
         require_full_sglang()
-    code = main(["serve", "--engine", "sglang", "--model", str(tmp_path)])
-    err = capsys.readouterr().err.strip()
-    assert code != 0
-    assert len(err.splitlines()) == 1 and "CUDA" in err and "--engine embedded" in err
+    # as a user runs it (a subprocess: the CLI configures logging for its whole process)
+    script = Path(sys.executable).parent / "leyline"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "leyline_agent.cli"]
+    proc = subprocess.run(
+        [*cmd, "serve", "--engine", "sglang", "--model", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    err = proc.stderr.strip()
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert len(err.splitlines()) == 1, err
+    assert "CUDA" in err and "--engine embedded" in err
