@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="JSONL of trajectories to replay (default: generated)",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--config", type=Path, default=None, help="YAML settings (configs/runs/mechanism-*.yaml)"
+    )
     p.set_defaults(func=_bench_mechanism)
 
     check = sub.add_parser("check", help="correctness reports").add_subparsers(

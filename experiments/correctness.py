@@ -36,7 +36,7 @@ from .trajectories import DEFAULT_SET, load_trajectories
 __all__ = ["agreement", "drift", "main"]
 
 STUB = "[stale output elided]"
-_MAX_CHARS = 1200  # message contents are cut to this, to keep CPU prompts short
+_MAX_CHARS = 600  # message contents are cut to this, to keep CPU prompts short
 
 
 def _edit_spans(old: list[int], new: list[int]) -> tuple[int, int, list[int]]:

@@ -7,9 +7,10 @@ prefilled, TTFT and end-to-end p50/p90, splices executed, peak cache tokens. Rep
 are aggregated into mean and spread (min-max) per (arm, C). Outputs: ``results.json``
 (rows), ``runs.json`` (every repetition), ``results.md`` and ``results.png``.
 
-``--quick``: C from ``--concurrency`` but sessions = max(C), 5 turns per session, tool
-outputs and tool descriptions cut short, 4 generated tokens, 1 repetition: the reduced set
-of the main job (CPU prompts stay around a thousand tokens). Full: every
+``--quick``: C from ``--concurrency`` but sessions = max(C), 4 turns per session, tool
+outputs (400 chars) and tool descriptions (80 chars) cut short, 1 generated token, 1
+repetition: the reduced set of the main job (CPU prompts stay under ~1.5k tokens; the
+``mini`` model prefills only a few hundred tokens per second on 2 cores). Full: every
 turn of each trajectory (up to 40), max(C, 16) sessions, 3 repetitions.
 """
 
@@ -242,11 +243,38 @@ def run_mechanism(
     return rows
 
 
+def settings_from_args(args: Any) -> BenchSettings:
+    """CLI flags, then (``--config``) a YAML of ``BenchSettings`` fields over them."""
+    import yaml
+
+    cfg: dict[str, Any] = {}
+    if getattr(args, "config", None) is not None:
+        if not Path(args.config).is_file():
+            raise LeylineError(f"--config: no such file {args.config}")
+        cfg = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(cfg, dict):
+            raise LeylineError(f"--config: {args.config} must hold a mapping")
+    arms = cfg.pop("arms", None) or [a.strip() for a in args.arms.split(",") if a.strip()]
+    st = BenchSettings.make(
+        cfg.pop("concurrency", args.concurrency),
+        arms,
+        bool(cfg.pop("quick", args.quick)),
+        cfg.pop("reps", args.reps),
+        args.dtype,
+    )
+    for key, value in cfg.items():
+        if key not in BenchSettings.__slots__:
+            raise LeylineError(
+                f"--config: unknown setting {key!r}; known: {', '.join(BenchSettings.__slots__)}"
+            )
+        setattr(st, key, value)
+    return st
+
+
 def main(args: Any) -> int:
     from .mechanism_report import markdown
 
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    st = BenchSettings.make(args.concurrency, arms, args.quick, args.reps, args.dtype)
+    st = settings_from_args(args)
     rows = run_mechanism(Path(args.model), st, args.out, args.trajectories)
     print(markdown(rows))
     print(f"results: {args.out / 'results.json'}  plot: {args.out / 'results.png'}")

@@ -1,0 +1,80 @@
+"""The mechanism benchmark end to end on a tiny model: files, and invariants between arms
+measured in the same run (never constants).
+
+- nocache: nothing is cached, every prompt token is prefilled;
+- radix (edits, prefix cache only) re-prefills from each edit point: it prefills more and
+  hits less than splice, which reuses the cache across the edit;
+- splice prefills, per request, no more than full (the unedited upper bound): after a splice
+  only the turn's new tokens miss, as without edits;
+- splice and forget see the same prompts and the same request-level prefill; forget pays the
+  tail again inside its directives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from leyline_agent.errors import LeylineError
+from leyline_agent.experiments.mechanism import BenchSettings, run_mechanism
+from leyline_agent.experiments.replay import ARMS
+from leyline_agent.testing.models import tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("mech")
+    st = BenchSettings.make([1, 2], list(ARMS), quick=True, reps=1)
+    st.sessions = 2  # quick settings otherwise: 4 turns, short contents, 1 token
+    rows = run_mechanism(tiny_model_dir("deepseek_v2"), st, out, progress=False)
+    return out, {(r["arm"], r["concurrency"]): r for r in rows}
+
+
+def test_files_and_rows(bench) -> None:
+    out, rows = bench
+    assert set(rows) == {(a, c) for a in ARMS for c in (1, 2)}
+    data = json.loads((out / "results.json").read_text())
+    for row in data:
+        for key in (
+            "arm",
+            "concurrency",
+            "hit_rate",
+            "prefilled_tokens",
+            "ttft_p50_s",
+            "e2e_p50_s",
+        ):
+            assert key in row
+    assert (out / "results.png").stat().st_size > 0
+    assert "| splice |" in (out / "results.md").read_text()
+    runs = json.loads((out / "runs.json").read_text())
+    assert len(runs) == len(rows)
+
+
+@pytest.mark.parametrize("c", [1, 2])
+def test_arm_invariants(bench, c: int) -> None:
+    _, rows = bench
+    full, radix, splice, forget, nocache = (rows[(a, c)] for a in ARMS)
+    assert full["requests"] == radix["requests"] == splice["requests"] == nocache["requests"]
+    assert nocache["hit_rate"] == 0.0 and nocache["prefilled_tokens"] == nocache["prompt_tokens"]
+    # The policies edited something, and the spliced arms executed those edits.
+    assert splice["prompt_tokens"] == radix["prompt_tokens"] < full["prompt_tokens"]
+    assert splice["splices"]["amortize"] > 0 and forget["splices"]["forget"] > 0
+    assert splice["fallbacks"] == 0 and splice["runtime_failures"] == 0
+    # Splice keeps the cache across edits; a plain radix cache does not.
+    assert splice["hit_rate"] > radix["hit_rate"]
+    assert splice["prefilled_tokens"] < radix["prefilled_tokens"]
+    request_prefill = {
+        a: rows[(a, c)]["prompt_tokens"] - rows[(a, c)]["cached_tokens"] for a in ARMS
+    }
+    assert request_prefill["splice"] <= request_prefill["full"]
+    assert request_prefill["forget"] == request_prefill["splice"]
+    assert forget["prefilled_tokens"] > splice["prefilled_tokens"]
+
+
+def test_bad_arm_is_named() -> None:
+    with pytest.raises(LeylineError, match="--arms: unknown arm.*warp"):
+        BenchSettings.make([1], ["splice", "warp"], quick=True, reps=None)
+    with pytest.raises(LeylineError, match="--reps"):
+        BenchSettings.make([1], ["splice"], quick=True, reps=0)
