@@ -191,6 +191,9 @@ def test_chain_of_random_directives_matches_reference(arch, ref_model):
         T = resp.tokens
         assert T == ref.tokens
     assert max_kv_diff(pool_kv(eng, T), ref.kv()) <= 1e-4
+    held = {slot for _, slots in eng.tree.sequences() for slot in slots}
+    assert eng.allocator.num_used == len(held)  # no slot leaked, none shared by two paths
+    assert eng.tree.total_tokens == len(held)
     Q = [11, 12, 13]
     assert (eng.logits_for(T + Q) - logits_from_kv(ref_model, ref.kv(), Q)).abs().max() <= TOL
 

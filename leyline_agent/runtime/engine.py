@@ -246,8 +246,9 @@ class Engine:
         self._free_unadopted(tokens, new_slots)
 
     def _free_unadopted(self, tokens: list[int], fresh: Sequence[int]) -> None:
-        held = set(self.tree.match_prefix(tokens).slots)
-        self.tree.touch(self.tree.match_prefix(tokens).node)
+        m = self.tree.match_prefix(tokens)
+        self.tree.touch(m.node)
+        held = set(m.slots)
         self.allocator.free([s for s in fresh if s not in held])
 
     def _evict(self) -> None:
