@@ -160,9 +160,13 @@ def test_sglang_http_route_on_sglang_app(engine: Engine, monkeypatch) -> None:
     assert out.splices == {"amortize": 1, "forget": 0}
 
     r = client.post("/leyline/v1/directives", json={"tokens": tokens})
-    assert r.status_code == 400 and "directives" in r.json()["error"]["message"]
+    assert r.status_code == 422 and "directives" in r.json()["error"]["message"]
     body["directives"][0]["end"] = len(tokens) + 9
     r = client.post("/leyline/v1/directives", json=body)
     assert r.status_code == 400 and r.json()["error"]["type"] == "DirectiveError"
+    never = engine.tokenizer.encode("not cached", add_special_tokens=False)
+    miss = {"tokens": never, "directives": [{"start": 0, "end": 1, "replacement": "[x]"}]}
+    r = client.post("/leyline/v1/directives", json=miss)
+    assert r.status_code == 409 and r.json()["error"]["type"] == "CacheMissError"
     stats = StatsResponse.model_validate(client.get("/leyline/v1/stats").json())
-    assert stats.directive_errors == 2 and stats.splices["amortize"] == 1
+    assert stats.directive_errors == 3 and stats.splices["amortize"] == 1

@@ -22,6 +22,7 @@ from typing import Any
 
 import structlog
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from leyline_agent.errors import CacheMissError, LeylineError, RuntimeUnavailableError
@@ -48,12 +49,15 @@ class LeylineRoute:
         self._lock = asyncio.Lock()
         self._sock: Any = None
 
-    async def directives(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def directives(self, body: Any) -> tuple[int, dict[str, Any]]:
+        """(status, JSON body): the server's mapping (``leyline_agent.server.errors.classify``)."""
+        from pydantic import ValidationError
+
         try:
             req = DirectivesRequest.model_validate(body)
-        except ValueError as e:
+        except ValidationError as e:
             self.counters.directive_errors += 1
-            return 400, _error("DirectiveError", str(e))
+            return _error(RequestValidationError(e.errors()))
         t0 = time.perf_counter()
         async with self._lock:
             try:
@@ -73,8 +77,7 @@ class LeylineRoute:
                     resp = response_for(steps, tokens, fallback=True)
             except LeylineError as e:
                 self.counters.directive_errors += 1
-                status = 503 if isinstance(e, RuntimeUnavailableError) else 400
-                return status, _error(type(e).__name__, str(e))
+                return _error(e)
         resp = resp.model_copy(update={"elapsed_s": time.perf_counter() - t0})
         self.counters.add(resp)
         return 200, resp.model_dump(mode="json")
@@ -101,8 +104,12 @@ class LeylineRoute:
             raise err if err is not None else RuntimeUnavailableError(out.message)
 
 
-def _error(kind: str, message: str) -> dict[str, Any]:
-    return {"error": ErrorBody(type=kind, message=message).model_dump(mode="json")}
+def _error(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    from leyline_agent.server.errors import classify
+
+    status, kind, message, field = classify(exc)
+    body = ErrorBody(type=kind, message=message, field=field)
+    return status, {"error": body.model_dump(mode="json")}
 
 
 def add_routes(app: Any, route: LeylineRoute) -> None:
@@ -110,7 +117,10 @@ def add_routes(app: Any, route: LeylineRoute) -> None:
         try:
             body = await request.json()
         except ValueError:
-            return JSONResponse(_error("DirectiveError", "body: not valid JSON"), status_code=400)
+            status, content = _error(
+                RequestValidationError([{"loc": ("body",), "msg": "not valid JSON"}])
+            )
+            return JSONResponse(content, status_code=status)
         status, content = await route.directives(body)
         return JSONResponse(content, status_code=status)
 
