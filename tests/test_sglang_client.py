@@ -17,6 +17,7 @@ import torch
 
 from leyline_agent.directives import Directive, Mode, apply_directives
 from leyline_agent.errors import CacheMissError
+from leyline_agent.http_runtime import HTTPRuntime
 from leyline_agent.runtime.engine import Engine
 from leyline_agent.sglang_plugin import scheduler_hook as hook
 from leyline_agent.sglang_plugin.client import SGLangRuntime
@@ -170,3 +171,13 @@ def test_sglang_http_route_on_sglang_app(engine: Engine, monkeypatch) -> None:
     assert r.status_code == 409 and r.json()["error"]["type"] == "CacheMissError"
     stats = StatsResponse.model_validate(client.get("/leyline/v1/stats").json())
     assert stats.directive_errors == 3 and stats.splices["amortize"] == 1
+
+    # the agent side's HTTPRuntime works against it as against `leyline serve`
+    rt = HTTPRuntime("http://testserver", client=client)
+    assert rt.has_leyline()
+    d = Directive(start=8, end=14, replacement=[5, 6])
+    resp = rt.apply_directives(DirectivesRequest(tokens=out.tokens, directives=[d]))
+    assert resp.tokens == apply_directives(out.tokens, [d])
+    assert peek_prefix(loop.cache.tree, resp.tokens).length == len(resp.tokens)
+    with pytest.raises(CacheMissError):
+        rt.apply_directives(DirectivesRequest(**miss))
