@@ -8,9 +8,9 @@ are aggregated into mean and spread (min-max) per (arm, C). Outputs: ``results.j
 (rows), ``runs.json`` (every repetition), ``results.md`` and ``results.png``.
 
 ``--quick``: C from ``--concurrency`` but sessions = max(C), 4 turns per session, tool
-outputs (400 chars) and tool descriptions (80 chars) cut short, 1 generated token, 1
-repetition: the reduced set of the main job (CPU prompts stay under ~1.5k tokens; the
-``mini`` model prefills only a few hundred tokens per second on 2 cores). Full: every
+outputs cut to 400 characters, no tool schemas in the prompt (debug-gym's cost ~1k tokens),
+1 generated token, 1 repetition: the reduced set of the main job (prompts stay under ~700
+tokens; the ``mini`` model prefills a few hundred tokens per second on 2 busy cores). Full: every
 turn of each trajectory (up to 40), max(C, 16) sessions, 3 repetitions.
 """
 
@@ -45,6 +45,7 @@ class BenchSettings:
     cache_budget_tokens: int = 65536
     dtype: str = "float32"
     max_tool_description_chars: int | None = None
+    with_tools: bool = True
 
     @classmethod
     def make(
@@ -86,6 +87,12 @@ def cap_messages(
         for t in traj.tools:
             fn = dict(t.get("function", {}))
             fn["description"] = str(fn.get("description", ""))[:max_description_chars]
+            params = dict(fn.get("parameters") or {})
+            params["properties"] = {
+                name: {**spec, "description": str(spec.get("description", ""))[:max_description_chars // 2]}
+                for name, spec in (params.get("properties") or {}).items()
+            }
+            fn["parameters"] = params
             tools.append({**t, "function": fn})
         traj = traj.model_copy(update={"tools": tools})
     if not max_chars:

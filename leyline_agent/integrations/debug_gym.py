@@ -7,7 +7,12 @@ tokens with a local Hugging Face tokenizer and sends the request with an OpenAI 
 agent's context and the serving side splices its KV cache before each request. The agent,
 its prompts, its history, its tools and the environment are debug-gym's, unchanged.
 
-Two deliberate differences from the parent class, both for unattended experiments:
+Three deliberate differences from the parent class:
+- a reply without a tool call gets a unique call id (``empty_tool_response_<n>``): debug-gym
+  gives every such reply the same id ``empty_tool_response``, and a history with duplicate
+  tool-call ids is refused by the policies' trajectory validator (the turn would then go
+  out unedited); the agent's behaviour is unchanged (the environment answers the unknown
+  tool the same way);
 - transport errors are not retried for minutes (debug-gym retries up to 100 times): an
   endpoint that is down surfaces at once as ``RuntimeUnavailableError``;
 - the ``usage`` block of every response is kept in ``usage_log`` (prompt and cached tokens
@@ -19,6 +24,7 @@ never torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -114,6 +120,7 @@ class LeylineHuggingFaceLLM(HuggingFaceLLM):
         self._wrap = wrap
         self._timeout_s = timeout_s
         self.usage_log: list[dict[str, int]] = []
+        self._empty_calls = 0
         self.transcript: list[dict[str, Any]] = []  # last prompt sent + the reply to it
         self.tool_schemas: list[dict[str, Any]] = []
 
@@ -147,6 +154,13 @@ class LeylineHuggingFaceLLM(HuggingFaceLLM):
                 }
             )
         return response
+
+    def parse_tool_call_response(self, response: Any) -> Any:
+        call = super().parse_tool_call_response(response)
+        if response is None:
+            self._empty_calls += 1
+            call = dataclasses.replace(call, id=f"{call.id}_{self._empty_calls}")
+        return call
 
     def generate(self, messages: list[dict[str, Any]], tools: Any, **kwargs: Any) -> Any:
         response = super().generate(messages, tools, **kwargs)
