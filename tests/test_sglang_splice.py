@@ -170,3 +170,28 @@ def test_sglang_splice_again_is_a_no_op(engine: Engine) -> None:
     sp.snapshot(cache).assert_equal(snap)
     sp.evict_all(cache)
     assert cache.allocator.available_size() == cache.initial_free
+
+
+def test_sglang_amortize_bf16_mla_pool() -> None:
+    """SGLang serves DeepSeek with a bf16 KV cache: latent copied bitwise, k_pe rotated in
+    fp32 and stored in bf16 (compared with the reference at bf16 resolution)."""
+    eng = Engine.from_pretrained(tiny_model_dir("deepseek_v2"))
+    tokens, d = _case(eng, "shrink")
+    s, e, repl = d.start, d.end, list(d.replacement)
+    head = s + len(repl)
+    cache = sp.build_cache(eng.config, size=512, dtype=torch.bfloat16)
+    old_slots = sp.prefill(cache, eng.model, tokens)
+    sp.prefill(cache, eng.model, tokens[:s] + repl)
+    before = sp.rows(cache, old_slots)
+    splice_amortize(cache.target(), tokens, d)
+    new_tokens = tokens[:s] + repl + tokens[e:]
+    n, slots = _match(cache, new_tokens)
+    assert n == len(new_tokens)
+    ref = RefState.prefill(eng.model, tokens).amortize(s, e, repl).kv()
+    for layer, (latent, kpe) in enumerate(sp.rows(cache, slots)):
+        assert latent.dtype == torch.bfloat16
+        assert torch.equal(latent[head:], before[layer][0][e:])
+        expected = ref[layer][1][0, 0, head:]
+        torch.testing.assert_close(kpe[head:].float(), expected, rtol=2e-2, atol=2e-2)
+    sp.evict_all(cache)
+    assert cache.allocator.available_size() == cache.initial_free
