@@ -33,7 +33,7 @@ def run_demo(
     arch: str = "deepseek_v2",
     size: str = "mini",
     concurrency: list[int] | None = None,
-    prompts: int = 4,
+    prompts: int = 3,
     chain: int = 16,
     progress: bool = True,
     **bench_overrides: Any,

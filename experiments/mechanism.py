@@ -69,11 +69,11 @@ class BenchSettings:
                 arms,
                 reps or 1,
                 max(concurrency),
-                5,
-                600,
-                max_tokens=4,
+                4,
+                400,
+                max_tokens=1,
                 dtype=dtype,
-                max_tool_description_chars=160,
+                with_tools=False,
             )
         return cls(concurrency, arms, reps or 3, max(max(concurrency), 16), None, None, dtype=dtype)
 
@@ -89,7 +89,10 @@ def cap_messages(
             fn["description"] = str(fn.get("description", ""))[:max_description_chars]
             params = dict(fn.get("parameters") or {})
             params["properties"] = {
-                name: {**spec, "description": str(spec.get("description", ""))[:max_description_chars // 2]}
+                name: {
+                    **spec,
+                    "description": str(spec.get("description", ""))[: max_description_chars // 2],
+                }
                 for name, spec in (params.get("properties") or {}).items()
             }
             fn["parameters"] = params
@@ -229,9 +232,11 @@ def run_mechanism(
     if not Path(model_dir).is_dir():
         raise LeylineError(f"--model: no model folder at {model_dir} (leyline make-model)")
     trajs = [
-        cap_messages(t, st.max_message_chars)
+        cap_messages(t, st.max_message_chars, st.max_tool_description_chars)
         for t in load_trajectories(trajectories or DEFAULT_SET)
     ]
+    if not st.with_tools:
+        trajs = [t.model_copy(update={"tools": []}) for t in trajs]
     loaded = load(model_dir, dtype=st.dtype, device="cpu")
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []

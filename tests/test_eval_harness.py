@@ -106,7 +106,10 @@ def test_looking_only_is_not_solved(tmp_path: Path, tokenizer_dir: Path) -> None
 
 
 def test_stale_tool_arm_edits_what_the_server_receives(tmp_path: Path, tokenizer_dir: Path) -> None:
-    with ScriptedLLMServer([VIEW]) as server:
+    # Replies without a tool call (as a weak model gives) in between: debug-gym answers
+    # them as tool results too, and their call ids must not collide.
+    text_only = {"content": "Hmm, thinking."}
+    with ScriptedLLMServer([VIEW, text_only, text_only]) as server:
         _eval(server, tmp_path, tokenizer_dir, arms="baseline,stale-tool", max_steps=5)
         assert len(server.requests) == 8
         # Requests 0-3 are the baseline episode, 4-7 the stale-tool one; the 4th request of
