@@ -7,7 +7,7 @@ prefilled, TTFT and end-to-end p50/p90, splices executed, peak cache tokens. Rep
 are aggregated into mean and spread (min-max) per (arm, C). Outputs: ``results.json``
 (rows), ``runs.json`` (every repetition), ``results.md`` and ``results.png``.
 
-``--quick``: C from ``--concurrency`` but sessions = max(C), 4 turns per session, tool
+``--quick``: C from ``--concurrency`` but sessions = max(C), 6 turns per session, tool
 outputs cut to 400 characters, no tool schemas in the prompt (debug-gym's cost ~1k tokens),
 1 generated token, 1 repetition: the reduced set of the main job (prompts stay under ~700
 tokens; the ``mini`` model prefills a few hundred tokens per second on 2 busy cores). Full: every
@@ -69,7 +69,7 @@ class BenchSettings:
                 arms,
                 reps or 1,
                 max(concurrency),
-                4,
+                6,
                 400,
                 max_tokens=1,
                 dtype=dtype,
