@@ -47,7 +47,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
             ys = [r[key] for r in rs]
             lo = [r[key] - r[key + "_min"] for r in rs]
             hi = [r[key + "_max"] - r[key] for r in rs]
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=arm)
+            k = arms.index(arm)  # distinct marker and dash: equal arms (splice/forget) overlap
+            ax.errorbar(
+                xs,
+                ys,
+                yerr=[lo, hi],
+                marker="osD^x"[k % 5],
+                capsize=3,
+                label=arm,
+                linestyle=("-", "--", "-.", ":")[k % 4],
+                markersize=7 - k,
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sessions in flight (C)")
         ax.set_title(title)
