@@ -44,27 +44,10 @@ WIDTH = LATENT + ROPE
 
 
 def _spec() -> RopeSpec:
-    from transformers import DeepseekV2Config
+    from leyline_agent.testing.rope_configs import deepseek_v2_lite_yarn
 
-    config = DeepseekV2Config(  # DeepSeek-V2-Lite's attention/rope settings
-        hidden_size=2048,
-        num_attention_heads=16,
-        kv_lora_rank=LATENT,
-        qk_rope_head_dim=ROPE,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        max_position_embeddings=163840,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=40.0,
-            original_max_position_embeddings=4096,
-            beta_fast=32,
-            beta_slow=1,
-            mscale=0.707,
-            mscale_all_dim=0.707,
-        ),
-    )
+    config = deepseek_v2_lite_yarn()
+    assert (config.kv_lora_rank, config.qk_rope_head_dim) == (LATENT, ROPE)
     return RopeSpec.from_hf_config(config, cache_owner="sglang")
 
 

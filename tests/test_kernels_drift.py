@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DeepseekV2Config
 
 from leyline_agent.kernels import RopeSpec, rotate_band
 from leyline_agent.kernels.reference import rope_float64
 from leyline_agent.kernels.rotate_band import pair_views
+from leyline_agent.testing.rope_configs import deepseek_v2_yarn
 
 # Bound for n rotations. bf16 keeps 8 significant bits: one round-to-nearest has relative
 # error <= u = 2**-8, so each rotation (one rounding per element at the end, the fp32 math
@@ -38,23 +38,7 @@ def _naive_bf16_rotate(band: torch.Tensor, delta: int, spec: RopeSpec) -> None:
 
 def drift(steps: int, backend: str = "torch", rows: int = 256) -> tuple[float, float]:
     """(ours, naive) rel-L2 drift after ``steps`` rotations of a DeepSeek-V2-Lite k_pe band."""
-    config = DeepseekV2Config(
-        hidden_size=256,
-        num_attention_heads=4,
-        kv_lora_rank=64,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        max_position_embeddings=163840,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=40.0,
-            original_max_position_embeddings=4096,
-            mscale=0.707,
-            mscale_all_dim=0.707,
-        ),
-    )
+    config = deepseek_v2_yarn(0.707, 0.707, betas=False)
     spec = RopeSpec.from_hf_config(config)
     g = torch.Generator().manual_seed(11)
     keys = torch.randn(rows, 64, generator=g, dtype=torch.float64)

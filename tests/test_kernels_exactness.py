@@ -14,14 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import (
-    DeepseekV2Config,
-    DeepseekV3Config,
-    GlmConfig,
-    LlamaConfig,
-    Phi3Config,
-    Qwen3Config,
-)
+from transformers import GlmConfig, LlamaConfig, Phi3Config, Qwen3Config
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as ds2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds3
 from transformers.models.glm import modeling_glm as glm
@@ -31,29 +24,16 @@ from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
 from leyline_agent.kernels import RopeSpec, band_offset_for, rotate_band
 from leyline_agent.kernels.reference import rope_float64
+from leyline_agent.testing.rope_configs import (
+    deepseek_v2_yarn,
+    deepseek_v3_interleaved_yarn,
+    gqa_dims,
+    llama3_rope,
+)
 
 DELTAS = [-1024, -129, -128, -127, -1, 0, 1, 127, 128, 129, 1024]
 POSITIONS = [0, 3, 128, 1025, 2048, 4097, 6000, 8191]
 TOL = 5e-5
-
-_MLA = dict(
-    hidden_size=256,
-    num_attention_heads=4,
-    kv_lora_rank=64,
-    qk_rope_head_dim=64,
-    qk_nope_head_dim=32,
-    v_head_dim=32,
-    max_position_embeddings=163840,
-)
-_YARN = dict(
-    rope_type="yarn",
-    rope_theta=10000.0,
-    factor=40.0,
-    original_max_position_embeddings=4096,
-    beta_fast=32,
-    beta_slow=1,
-)
-_GQA = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
 
 
 def _ds2_apply(emb, k, pos):
@@ -90,7 +70,7 @@ class Case:
 CASES = [
     Case(
         "deepseek_v2_yarn",
-        DeepseekV2Config(**_MLA, rope_parameters=dict(_YARN, mscale=0.707, mscale_all_dim=0.707)),
+        deepseek_v2_yarn(0.707, 0.707),
         ds2.DeepseekV2RotaryEmbedding,
         _ds2_apply,
         "interleaved",
@@ -99,7 +79,7 @@ CASES = [
     ),
     Case(  # mscale != mscale_all_dim: attention scaling 1.369 lives in the cached key
         "deepseek_v2_yarn_mscale",
-        DeepseekV2Config(**_MLA, rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=0.0)),
+        deepseek_v2_yarn(1.0, 0.0),
         ds2.DeepseekV2RotaryEmbedding,
         _ds2_apply,
         "interleaved",
@@ -108,11 +88,7 @@ CASES = [
     ),
     Case(
         "deepseek_v3_rope_interleave",
-        DeepseekV3Config(
-            **_MLA,
-            rope_interleave=True,
-            rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0),
-        ),
+        deepseek_v3_interleaved_yarn(),
         ds3.DeepseekV3RotaryEmbedding,
         _ds3_apply,
         "half",
@@ -121,18 +97,7 @@ CASES = [
     ),
     Case(
         "llama3",
-        LlamaConfig(
-            **_GQA,
-            max_position_embeddings=131072,
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=500000.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
-        ),
+        LlamaConfig(**gqa_dims(), max_position_embeddings=131072, rope_parameters=llama3_rope()),
         llama.LlamaRotaryEmbedding,
         _std_apply(llama),
         "half",
@@ -142,7 +107,7 @@ CASES = [
     Case(
         "qwen3",
         Qwen3Config(
-            **_GQA, head_dim=128, rope_parameters=dict(rope_type="default", rope_theta=1e6)
+            **gqa_dims(head_dim=128), rope_parameters=dict(rope_type="default", rope_theta=1e6)
         ),
         qwen3.Qwen3RotaryEmbedding,
         _std_apply(qwen3),
@@ -152,7 +117,7 @@ CASES = [
     ),
     Case(  # Phi-4-mini style: rotary on the first 75% of each key head, rest passes through
         "phi3_partial",
-        Phi3Config(**_GQA, partial_rotary_factor=0.75),
+        Phi3Config(**gqa_dims(), partial_rotary_factor=0.75),
         phi3.Phi3RotaryEmbedding,
         _std_apply(phi3),
         "half",
@@ -161,7 +126,7 @@ CASES = [
     ),
     Case(  # GLM: partial (first half of the head) AND interleaved pairs
         "glm_partial_interleaved",
-        GlmConfig(**_GQA, head_dim=64, partial_rotary_factor=0.5),
+        GlmConfig(**gqa_dims(head_dim=64), partial_rotary_factor=0.5),
         glm.GlmRotaryEmbedding,
         _std_apply(glm),
         "interleaved",
@@ -253,9 +218,7 @@ def test_delta_rotation_is_exact(case: Case, backend: str, mode: str):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_sglang_mla_pool_row(backend: str):
     """SGLang's MLA pool row [latent | k_pe], interleaved, band at kv_lora_rank, strided view."""
-    config = DeepseekV3Config(
-        **_MLA, rope_interleave=True, rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0)
-    )
+    config = deepseek_v3_interleaved_yarn()
     spec = RopeSpec.from_hf_config(config, cache_owner="sglang")
     offset = band_offset_for(config, "sglang")
     assert (spec.layout, offset) == ("interleaved", config.kv_lora_rank)

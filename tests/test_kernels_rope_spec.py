@@ -24,21 +24,12 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from leyline_agent.errors import RopeSpecError
 from leyline_agent.kernels import RopeSpec, band_offset_for
 from leyline_agent.kernels.reference import rope_float64
-
-_GQA = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
-_MLA = dict(
-    hidden_size=256,
-    num_attention_heads=4,
-    kv_lora_rank=64,
-    qk_rope_head_dim=64,
-    qk_nope_head_dim=32,
-    v_head_dim=32,
-)
+from leyline_agent.testing.rope_configs import deepseek_v2_yarn, gqa_dims, llama3_rope, mla_dims
 
 
 def test_linear_scaling_matches_llama_module():
     config = LlamaConfig(
-        **_GQA, rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=1e4)
+        **gqa_dims(), rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=1e4)
     )
     spec = RopeSpec.from_hf_config(config)
     assert torch.equal(spec.inv_freq_tensor(), LlamaRotaryEmbedding(config).inv_freq)
@@ -47,7 +38,7 @@ def test_linear_scaling_matches_llama_module():
 
 def test_plain_yarn_matches_qwen3_module():
     config = Qwen3Config(
-        **_GQA,
+        **gqa_dims(),
         head_dim=64,
         max_position_embeddings=131072,
         rope_parameters=dict(
@@ -63,7 +54,7 @@ def test_plain_yarn_matches_qwen3_module():
 def test_static_longrope_matches_phi3_module():
     factors = [1.0 + 0.05 * j for j in range(24)]  # rotary_dim 48 (partial 0.75 of 64)
     config = Phi3Config(
-        **_GQA,
+        **gqa_dims(),
         partial_rotary_factor=0.75,
         max_position_embeddings=131072,
         original_max_position_embeddings=4096,
@@ -80,12 +71,12 @@ def test_static_longrope_matches_phi3_module():
 
 def test_sequence_length_dependent_frequencies_are_refused():
     dynamic = LlamaConfig(
-        **_GQA, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)
+        **gqa_dims(), rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)
     )
     with pytest.raises(RopeSpecError, match="dynamic"):
         RopeSpec.from_hf_config(dynamic)
     longrope = Phi3Config(
-        **_GQA,
+        **gqa_dims(),
         partial_rotary_factor=0.75,
         max_position_embeddings=131072,
         original_max_position_embeddings=4096,
@@ -109,17 +100,7 @@ def test_unknown_or_nested_configs_are_refused():
     )
     with pytest.raises(RopeSpecError, match="nested"):
         RopeSpec.from_hf_config(nested)
-    llama3 = LlamaConfig(
-        **_GQA,
-        rope_parameters=dict(
-            rope_type="llama3",
-            rope_theta=5e5,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=1024,
-        ),
-    )
+    llama3 = LlamaConfig(**gqa_dims(), rope_parameters=llama3_rope(1024))
     with pytest.raises(RopeSpecError, match="sglang"):
         RopeSpec.from_hf_config(llama3, cache_owner="sglang")
     with pytest.raises(ValueError, match="cache_owner"):
@@ -142,7 +123,7 @@ def test_sglang_deepseek_layout_matches_sglang_rotation(rope_interleave):
     assert 'is_neox_style = not getattr(config, "rope_interleave", True)' in _sglang_neox_rule()
     kwargs = {} if rope_interleave is None else {"rope_interleave": rope_interleave}
     cls = DeepseekV2Config if rope_interleave is None else DeepseekV3Config
-    config = cls(**_MLA, **kwargs)
+    config = cls(**mla_dims(), **kwargs)
     spec = RopeSpec.from_hf_config(config, cache_owner="sglang")
     is_neox = not getattr(config, "rope_interleave", True)
     assert spec.layout == ("half" if is_neox else "interleaved")
@@ -157,7 +138,7 @@ def test_sglang_deepseek_layout_matches_sglang_rotation(rope_interleave):
 
 
 def test_gqa_band_offset_is_zero():
-    assert band_offset_for(LlamaConfig(**_GQA), "sglang") == 0
+    assert band_offset_for(LlamaConfig(**gqa_dims()), "sglang") == 0
 
 
 def test_spec_is_a_frozen_validated_model():
@@ -182,17 +163,7 @@ def test_sglang_deepseek_frequencies_match_sglang(mscale, mscale_all_dim):
     from sglang.srt.layers.rotary_embedding.rope_variant import DeepseekScalingRotaryEmbedding
     from sglang.srt.layers.rotary_embedding.yarn import yarn_get_mscale
 
-    rope = dict(
-        rope_type="yarn",
-        rope_theta=10000.0,
-        factor=40.0,
-        original_max_position_embeddings=4096,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=mscale,
-        mscale_all_dim=mscale_all_dim,
-    )
-    config = DeepseekV2Config(**_MLA, max_position_embeddings=163840, rope_parameters=rope)
+    config = deepseek_v2_yarn(mscale, mscale_all_dim)
     spec = RopeSpec.from_hf_config(config, cache_owner="sglang")
     ns = SimpleNamespace(
         base=10000.0,

@@ -8,46 +8,22 @@ against the tokenizer's own chat template.
 
 from __future__ import annotations
 
-import random
 import threading
 
 import httpx
 import numpy as np
-import openai
 import pytest
 
 from leyline_agent.testing.hf_reference import hf_greedy
-from leyline_agent.testing.models import tiny_model_dir
-from leyline_agent.testing.server import serve_in_thread, wait_ready
+from leyline_agent.testing.served_fixtures import random_ids, served_model_fixtures
+from leyline_agent.testing.server import wait_ready
 from leyline_agent.wire import DirectivesRequest
 
 ARCH = "deepseek_v2"
 K = 2
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir(ARCH)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def stop_ids(tok):
-    return tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    from leyline_agent.runtime.engine import Engine
-
-    with serve_in_thread(Engine.from_pretrained(model_dir)) as srv:
-        yield srv
+model_dir, tok, stop_ids, server, client, name = served_model_fixtures(ARCH)
 
 
 @pytest.fixture(scope="module")
@@ -59,24 +35,9 @@ def ref(model_dir):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def name(model_dir):
-    return model_dir.name
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 5990) for _ in range(n)]
 
 
 def _params(max_tokens: int, logprobs: bool = False):
@@ -95,7 +56,7 @@ def _complete(client, name, ids, max_tokens):
 
 
 def test_amortize_over_http_equals_an_independent_engine(client, http, name, ref):
-    T, R, X = _ids(11, 48), _ids(12, 5), _ids(13, 4)
+    T, R, X = random_ids(11, 48), random_ids(12, 5), random_ids(13, 4)
     d = {"start": 12, "end": 22, "replacement": R, "mode": "amortize"}
     T2 = T[:12] + R + T[22:]
     _complete(client, name, T, 1)
@@ -115,14 +76,14 @@ def test_amortize_over_http_equals_an_independent_engine(client, http, name, ref
 
 
 def test_plain_prefix_cache_without_a_directive_reuses_only_the_prefix(client, name):
-    T, R, X = _ids(14, 40), _ids(15, 5), _ids(16, 3)
+    T, R, X = random_ids(14, 40), random_ids(15, 5), random_ids(16, 3)
     _complete(client, name, T, 1)
     r, _ = _complete(client, name, T[:12] + R + T[22:] + X, 1)
     assert r.usage.prompt_tokens_details.cached_tokens == 12
 
 
 def test_forget_over_http_equals_a_fresh_prefill(client, http, name, tok, model_dir, stop_ids):
-    T, R, X = _ids(17, 44), _ids(18, 3), _ids(19, 4)
+    T, R, X = random_ids(17, 44), random_ids(18, 3), random_ids(19, 4)
     d = {"start": 20, "end": 30, "replacement": R, "mode": "forget"}
     T2 = T[:20] + R + T[30:]
     _complete(client, name, T, 1)
@@ -212,7 +173,7 @@ def _bad_requests(name: str, T: list[int]) -> list[tuple[str, dict | bytes, int,
 
 
 def test_bad_inputs_get_json_4xx_naming_the_field_and_change_nothing(client, http, name):
-    T, X = _ids(21, 36), _ids(22, 3)
+    T, X = random_ids(21, 36), random_ids(22, 3)
     _complete(client, name, T, 1)
 
     def probe():
@@ -248,7 +209,7 @@ def test_bad_inputs_get_json_4xx_naming_the_field_and_change_nothing(client, htt
 
     # a base that is not cached: 409, counted as a directive error (and only that)
     stats = http.get("/leyline/v1/stats").json()
-    U = _ids(23, 20)
+    U = random_ids(23, 20)
     miss = http.post(
         "/leyline/v1/directives", json={"tokens": U, "directives": [{"start": 2, "end": 4}]}
     )
@@ -307,7 +268,7 @@ def test_the_agent_side_http_runtime_talks_to_the_server(client, name, server):
     from leyline_agent.errors import CacheMissError
     from leyline_agent.http_runtime import HTTPRuntime
 
-    T = _ids(31, 30)
+    T = random_ids(31, 30)
     _complete(client, name, T, 1)
     rt = HTTPRuntime(server.base_url, retries=1)
     try:
@@ -315,7 +276,7 @@ def test_the_agent_side_http_runtime_talks_to_the_server(client, name, server):
         resp = rt.apply_directives(DirectivesRequest(tokens=T, directives=[d]))
         assert resp.tokens == T[:4] + [11, 12] + T[9:] and resp.splices["amortize"] == 1
         with pytest.raises(CacheMissError):
-            rt.apply_directives(DirectivesRequest(tokens=_ids(32, 10), directives=[d]))
+            rt.apply_directives(DirectivesRequest(tokens=random_ids(32, 10), directives=[d]))
         assert rt.stats().splices["amortize"] >= 1
     finally:
         rt.close()

@@ -7,7 +7,6 @@ template and plain Hugging Face forwards (``leyline_agent.testing.hf_reference``
 from __future__ import annotations
 
 import json
-import random
 
 import httpx
 import numpy as np
@@ -15,51 +14,14 @@ import openai
 import pytest
 
 from leyline_agent.testing.hf_reference import hf_greedy
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.testing.served_fixtures import random_ids, served_model_fixtures
 from leyline_agent.testing.server import serve_in_thread
 
 ARCH = "deepseek_v2"
 K = 3  # top logprobs
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir(ARCH)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def stop_ids(tok):
-    return tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    from leyline_agent.runtime.engine import Engine
-
-    with serve_in_thread(Engine.from_pretrained(model_dir)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def name(model_dir):
-    return model_dir.name
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 5990) for _ in range(n)]
+model_dir, tok, stop_ids, server, client, name = served_model_fixtures(ARCH)
 
 
 def _template_ids(tok, messages, tools=None) -> list[int]:
@@ -81,7 +43,7 @@ def test_models_lists_the_model_and_other_names_are_404(client, name):
 
 
 def test_completion_of_token_ids_equals_a_plain_hf_forward(client, name, tok, model_dir, stop_ids):
-    ids = _ids(1, 40)
+    ids = random_ids(1, 40)
     g = hf_greedy(model_dir, ids, 6, stop_ids, top_k=K)
     r = client.completions.create(model=name, prompt=ids, max_tokens=6, temperature=0, logprobs=K)
     c = r.choices[0]
@@ -195,7 +157,7 @@ def test_sse_framing_is_exactly_openai(server, name):
 
 
 def test_completion_stream_and_stop_strings(client, name, tok, model_dir, stop_ids):
-    ids = _ids(2, 30)
+    ids = random_ids(2, 30)
     g = hf_greedy(model_dir, ids, 10, stop_ids)
     full = _text(tok, g.token_ids)
     assert len(full) >= 4, "the reference continuation is too short to pick a stop string"
@@ -213,7 +175,9 @@ def test_completion_stream_and_stop_strings(client, name, tok, model_dir, stop_i
 
 
 def test_seeded_sampling_is_reproducible(client, name):
-    kw = dict(model=name, prompt=_ids(3, 20), max_tokens=6, temperature=1.0, top_p=0.9, seed=1234)
+    kw = dict(
+        model=name, prompt=random_ids(3, 20), max_tokens=6, temperature=1.0, top_p=0.9, seed=1234
+    )
     first, second = (client.completions.create(**kw).choices[0].text for _ in range(2))
     assert first == second
 
@@ -353,7 +317,7 @@ def test_tool_history_from_an_openai_client_renders_like_the_template(client, na
 def test_a_stream_whose_client_leaves_is_stopped_and_frees_the_scheduler(
     server, client, name, model_dir, stop_ids
 ):
-    ids = _ids(4, 24)
+    ids = random_ids(4, 24)
     assert not hf_greedy(model_dir, ids, 20, stop_ids).stopped, (
         "pick a prompt that does not stop early"
     )
@@ -364,7 +328,9 @@ def test_a_stream_whose_client_leaves_is_stopped_and_frees_the_scheduler(
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
     assert json.loads(first[len("data: ") :])["choices"][0]["finish_reason"] is None
     # queued behind the abandoned stream: runs once that stream has been stopped
-    nxt = client.completions.create(model=name, prompt=_ids(5, 8), max_tokens=1, temperature=0)
+    nxt = client.completions.create(
+        model=name, prompt=random_ids(5, 8), max_tokens=1, temperature=0
+    )
     after = httpx.get(stats).json()
     assert after["requests"] == before["requests"] + 1  # the abandoned one never completed
     assert after["generated_tokens"] == before["generated_tokens"] + nxt.usage.completion_tokens
