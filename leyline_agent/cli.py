@@ -38,7 +38,9 @@ def configure_logging(level: str = "warning", json_logs: bool = False) -> None:
     lvl = getattr(logging, level.upper(), logging.WARNING)
     logging.basicConfig(level=lvl, stream=sys.stderr, format="%(message)s")
     renderer = (
-        structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer()
+        if json_logs
+        else structlog.dev.ConsoleRenderer(colors=False)
     )
     structlog.configure(
         processors=[

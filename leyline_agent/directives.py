@@ -112,11 +112,15 @@ class Directive(BaseModel):
             if isinstance(data, dict) and str(data.get("mode", "")).lower() in {
                 m.value for m in RESERVED_MODES
             }:
-                raise UnsupportedModeError(f"{where}.mode: {data['mode']!r} is reserved, not implemented") from e
+                raise UnsupportedModeError(
+                    f"{where}.mode: {data['mode']!r} is reserved, not implemented"
+                ) from e
             raise DirectiveError(f"{where}: {_first_error(e)}") from e
 
 
-def plan_batch(directives: Sequence[Directive | dict], seq_len: int | None = None) -> list[Directive]:
+def plan_batch(
+    directives: Sequence[Directive | dict], seq_len: int | None = None
+) -> list[Directive]:
     """Validate a batch and return it in execution order: right to left.
 
     Applying right to left keeps every earlier directive's positions valid. Spans may not

@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _specs(args: argparse.Namespace) -> list[Any]:
     import yaml
+
     from leyline_agent.policies.registry import load_policies
 
     specs: list[dict[str, Any]] = []
@@ -103,9 +104,8 @@ def _read_messages(args: argparse.Namespace) -> Any:
 
 
 def _apply(args: argparse.Namespace) -> int:
-    from leyline_agent.policies.registry import load_policy
-
     from leyline_agent.engine import PolicyEngine
+    from leyline_agent.policies.registry import load_policy
 
     policies = [load_policy(s, where=f"policy {s['name']!r}") for s in _specs(args)]
     result = PolicyEngine(policies).apply(_read_messages(args))

@@ -62,12 +62,18 @@ def test_text_replacement_needs_compiling():
 
 
 def test_plan_batch_is_right_to_left_and_rejects_overlap():
-    ds = [Directive(start=0, end=2), Directive(start=10, end=12), Directive(start=4, end=4, replacement=[7])]
+    ds = [
+        Directive(start=0, end=2),
+        Directive(start=10, end=12),
+        Directive(start=4, end=4, replacement=[7]),
+    ]
     assert [d.start for d in plan_batch(ds)] == [10, 4, 0]
     with pytest.raises(DirectiveError, match=r"directives\[1\].*overlaps directives\[0\]"):
         plan_batch([Directive(start=2, end=6), Directive(start=5, end=8)])
     with pytest.raises(DirectiveError, match="overlaps"):
-        plan_batch([Directive(start=3, end=3, replacement=[1]), Directive(start=3, end=3, replacement=[2])])
+        plan_batch(
+            [Directive(start=3, end=3, replacement=[1]), Directive(start=3, end=3, replacement=[2])]
+        )
     with pytest.raises(DirectiveError, match=r"directives\[0\].end: 9 is past the end"):
         plan_batch([Directive(start=1, end=9)], seq_len=8)
 
@@ -98,7 +104,10 @@ def test_message_edit_needs_a_change():
 def test_directives_request_forms():
     tok = DirectivesRequest(tokens=[1, 2, 3], directives=[{"start": 0, "end": 1}])
     assert tok.directives[0].mode is Mode.AMORTIZE
-    msg = DirectivesRequest(old_messages=[{"role": "user", "content": "a"}], new_messages=[{"role": "user", "content": "b"}])
+    msg = DirectivesRequest(
+        old_messages=[{"role": "user", "content": "a"}],
+        new_messages=[{"role": "user", "content": "b"}],
+    )
     assert json.loads(msg.model_dump_json())["mode"] == "amortize"
     for bad in (
         {},

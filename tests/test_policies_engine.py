@@ -8,11 +8,11 @@ from typing import ClassVar
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from leyline_agent.policies import FailedCallDetector, Policy, StaleToolTruncation
 
 from leyline_agent.directives import MessageEdit
 from leyline_agent.engine import PolicyEngine
 from leyline_agent.errors import PolicyError
+from leyline_agent.policies import FailedCallDetector, Policy, StaleToolTruncation
 from leyline_agent.testing.trajectories import TrajectoryBuilder
 from leyline_agent.trajectory import Trajectory
 

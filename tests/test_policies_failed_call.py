@@ -6,10 +6,10 @@ import copy
 import json
 
 import pytest
-from leyline_agent.policies import FailedCallDetector
 
 from leyline_agent.engine import PolicyEngine
 from leyline_agent.errors import PolicyError
+from leyline_agent.policies import FailedCallDetector
 from leyline_agent.testing.trajectories import TrajectoryBuilder
 
 TRACEBACK = (

@@ -6,14 +6,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from leyline_agent.errors import PolicyError
 from leyline_agent.policies import (
     FailedCallDetector,
     StaleToolTruncation,
     load_policies,
     load_policy,
 )
-
-from leyline_agent.errors import PolicyError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "policies"
 
