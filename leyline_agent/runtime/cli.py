@@ -24,6 +24,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
     p.add_argument(
+        "--served-model-name", default=None, help="model id in /v1/models (default: folder name)"
+    )
+    p.add_argument(
         "--engine",
         choices=["embedded", "sglang"],
         default="embedded",
