@@ -106,6 +106,8 @@ class _HTTPRuntimeBase:
 
     def _parse(self, path: str, resp: httpx.Response, model: type[M]) -> M:
         url = f"{self.base_url}{path}"
+        if resp.status_code == 404 and _error_type(resp) == "ModelNotFoundError":
+            raise _error_from_body(url, resp)  # the routes exist; the model name is wrong
         if resp.status_code in (404, 405):
             raise NoLeylineRoutesError(
                 f"{url}: HTTP {resp.status_code}; the server has no Leyline routes "
@@ -125,6 +127,13 @@ class _HTTPRuntimeBase:
     @staticmethod
     def _body(request: DirectivesRequest) -> dict[str, Any]:
         return request.model_dump(mode="json", exclude_none=True)
+
+
+def _error_type(resp: httpx.Response) -> str | None:
+    try:
+        return str(resp.json()["error"]["type"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _error_from_body(url: str, resp: httpx.Response) -> LeylineError:

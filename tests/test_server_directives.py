@@ -265,8 +265,8 @@ def test_leyline_serve_binds_loopback_by_default(model_dir):
 
 def test_the_agent_side_http_runtime_talks_to_the_server(client, name, server):
     """``HTTPRuntime`` (agent side) gets answers and the same error classes back."""
-    from leyline_agent.errors import CacheMissError
-    from leyline_agent.http_runtime import HTTPRuntime
+    from leyline_agent.errors import CacheMissError, DirectiveError
+    from leyline_agent.http_runtime import HTTPRuntime, NoLeylineRoutesError
 
     T = random_ids(31, 30)
     _complete(client, name, T, 1)
@@ -278,5 +278,9 @@ def test_the_agent_side_http_runtime_talks_to_the_server(client, name, server):
         with pytest.raises(CacheMissError):
             rt.apply_directives(DirectivesRequest(tokens=random_ids(32, 10), directives=[d]))
         assert rt.stats().splices["amortize"] >= 1
+        # A wrong model name is a bad field, not a server without Leyline routes.
+        with pytest.raises(DirectiveError, match="model") as e:
+            rt.apply_directives(DirectivesRequest(model="no-such-model", tokens=T, directives=[d]))
+        assert not isinstance(e.value, NoLeylineRoutesError)
     finally:
         rt.close()
