@@ -74,8 +74,11 @@ class StaleToolTruncation(Policy):
                     continue
                 stub = self.stub(call.name)
                 text = trajectory.text(call.result_index)
-                if text == stub:  # already stubbed (by us, on an earlier pass)
-                    cleared_calls.setdefault(call.message_index, set()).add(call.position)
+                if text == stub:
+                    # Already stubbed on an earlier pass (by this policy, or by another one in
+                    # the pipeline): leave the call alone. Its inputs were cleared on the pass
+                    # that stubbed it if that policy asked for it; clearing them now would make
+                    # a second run change what the first one produced.
                     continue
                 size = self._count(text)
                 if size < cfg.min_tokens:

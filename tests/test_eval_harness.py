@@ -16,13 +16,13 @@ import pytest
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
+import debug_gym  # noqa: E402, F401  -- set up by scripts/setup.sh; fail, never skip
+
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError  # noqa: E402
 from leyline_agent.experiments.dataset import installed_task_root  # noqa: E402
 from leyline_agent.experiments.eval_config import load_eval_config  # noqa: E402
 from leyline_agent.experiments.eval_run import run_eval  # noqa: E402
 from leyline_agent.testing.scripted_llm import ScriptedLLMServer  # noqa: E402
-
-pytest.importorskip("debug_gym")
 
 # The purr bug: the `> 10` branch shadows the `> 20` one (lines 27-32 of purr_code.py).
 PURR_FIX = (

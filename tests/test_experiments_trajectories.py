@@ -7,9 +7,9 @@ import os
 import re
 from pathlib import Path
 
-import pytest
-
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+import debug_gym  # noqa: E402, F401  -- set up by scripts/setup.sh; fail, never skip
 
 from leyline_agent.experiments.dataset import installed_task_root  # noqa: E402
 from leyline_agent.experiments.trajectories import (  # noqa: E402
@@ -19,8 +19,6 @@ from leyline_agent.experiments.trajectories import (  # noqa: E402
     write_trajectories,
 )
 from leyline_agent.policies.failed_call import DEFAULT_PATTERNS  # noqa: E402
-
-pytest.importorskip("debug_gym")
 
 
 def test_generator_is_real_and_deterministic(tmp_path: Path) -> None:

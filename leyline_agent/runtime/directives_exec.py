@@ -78,7 +78,7 @@ def apply_request(engine: Engine, req: DirectivesRequest) -> DirectivesResponse:
         tokens, compiled = _compile_token_form(engine, req)
         order = plan_batch(compiled, seq_len=len(tokens))
         new_tokens = apply_directives(tokens, order)
-        m = _match(engine, tokens)
+        m = engine._match(tokens)
         for i, d in enumerate(compiled):
             if d.end > m.length or m.length == 0:
                 return _miss(
@@ -91,7 +91,7 @@ def apply_request(engine: Engine, req: DirectivesRequest) -> DirectivesResponse:
         old = engine.render(req.old_messages or [], req.tools, False, where="old_messages")
         new_tokens = engine.render(req.new_messages or [], req.tools, False, where="new_messages")
         spans = diff_spans(old, new_tokens, engine.message_boundary_id)
-        m = _match(engine, old)
+        m = engine._match(old)
         if m.length == 0 and spans:
             return _miss(
                 engine, req, new_tokens, [],
@@ -125,12 +125,6 @@ def apply_request(engine: Engine, req: DirectivesRequest) -> DirectivesResponse:
     )
 
 
-def _match(engine: Engine, tokens: list[int]) -> Match:
-    if not engine.prefix_cache:
-        return Match(0, [], engine.tree.root)
-    return engine.tree.match_prefix(tokens)
-
-
 def _miss(
     engine: Engine, req: DirectivesRequest, new_tokens: list[int], order: list[Directive], msg: str
 ) -> DirectivesResponse:
@@ -152,6 +146,5 @@ def _execute(engine: Engine, plan: SplicePlan, m: Match) -> None:
         engine.tree.unlock(m.node)
     if len(res.slots) != len(plan.tokens):
         raise DirectiveError("internal: splice produced the wrong number of slots")
-    engine.tree.insert(plan.tokens, res.slots)
-    engine._free_unadopted(plan.tokens, res.fresh)
+    engine._insert_fresh(plan.tokens, res.slots, res.fresh)
     engine._evict()

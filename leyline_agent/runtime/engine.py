@@ -242,14 +242,15 @@ class Engine:
     # ------------------------------------------------------------------ cache upkeep
     def _insert(self, tokens: list[int], m: Match, new_slots: list[int]) -> None:
         """Insert ``tokens`` whose first ``m.length`` slots came from the tree."""
-        self.tree.insert(tokens, m.slots + new_slots)
-        self._free_unadopted(tokens, new_slots)
+        self._insert_fresh(tokens, m.slots + new_slots, new_slots)
 
-    def _free_unadopted(self, tokens: list[int], fresh: Sequence[int]) -> None:
-        m = self.tree.match_prefix(tokens)
-        self.tree.touch(m.node)
-        held = set(m.slots)
-        self.allocator.free([s for s in fresh if s not in held])
+    def _insert_fresh(self, tokens: list[int], slots: list[int], fresh: Sequence[int]) -> None:
+        """Insert ``tokens -> slots`` (which also refreshes the path's LRU stamps) and free
+        every slot of ``fresh`` the tree did not adopt: it keeps its own rows for the part
+        it already held, and scratch slots outside ``slots`` are never adopted."""
+        kept = self.tree.insert(tokens, slots)
+        adopted = set(slots[kept:])
+        self.allocator.free([s for s in fresh if s not in adopted])
 
     def _evict(self) -> None:
         over = self.tree.total_tokens - self.cache_budget_tokens

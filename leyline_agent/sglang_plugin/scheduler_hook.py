@@ -96,6 +96,16 @@ def target_of(scheduler: Any) -> Any:
     )
 
 
+def _run_rpc(scheduler: Any, op: Any, **kwargs: Any) -> None:
+    """Decode the flat RPC arguments, run ``op(target, tokens, directive)`` on this rank;
+    a Leyline error travels back as ``leyline:<ErrorClass>: message``."""
+    try:
+        tokens, directive = decode_splice_kwargs(**kwargs)
+        op(target_of(scheduler), tokens, directive)
+    except LeylineError as e:
+        raise SpliceRpcError(f"{_ERROR_PREFIX}{type(e).__name__}: {e}") from e
+
+
 def leyline_splice(
     scheduler: Any,
     *,
@@ -108,17 +118,15 @@ def leyline_splice(
     """The RPC method: AMORTIZE-splice ``tokens`` on this rank's tree and pool."""
     from leyline_agent.sglang_plugin.splice import splice_amortize
 
-    kwargs = dict(
-        tokens_json=tokens_json, start=start, end=end, replacement_json=replacement_json, mode=mode
-    )
-    try:
-        tokens, directive = decode_splice_kwargs(**kwargs)
-        target = target_of(scheduler)
+    def op(target: Any, tokens: list[int], directive: Any) -> None:
         _sync(target.kv_pool)
         splice_amortize(target, tokens, directive)
         _sync(target.kv_pool)
-    except LeylineError as e:
-        raise SpliceRpcError(f"{_ERROR_PREFIX}{type(e).__name__}: {e}") from e
+
+    _run_rpc(
+        scheduler, op, tokens_json=tokens_json, start=start, end=end,
+        replacement_json=replacement_json, mode=mode,
+    )  # fmt: skip
 
 
 def leyline_check(
@@ -133,14 +141,10 @@ def leyline_check(
     """The read-only RPC sent before the head's prefill: fail early, change nothing."""
     from leyline_agent.sglang_plugin.splice import check_splice_base
 
-    kwargs = dict(
-        tokens_json=tokens_json, start=start, end=end, replacement_json=replacement_json, mode=mode
-    )
-    try:
-        tokens, directive = decode_splice_kwargs(**kwargs)
-        check_splice_base(target_of(scheduler), tokens, directive)
-    except LeylineError as e:
-        raise SpliceRpcError(f"{_ERROR_PREFIX}{type(e).__name__}: {e}") from e
+    _run_rpc(
+        scheduler, check_splice_base, tokens_json=tokens_json, start=start, end=end,
+        replacement_json=replacement_json, mode=mode,
+    )  # fmt: skip
 
 
 def _sync(pool: Any) -> None:
