@@ -6,7 +6,7 @@ Shared by the server (``leyline serve``, the SGLang plugin's route) and the agen
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -39,7 +39,16 @@ class DirectivesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     mode: Mode = Mode.AMORTIZE
     fallback: bool = False
-    session: str | None = Field(default=None, description="opaque session id, for stats/logs")
+    session: str | None = Field(
+        default=None,
+        description="the session whose spliced rows this directive reads and writes "
+        "(the X-Leyline-Session header names it too); none: the tenant's anonymous session",
+    )
+    request_id: str | None = Field(
+        default=None,
+        description="idempotency key: a retry with the same id (same tenant) gets the first "
+        "answer and executes nothing",
+    )
 
     @model_validator(mode="after")
     def _one_form(self) -> DirectivesRequest:
@@ -60,6 +69,11 @@ class DirectivesRequest(BaseModel):
 class DirectivesResponse(BaseModel):
     model_config = _FROZEN
 
+    outcome: Literal["applied", "noop", "fallback"] = Field(
+        default="applied",
+        description="applied: directives executed; noop: nothing to change (old == new); "
+        "fallback: nothing executed because the base was not cached (counted in stats)",
+    )
     tokens: list[int] = Field(description="the new cached sequence T'")
     applied: list[Directive] = Field(description="compiled directives, in execution order")
     splices: dict[str, int] = Field(default_factory=dict, description="executed, by mode")
@@ -87,6 +101,11 @@ class StatsResponse(BaseModel):
     cache_tokens: int = 0
     cache_capacity_tokens: int = 0
     evicted_tokens: int = 0
+    pinned_tokens: int = Field(default=0, description="splice results held for their session")
+    pin_evictions: int = Field(
+        default=0, description="splice results evicted before their session's next request"
+    )
+    tenant: str | None = Field(default=None, description="whose counters these are (per key)")
 
 
 class ErrorBody(BaseModel):

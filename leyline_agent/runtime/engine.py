@@ -22,6 +22,7 @@ import structlog
 import torch
 
 from leyline_agent.errors import TrajectoryError
+from leyline_agent.namespaces import ANONYMOUS, Namespace
 from leyline_agent.runtime.allocator import SlotAllocator
 from leyline_agent.runtime.kv_pool import KVLayout, KVPool
 from leyline_agent.runtime.loader import load
@@ -160,7 +161,9 @@ class Engine:
             return Match(0, [], self.tree.root)
         return self.tree.match_prefix(ids)
 
-    def logits_for(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+    def logits_for(
+        self, prompt_ids: Sequence[int], *, namespace: Namespace = ANONYMOUS
+    ) -> torch.Tensor:
         """Next-token logits of ``prompt_ids`` through the cache path (caches nothing)."""
         ids = self.check_ids(prompt_ids, "prompt_ids")
         m = self._match(ids[:-1])
@@ -171,6 +174,8 @@ class Engine:
         prompt_ids: Sequence[int],
         params: SamplingParams | None = None,
         on_token: Callable[[int, str], None] | None = None,
+        *,
+        namespace: Namespace = ANONYMOUS,
     ) -> GenerationResult:
         params = params if params is not None else SamplingParams()
         params.validate()
@@ -260,12 +265,15 @@ class Engine:
             self._stats.evicted_tokens += len(freed)
 
     # ------------------------------------------------------------------ directives
-    def apply_directives(self, req: DirectivesRequest) -> DirectivesResponse:
+    def apply_directives(
+        self, req: DirectivesRequest, *, namespace: Namespace | None = None
+    ) -> DirectivesResponse:
+        """``namespace`` defaults to the default tenant and ``req.session``."""
         from leyline_agent.runtime.directives_exec import apply_request
 
         return apply_request(self, req)
 
-    def stats(self) -> StatsResponse:
+    def stats(self, tenant: str | None = None) -> StatsResponse:
         st = self._stats
         return StatsResponse(
             requests=st.requests,

@@ -60,6 +60,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None
     ttft_s: float
     e2e_s: float
+    splice_evicted: bool = False  # the session's last splice result was evicted before this
 
 
 class Sampler:

@@ -1,0 +1,70 @@
+"""Cache namespaces: whose KV rows a request may reuse (no torch, no runtime imports).
+
+The rule (the README's exactness section states it for users):
+
+- Rows from an exact prefill depend on their tokens only. They are shared by token
+  identity, but only inside one **tenant** (an API key of ``leyline serve``; ``""`` when the
+  server has no keys). Tenants never share rows, so ``cached_tokens`` tells nobody anything
+  about another tenant's prompts.
+- Rows whose KV came from an AMORTIZE splice (the rotated tail, and every row computed
+  after a spliced row) depend on history: they belong to the **session** that made the
+  splice. A request reuses them only if it names the same session (``X-Leyline-Session``
+  header, or a directive's ``session`` field). Requests that name no session share one
+  anonymous session per tenant, which no named session ever sees, and vice versa.
+- Inside a namespace the latest write is what is served for its tokens: a FORGET writes
+  exact rows and they replace the session's spliced ones.
+
+``Namespace.key`` is the string form used where an engine wants one opaque extra key (the
+SGLang plugin's radix ``extra_key``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ANONYMOUS", "DEFAULT_TENANT", "Namespace", "SESSION_HEADER", "check_session_id"]
+
+SESSION_HEADER = "X-Leyline-Session"
+DEFAULT_TENANT = ""
+_MAX_ID = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """``tenant`` owns the exact rows; ``(tenant, session)`` owns spliced rows.
+
+    ``session=None`` is the tenant's anonymous session.
+    """
+
+    tenant: str = DEFAULT_TENANT
+    session: str | None = None
+
+    @property
+    def exact(self) -> tuple[str, None]:
+        """The tag of this tenant's exact (token-identity) rows."""
+        return (self.tenant, None)
+
+    @property
+    def spliced(self) -> tuple[str, str]:
+        """The tag of this session's spliced rows (the anonymous session has its own)."""
+        return (self.tenant, self.session if self.session is not None else "")
+
+    @property
+    def key(self) -> str:
+        """One opaque string per (tenant, session), for engines with a single extra key."""
+        sid = "anon:" if self.session is None else f"s:{self.session}"
+        return f"leyline/{len(self.tenant)}:{self.tenant}/{sid}"
+
+
+ANONYMOUS = Namespace()
+
+
+def check_session_id(value: object, where: str = "session") -> str | None:
+    """``value`` as a session id, or ``None``; ``ValueError`` naming ``where`` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: must be a string, got {type(value).__name__}")
+    if not value or len(value) > _MAX_ID or not value.isprintable():
+        raise ValueError(f"{where}: must be 1 to {_MAX_ID} printable characters")
+    return value
