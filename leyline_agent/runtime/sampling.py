@@ -15,8 +15,14 @@ class InvalidRequestError(LeylineError, ValueError):
     """A generation request's field is out of range (names the field)."""
 
 
+GREEDY_BELOW = 1e-5  # a smaller positive temperature is greedy (logits / t would overflow)
+SEED_MAX = 2**63 - 1
+
+
 @dataclass(slots=True)
 class SamplingParams:
+    """``temperature`` 0, or below ``GREEDY_BELOW``, is greedy; ``seed`` in [0, 2**63 - 1]."""
+
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -29,8 +35,10 @@ class SamplingParams:
     def validate(self) -> None:
         if self.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens: {self.max_tokens} must be >= 0")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature: {self.temperature} must be >= 0")
+        if not 0 <= self.temperature < float("inf"):
+            raise InvalidRequestError(f"temperature: {self.temperature} must be >= 0 and finite")
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
+            raise InvalidRequestError(f"seed: {self.seed} must be in [0, 2**63 - 1]")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p: {self.top_p} must be in (0, 1]")
         if not 0 <= self.top_logprobs <= 20:
@@ -64,12 +72,14 @@ class GenerationResult:
 
 
 class Sampler:
-    """Greedy at temperature 0; otherwise temperature + nucleus with a per-request generator."""
+    """Greedy at temperature 0 (or below ``GREEDY_BELOW``); otherwise temperature + nucleus
+    with a per-request generator."""
 
     def __init__(self, params: SamplingParams, device: torch.device) -> None:
         self.params = params
+        self.greedy = params.temperature < GREEDY_BELOW
         self.gen: torch.Generator | None = None
-        if params.temperature > 0:
+        if not self.greedy:
             self.gen = torch.Generator(device="cpu")
             if params.seed is not None:
                 self.gen.manual_seed(params.seed)
@@ -78,7 +88,7 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor) -> int:
         p = self.params
-        if p.temperature == 0:
+        if self.greedy:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.float().cpu() / p.temperature, dim=-1)
         if p.top_p < 1.0:
