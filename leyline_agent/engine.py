@@ -1,15 +1,19 @@
 """``PolicyEngine``: run policies in order over a message list; pure and idempotent.
 
 ``apply(messages)`` validates the list (``Trajectory.parse``), then gives each policy the
-trajectory with the previous policies' edits applied, checks every edit it returns
-(index in range, tool calls only on assistant messages with the same call ids, so tool
-results stay paired), drops edits that change nothing, and returns the edited copy plus
-the net edits (one per changed message, relative to the input). The input is never
-modified; a bad edit raises ``PolicyError`` before anything is returned.
+trajectory with the previous policies' edits applied (a ``PipelineView``: it also names the
+tool results that are already a stub of some policy of the pipeline), checks every edit it
+returns (index in range, tool calls only on assistant messages with the same call ids, so
+tool results stay paired), drops edits that change nothing and content edits of results
+already stubbed (a stub is final: the first policy to stub a result decides its text), and
+returns the edited copy plus the net edits (one per changed message, relative to the
+input). The input is never modified; a bad edit raises ``PolicyError`` before anything is
+returned.
 
 Determinism: the output depends only on the message list and the policies' knobs.
 Idempotence: ``apply(apply(m).messages)`` returns the same messages and no edits, as long
-as every policy leaves its own output alone (the built-in ones do; see ``policies/base``).
+as every policy leaves stubs alone and reads them as no evidence (the built-in ones do;
+see ``policies/base``).
 Stickiness across turns is the session's job (``ContextSession``).
 """
 
@@ -23,6 +27,7 @@ import structlog
 
 from leyline_agent.directives import MessageEdit
 from leyline_agent.errors import PolicyError
+from leyline_agent.policies.base import PipelineView, Policy
 from leyline_agent.trajectory import Trajectory, apply_edit
 
 __all__ = ["EngineResult", "PolicyEngine"]
@@ -38,8 +43,6 @@ class EngineResult:
 
 class PolicyEngine:
     def __init__(self, policies: Sequence[Any]) -> None:
-        from leyline_agent.policies import Policy
-
         if isinstance(policies, (str, bytes)) or not isinstance(policies, Sequence):
             raise PolicyError(
                 f"policies: expected a list of Policy objects, got {type(policies).__name__}"
@@ -59,9 +62,13 @@ class PolicyEngine:
         touched: dict[int, list[str]] = {}
         reasons: dict[int, list[str]] = {}
         for policy in self.policies:
-            view = trajectory if not touched else Trajectory.parse(current)
+            view = PipelineView.of(
+                trajectory if not touched else Trajectory.parse(current), self.policies
+            )
             for k, edit in enumerate(policy.edits(view)):
                 self._check(policy.name, k, edit, view)
+                if edit.content is not None and edit.index in view.elided:
+                    continue  # a stub is final
                 new = apply_edit(current[edit.index], edit)
                 if new == current[edit.index]:
                     continue

@@ -4,7 +4,16 @@ A policy never mutates the trajectory; it returns ``MessageEdit``s and the ``Pol
 applies them. Policies compose in order: each one sees the trajectory with the edits of
 the policies before it applied (so a later policy sees earlier stubs). A policy must be
 idempotent on its own output: run on a trajectory it already edited, it returns edits that
-change nothing (the engine drops no-op edits). That is what makes the engine idempotent.
+change nothing (the engine drops no-op edits).
+
+A stub is final. A tool result whose content is a stub of any policy in the pipeline
+(``is_stub``) is *elided*: no policy stubs it again, and none reads it as evidence (a
+stubbed result is neither a success nor a failure, and its size is not the output's).
+``elided(trajectory)`` gives those indices; the ``PolicyEngine`` computes them for the
+whole pipeline (a ``PipelineView``) and drops content edits of elided results. Without
+that rule two policies that are each idempotent are not idempotent together: ``stale-tool``
+with ``min_tokens`` leaves a small failed output alone, ``failed-call`` replaces it by a
+longer stub, and on a second run ``stale-tool`` found the stub big enough to stub.
 
 Knobs live in a frozen pydantic ``Config``; ``Policy.from_knobs`` validates them and turns a
 bad knob into a ``PolicyError`` naming ``<policy>.<knob>``.
@@ -13,6 +22,8 @@ bad knob into a ``PolicyError`` naming ``<policy>.<knob>``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -21,7 +32,7 @@ from leyline_agent.directives import MessageEdit
 from leyline_agent.errors import PolicyError
 from leyline_agent.trajectory import Trajectory
 
-__all__ = ["Policy", "PolicyConfig", "validate_knobs"]
+__all__ = ["PipelineView", "Policy", "PolicyConfig", "validate_knobs"]
 
 
 class PolicyConfig(BaseModel):
@@ -39,6 +50,20 @@ class Policy(ABC):
     @abstractmethod
     def edits(self, trajectory: Trajectory) -> list[MessageEdit]:
         """The edits this policy wants on ``trajectory`` (which it must not modify)."""
+
+    def is_stub(self, text: str, tool: str) -> bool:
+        """True if ``text`` is a stub this policy writes in place of a result of ``tool``.
+
+        Override it in a policy that stubs tool results, so that the other policies of a
+        pipeline leave its stubs alone. The default recognises nothing."""
+        return False
+
+    def elided(self, trajectory: Trajectory) -> frozenset[int]:
+        """Indices of the tool results that are stubs: of any policy of the pipeline when
+        ``trajectory`` is the engine's ``PipelineView``, of this policy's own otherwise."""
+        if isinstance(trajectory, PipelineView):
+            return trajectory.elided
+        return PipelineView.of(trajectory, (self,)).elided
 
     def serialize(self) -> dict[str, Any]:
         """``{"name": ..., **knobs}``: enough for ``load_policy`` to rebuild the policy."""
@@ -67,3 +92,22 @@ def validate_knobs[C: PolicyConfig](config_cls: type[C], policy: str, knobs: dic
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err.get("loc", ()))
         raise PolicyError(f"{policy}.{loc}: {err.get('msg', e)} (got {err.get('input')!r})") from e
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineView(Trajectory):
+    """A trajectory as one policy of a pipeline sees it, with ``elided``: the tool results
+    whose content is a stub of some policy of the pipeline (``Policy.is_stub``)."""
+
+    elided: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, trajectory: Trajectory, policies: Iterable[Policy]) -> PipelineView:
+        policies = tuple(policies)
+        elided = frozenset(
+            index
+            for index, call in trajectory.result_of.items()
+            if any(p.is_stub(trajectory.text(index), call.name) for p in policies)
+        )
+        base = {f.name: getattr(trajectory, f.name) for f in fields(Trajectory)}
+        return cls(**base, elided=elided)

@@ -14,7 +14,9 @@ rules need a later assistant message, the newest failure is never removed while 
 newest thing the agent saw. Messages are never removed (indices stay stable): the failed
 call's assistant message stays, only the failed call's arguments are emptied.
 
-Idempotent: a result that already reads as this policy's stub is never detected again.
+Idempotent, also in a pipeline: an elided result (this policy's stub or another policy's,
+``Policy.elided``) is neither a failure nor a success: it is never detected again, and a
+stale stub of a call that failed is no evidence that the agent recovered.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ class FailedCallDetector(Policy):
         limit = self.config.max_error_chars
         return line if len(line) <= limit else line[: limit - 3] + "..."
 
+    def is_stub(self, text: str, tool: str) -> bool:
+        return self._stub_re.fullmatch(text) is not None
+
     def stub(self, tool: str, text: str) -> str:
         return self.config.placeholder.replace("{tool}", tool).replace(
             "{error}", self.error_line(text)
@@ -108,12 +113,14 @@ class FailedCallDetector(Policy):
         cfg = self.config
         failed: list[ToolCall] = []
         succeeded_at: list[int] = []  # assistant indices of calls that succeeded
+        elided = self.elided(trajectory)
         for index, call in sorted(trajectory.result_of.items()):
-            text = trajectory.text(index)
-            if self.is_failure(text):
+            if index in elided:
+                continue  # a stub says nothing about how the call went
+            if self.is_failure(trajectory.text(index)):
                 if call.name not in cfg.exclude_tools:
                     failed.append(call)
-            elif not self._stub_re.fullmatch(text):
+            else:
                 succeeded_at.append(call.message_index)
         assistants = trajectory.assistant_indices
         out: list[MessageEdit] = []

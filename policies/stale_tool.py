@@ -8,14 +8,16 @@ Knobs (names follow Anthropic's ``clear_tool_uses`` and OpenHands' observation m
 - ``placeholder``: the stub; ``{tool}`` is replaced by the tool name.
 - ``exclude_tools``: tool names never stubbed.
 - ``min_tokens``: results estimated under this many tokens are left alone.
-- ``trigger_tokens``: act only when the whole context is estimated above this size.
+- ``trigger_tokens``: act only when the context (less the results already elided) is
+  estimated above this size.
 - ``clear_inputs``: also replace the stubbed calls' arguments by ``"{}"``.
 - ``clear_at_least``: act only when this many tokens would be cleared at once (batches
-  edits, so the cache is disturbed less often).
+  edits, so the cache is disturbed less often); a result shorter than its stub clears none.
 - ``count_tokens``: a ``str -> int`` callable; default ``estimate_tokens`` (chars / 4).
 
-Idempotent: a result already equal to its stub is not a candidate, so the policy run on its
-own output clears nothing and (with ``clear_at_least``) stays under the threshold.
+Idempotent, also in a pipeline: an elided result (a stub of this policy or of another one,
+``Policy.elided``) is not a candidate and is not counted for ``trigger_tokens``, so a second
+run finds nothing to clear, no more tokens to save and no larger context than the first.
 """
 
 from __future__ import annotations
@@ -60,9 +62,18 @@ class StaleToolTruncation(Policy):
     def stub(self, tool: str) -> str:
         return self.config.placeholder.replace("{tool}", tool)
 
+    def is_stub(self, text: str, tool: str) -> bool:
+        return text == self.stub(tool)
+
+    def _context_tokens(self, trajectory: Trajectory, elided: frozenset[int]) -> int:
+        return trajectory.total_tokens(self._count) - sum(
+            trajectory.tokens(i, self._count) for i in elided
+        )
+
     def edits(self, trajectory: Trajectory) -> list[MessageEdit]:
         cfg = self.config
-        if cfg.trigger_tokens and trajectory.total_tokens(self._count) <= cfg.trigger_tokens:
+        elided = self.elided(trajectory)
+        if cfg.trigger_tokens and self._context_tokens(trajectory, elided) <= cfg.trigger_tokens:
             return []
         stale = trajectory.tool_turns[: max(0, len(trajectory.tool_turns) - cfg.keep)]
         content_edits: list[MessageEdit] = []
@@ -72,18 +83,17 @@ class StaleToolTruncation(Policy):
             for call in turn.calls:
                 if call.result_index is None or call.name in cfg.exclude_tools:
                     continue
-                stub = self.stub(call.name)
-                text = trajectory.text(call.result_index)
-                if text == stub:
-                    # Already stubbed on an earlier pass (by this policy, or by another one in
-                    # the pipeline): leave the call alone. Its inputs were cleared on the pass
-                    # that stubbed it if that policy asked for it; clearing them now would make
-                    # a second run change what the first one produced.
+                if call.result_index in elided:
+                    # Already stubbed (by this policy or another one in the pipeline): leave
+                    # the call alone, inputs included. They were cleared on the pass that
+                    # stubbed it if that policy asked for it; clearing them now would make a
+                    # second run change what the first one produced.
                     continue
-                size = self._count(text)
+                stub = self.stub(call.name)
+                size = self._count(trajectory.text(call.result_index))
                 if size < cfg.min_tokens:
                     continue
-                saved += size - self._count(stub)
+                saved += max(0, size - self._count(stub))  # a longer stub clears nothing
                 content_edits.append(
                     MessageEdit(
                         index=call.result_index,
@@ -128,6 +138,6 @@ def _arg_savings(trajectory: Trajectory, edit: MessageEdit, count: Callable[[str
     before = trajectory.messages[edit.index]["tool_calls"]
     after = edit.tool_calls or []
     return sum(
-        count(b["function"]["arguments"]) - count(a["function"]["arguments"])
+        max(0, count(b["function"]["arguments"]) - count(a["function"]["arguments"]))
         for b, a in zip(before, after, strict=True)
     )

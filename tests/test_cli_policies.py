@@ -108,7 +108,9 @@ def test_two_policies_and_a_config_file(monkeypatch, capsys):
     )
     by_index = {e["index"]: e for e in out["edits"]}
     assert set(by_index) == set(expected_stale(messages, 2)) | {caller}
-    assert by_index[failed]["policy"] == "failed-call+stale-tool"
+    # a stub is final: failed-call stubbed it first, stale-tool leaves it as it is
+    assert by_index[failed]["policy"] == "failed-call"
+    assert out["messages"][failed]["content"].startswith("[failed call elided] ")
     assert out["messages"][caller]["tool_calls"][0]["function"]["arguments"] == "{}"
 
     cfg = inproc(

@@ -6,7 +6,7 @@ import copy
 from typing import ClassVar
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from leyline_agent.directives import MessageEdit
@@ -26,7 +26,7 @@ def old_and_recent_failures() -> TrajectoryBuilder:
     return t
 
 
-def test_composition_order_later_policy_sees_and_overrides_earlier():
+def test_composition_order_later_policy_sees_earlier_stubs_and_leaves_them():
     t = old_and_recent_failures()
     msgs = t.messages
     a0, a2 = t.call_index(0), t.call_index(2)
@@ -34,12 +34,13 @@ def test_composition_order_later_policy_sees_and_overrides_earlier():
     stale = "[stale output of bash elided]"
 
     res = PolicyEngine([FailedCallDetector(), StaleToolTruncation(keep=2)]).apply(msgs)
-    assert res.messages[r0]["content"] == stale  # stale-tool ran last and wins on content
+    # a stub is final: failed-call stubbed r0 first, stale-tool (stale r0) leaves it alone
+    assert res.messages[r0]["content"] == "[failed call elided] bash: Error: old failure"
     assert res.messages[a0]["tool_calls"][0]["function"]["arguments"] == "{}"  # failed-call's
     assert res.messages[r1]["content"] == stale
     assert res.messages[r2]["content"] == "[failed call elided] bash: Error: recent failure"
     by_index = {e.index: e for e in res.edits}
-    assert by_index[r0].policy == "failed-call+stale-tool"
+    assert by_index[r0].policy == "failed-call"
     assert sorted(by_index) == sorted([a0, r0, r1, a2, r2])
 
     res = PolicyEngine([StaleToolTruncation(keep=2), FailedCallDetector()]).apply(msgs)
@@ -102,6 +103,7 @@ POLICIES = st.lists(
             min_tokens=st.sampled_from([0, 5, 50]),
             clear_inputs=st.booleans(),
             clear_at_least=st.sampled_from([0, 60, 400]),
+            trigger_tokens=st.sampled_from([0, 0, 150]),
             exclude_tools=st.sampled_from([(), ("view",)]),
         ),
         st.builds(FailedCallDetector, after=st.integers(1, 3), stub_arguments=st.booleans()),
@@ -111,8 +113,40 @@ POLICIES = st.lists(
 )
 
 
+def bash_turns(*outputs: str) -> list[dict]:
+    t = TrajectoryBuilder().user("task")
+    for k, out in enumerate(outputs):
+        t.tool_turn(("bash", {"k": k}, out))
+    return t.messages
+
+
+# Issue 14, as the property found it: stale-tool (min_tokens=5) leaves the small failed
+# output at index 13 alone, failed-call replaces it by a longer stub, and a second run of
+# stale-tool found that stub big enough to stub (an edit at index 13 on the second run).
+ISSUE_14 = bash_turns("x" * 300, "ok", "a.py b.py", "3 passed", "x" * 300, "exit code 3", "ok")
+# The same cause read the other way: a stale stub of a failed call (index 5) counted as a
+# success, so on a second run failed-call saw a recovery and stubbed the failure before it.
+STALE_STUB_AS_SUCCESS = bash_turns(
+    "Error: nope", "Traceback (most recent call last):\nOSError: x", "exit code 3"
+)
+# Leaving stubs out of clear_at_least's count must not raise it: a result shorter than its
+# stub (index 3) counted negative savings, so without it the second run crossed 60.
+NEGATIVE_SAVINGS = bash_turns("Error: nope", "x" * 272, "ok")
+
+
 @settings(max_examples=120, deadline=None)
 @given(msgs=trajectories(), policies=POLICIES)
+@example(
+    msgs=ISSUE_14, policies=[StaleToolTruncation(keep=1, min_tokens=5), FailedCallDetector(after=1)]
+)
+@example(
+    msgs=STALE_STUB_AS_SUCCESS,
+    policies=[FailedCallDetector(after=3), StaleToolTruncation(keep=1, min_tokens=5)],
+)
+@example(
+    msgs=NEGATIVE_SAVINGS,
+    policies=[StaleToolTruncation(keep=1, clear_at_least=60), FailedCallDetector(after=1)],
+)
 def test_engine_is_deterministic_idempotent_and_pure(msgs, policies):
     before = copy.deepcopy(msgs)
     engine = PolicyEngine(policies)
@@ -185,3 +219,30 @@ def test_a_policy_cannot_modify_the_callers_messages():
     res = PolicyEngine([Vandal()]).apply(msgs)
     assert msgs[0]["content"] != "vandalised"
     assert res.edits == []
+
+
+def test_a_stub_is_final_for_every_policy_of_the_pipeline():
+    class Redact(Policy):  # a custom policy that declares its stub
+        name: ClassVar[str] = "redact"
+
+        def edits(self, trajectory):
+            return [
+                MessageEdit(index=i, content="[redacted]", policy=self.name)
+                for i in trajectory.result_of
+                if "secret" in trajectory.text(i)
+            ]
+
+        def is_stub(self, text, tool):
+            return text == "[redacted]"
+
+    t = TrajectoryBuilder().user("u")
+    t.tool_turn(("bash", {}, "secret " * 40)).tool_turn(("bash", {}, "ok"))
+    (r0,) = t.result_indices(0)
+    rewrite = Returns([MessageEdit(index=r0, content="rewritten", policy="returns")])
+    engine = PolicyEngine([Redact(), StaleToolTruncation(keep=1), rewrite])
+    res = engine.apply(t.messages)
+    # r0 is stale and big, but stale-tool leaves the redaction alone, and the engine drops
+    # the rewrite of a stubbed result
+    assert res.messages[r0]["content"] == "[redacted]"
+    assert [(e.index, e.policy) for e in res.edits] == [(r0, "redact")]
+    assert engine.apply(res.messages).edits == []
