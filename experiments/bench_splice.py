@@ -35,7 +35,7 @@ def _median_time(fn, reps: int) -> float:
 
 def _tail_move(eng, tokens: list[int], start: int) -> None:
     """The tail-dependent part alone: copy the tail to fresh slots, rotating k_pe (then free)."""
-    src = eng.tree.match_prefix(tokens).slots[start:]
+    src = eng.cache.tree.match_prefix(tokens).slots[start:]
     dst = eng.allocator.alloc(len(src))
     eng.pool.copy_rotated(src, dst, -8)
     eng.allocator.free(dst)

@@ -192,7 +192,7 @@ def drift(model_dir: Path, max_chain: int = 64, seed: int = 0) -> dict[str, Any]
     s, width = 16, 8  # every splice rewrites T[16:24]; the tail after it is rotated
 
     def band(tokens: list[int]) -> Any:
-        m = eng.tree.match_prefix(tokens)
+        m = eng.cache.tree.match_prefix(tokens)
         if m.length != len(tokens):
             raise LeylineError("drift: the spliced sequence is not cached")
         return torch.stack([v[0, 0, s + width :] for _, v in eng.pool.as_cache_data(m.slots)])

@@ -78,6 +78,9 @@ class DirectivesResponse(BaseModel):
     applied: list[Directive] = Field(description="compiled directives, in execution order")
     splices: dict[str, int] = Field(default_factory=dict, description="executed, by mode")
     fallback: bool = Field(default=False, description="base not cached; next request re-prefills")
+    cached_base_tokens: int = Field(
+        default=0, description="leading tokens of the base T the namespace found cached"
+    )
     reused_tokens: int = 0
     prefilled_tokens: int = 0
     rotated_tokens: int = 0

@@ -19,8 +19,8 @@ def _state(tree: RadixCache):
 
 def test_match_prefix_is_pure_and_longest():
     tree = RadixCache()
-    assert tree.insert([1, 2, 3, 4], [10, 11, 12, 13]) == 0
-    assert tree.insert([1, 2, 9], [10, 11, 19]) == 2
+    assert tree.insert([1, 2, 3, 4], [10, 11, 12, 13]).held == 0
+    assert tree.insert([1, 2, 9], [10, 11, 19]).held == 2
     before = _state(tree)
     m = tree.match_prefix([1, 2, 3, 7])  # ends inside the [3, 4] edge: no split
     assert (m.length, m.slots) == (3, [10, 11, 12])
@@ -32,7 +32,7 @@ def test_match_prefix_is_pure_and_longest():
 def test_insert_reports_already_cached_prefix():
     tree = RadixCache()
     tree.insert([1, 2, 3], [0, 1, 2])
-    assert tree.insert([1, 2, 3], [5, 6, 7]) == 3
+    assert tree.insert([1, 2, 3], [5, 6, 7]).held == 3
     assert tree.match_prefix([1, 2, 3]).slots == [0, 1, 2]  # first writer wins
 
 
@@ -102,11 +102,11 @@ def test_engine_eviction_respects_budget_and_lru():
     seqs = [[rng.randrange(3, 3000) for _ in range(15)] for _ in range(4)]
     for s in seqs:
         eng.generate(s, SamplingParams(max_tokens=0))
-        assert eng.tree.total_tokens <= 40
+        assert eng.cache.tree.total_tokens <= 40
     st = eng.stats()
     assert st.cache_tokens <= 40 and st.evicted_tokens >= 15
-    assert eng.tree.match_prefix(seqs[-1]).length == 15  # most recent stays
-    assert eng.tree.match_prefix(seqs[0]).length == 0  # oldest went
+    assert eng.cache.tree.match_prefix(seqs[-1]).length == 15  # most recent stays
+    assert eng.cache.tree.match_prefix(seqs[0]).length == 0  # oldest went
     # no slot leaks: every used slot is held by the tree
-    held = {s for _, sl in eng.tree.sequences() for s in sl}
+    held = {s for _, sl in eng.cache.tree.sequences() for s in sl}
     assert eng.allocator.num_used == len(held)

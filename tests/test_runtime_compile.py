@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
+from leyline_agent.errors import CacheMissError
 from leyline_agent.runtime.compile import Span, apply_spans, clip_to_cached, diff_spans
 from leyline_agent.runtime.engine import Engine, SamplingParams
 from leyline_agent.testing.kv_reference import RefState, logits_from_kv
@@ -123,20 +124,29 @@ def test_message_form_span_straddling_the_cached_end(eng, ref_model):
     (d,) = resp.applied
     assert (d.start, d.end) == (span.start, cached)
     keep = span.start + len(span.replacement)
-    assert e2.tree.match_prefix(Tn).length == keep
+    assert e2.cache.tree.match_prefix(Tn).length == keep
     ref = RefState.prefill(ref_model, Tn[:keep])
     got = e2.logits_for(Tn[: keep + 1])
     want = logits_from_kv(ref_model, ref.kv(), Tn[keep : keep + 1])
     assert (got - want).abs().max().item() <= 1e-4
 
 
-def test_message_form_edit_beyond_the_cache_is_nothing_to_splice(eng):
+def test_message_form_edit_beyond_the_cache_is_a_visible_miss(eng):
+    """An edit past what is cached executes nothing, and says so: a 409-class miss, or a
+    counted fallback (never a silent ``applied: []``)."""
     old = trajectory()
     T = eng.render(old, add_generation_prompt=False)
     e2 = Engine.from_pretrained(tiny_model_dir("qwen3"))
     e2.generate(T[:10], SamplingParams(max_tokens=0))
     new = [dict(m) for m in old]
     new[4]["content"] = "edited"
-    resp = e2.apply_directives(DirectivesRequest(old_messages=old, new_messages=new))
-    assert resp.applied == [] and not resp.fallback
+    before = e2.stats()
+    with pytest.raises(CacheMissError, match="old_messages"):
+        e2.apply_directives(DirectivesRequest(old_messages=old, new_messages=new))
+    assert e2.stats().directive_errors == before.directive_errors + 1
+    resp = e2.apply_directives(DirectivesRequest(old_messages=old, new_messages=new, fallback=True))
+    assert resp.outcome == "fallback" and resp.fallback and resp.applied == []
     assert resp.tokens == e2.render(new, add_generation_prompt=False)
+    assert e2.stats().fallbacks == before.fallbacks + 1
+    same = e2.apply_directives(DirectivesRequest(old_messages=old, new_messages=old))
+    assert same.outcome == "noop" and same.applied == []

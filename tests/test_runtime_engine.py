@@ -111,8 +111,8 @@ def test_no_prefix_cache_reports_nothing_cached():
 def _snapshot(e: Engine):
     return (
         e.stats().model_dump(),
-        e.tree.sequences(),
-        [(n.last_access, n.lock_ref) for n in e.tree._nodes()],
+        e.cache.tree.sequences(),
+        [(n.last_access, n.lock_ref) for n in e.cache.tree._nodes()],
         e.pool.keys.clone(),
         e.pool.values.clone(),
         list(e.allocator._free),

@@ -70,7 +70,7 @@ def replacement(T: list[int], s: int, n: int, seed: int) -> list[int]:
 
 
 def pool_kv(engine: Engine, tokens: list[int]):
-    m = engine.tree.match_prefix(tokens)
+    m = engine.cache.tree.match_prefix(tokens)
     assert m.length == len(tokens)
     return engine.pool.as_cache_data(m.slots)
 
@@ -191,9 +191,9 @@ def test_chain_of_random_directives_matches_reference(arch, ref_model):
         T = resp.tokens
         assert T == ref.tokens
     assert max_kv_diff(pool_kv(eng, T), ref.kv()) <= 1e-4
-    held = {slot for _, slots in eng.tree.sequences() for slot in slots}
+    held = {slot for _, slots in eng.cache.tree.sequences() for slot in slots}
     assert eng.allocator.num_used == len(held)  # no slot leaked, none shared by two paths
-    assert eng.tree.total_tokens == len(held)
+    assert eng.cache.tree.total_tokens == len(held)
     Q = [11, 12, 13]
     assert (eng.logits_for(T + Q) - logits_from_kv(ref_model, ref.kv(), Q)).abs().max() <= TOL
 
@@ -223,14 +223,14 @@ def test_shared_prefix_unchanged_for_other_session(arch):
     B = A[:40] + [101, 102, 103, 104, 105]
     cache_seq(eng, A)
     cache_seq(eng, B)
-    mb = eng.tree.match_prefix(B)
+    mb = eng.cache.tree.match_prefix(B)
     assert mb.length == len(B)
     before = eng.pool.snapshot(mb.slots)
     # splice session A inside the shared part: the tail is copied, never written in place
     eng.apply_directives(
         DirectivesRequest(tokens=A, directives=[{"start": 10, "end": 12, "replacement": [77]}])
     )
-    mb2 = eng.tree.match_prefix(B)
+    mb2 = eng.cache.tree.match_prefix(B)
     assert mb2.length == len(B) and mb2.slots == mb.slots
     after = eng.pool.snapshot(mb2.slots)
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])

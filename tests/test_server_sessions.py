@@ -39,7 +39,13 @@ def run_session(
 ) -> Transcript:
     rng = random.Random(s)
     own = [rng.randrange(3, 5990) for _ in range(20)]
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
+    client = openai.OpenAI(
+        base_url=f"{base}/v1",
+        api_key="none",
+        max_retries=0,
+        timeout=300,
+        default_headers={"X-Leyline-Session": f"s{s}"},  # spliced rows are the session's own
+    )
     out = Transcript()
     prompt = SHARED + own
     with httpx.Client(base_url=base, timeout=300) as http:

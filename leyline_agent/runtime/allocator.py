@@ -31,6 +31,9 @@ class SlotAllocator:
     def num_used(self) -> int:
         return self._used
 
+    def free_slots(self) -> list[int]:
+        return list(self._free)
+
     def alloc(self, n: int) -> list[int]:
         if n <= 0:
             return []

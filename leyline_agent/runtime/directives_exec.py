@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from leyline_agent.directives import Directive, apply_directives, plan_batch
 from leyline_agent.errors import CacheMissError, DirectiveError
+from leyline_agent.namespaces import Namespace
 from leyline_agent.runtime.compile import clip_to_cached, diff_spans
 from leyline_agent.runtime.radix import Match
 from leyline_agent.runtime.splice import SplicePlan, execute_splice, plan_splice
@@ -72,17 +73,20 @@ def _compile_token_form(
     return tokens, compiled
 
 
-def apply_request(engine: Engine, req: DirectivesRequest) -> DirectivesResponse:
+def apply_request(engine: Engine, req: DirectivesRequest, ns: Namespace) -> DirectivesResponse:
+    """Execute ``req`` in namespace ``ns``: its base is looked up as ``ns`` sees the cache
+    (its own spliced rows first), and ``T'`` is written back as ``ns``'s (``radix.py``)."""
     t0 = time.perf_counter()
+    cache = engine.cache
     if req.tokens is not None:
         tokens, compiled = _compile_token_form(engine, req)
         order = plan_batch(compiled, seq_len=len(tokens))
         new_tokens = apply_directives(tokens, order)
-        m = engine._match(tokens)
+        m = cache.match(tokens, ns)
         for i, d in enumerate(compiled):
             if d.end > m.length or m.length == 0:
                 return _miss(
-                    engine, req, new_tokens, order,
+                    engine, req, ns, new_tokens, order,
                     f"directives[{i}]: span [{d.start}, {d.end}) of 'tokens' is not cached "
                     f"(the prefix cache holds its first {m.length} of {len(tokens)} tokens)",
                 )  # fmt: skip
@@ -91,29 +95,41 @@ def apply_request(engine: Engine, req: DirectivesRequest) -> DirectivesResponse:
         old = engine.render(req.old_messages or [], req.tools, False, where="old_messages")
         new_tokens = engine.render(req.new_messages or [], req.tools, False, where="new_messages")
         spans = diff_spans(old, new_tokens, engine.message_boundary_id)
-        m = engine._match(old)
-        if m.length == 0 and spans:
+        if not spans:
+            return _outcome(new_tokens, [], plan_splice(old, []), "noop", 0, t0)
+        m = cache.match(old, ns)
+        kept = clip_to_cached(spans, m.length)
+        if m.length == 0 or not kept:
             return _miss(
-                engine, req, new_tokens, [],
-                "old_messages: no prefix of the rendered conversation is cached",
+                engine, req, ns, new_tokens, [],
+                f"old_messages: the edits start at token {spans[0].start} but only the first "
+                f"{m.length} tokens of the rendered conversation are cached",
             )  # fmt: skip
-        spans = clip_to_cached(spans, m.length)
         order = plan_batch(
-            [
-                Directive(start=s.start, end=s.end, replacement=s.replacement, mode=req.mode)
-                for s in spans
-            ],
+            [Directive(start=s.start, end=s.end, replacement=s.replacement, mode=req.mode)
+             for s in kept],
             seq_len=m.length,
-        )
+        )  # fmt: skip
         base = old[: m.length]
-    plan = plan_splice(base, order)
+    cache.arrive(ns)
+    plan = plan_splice(base, order, exact_len=m.exact_len)
     if order:
-        _execute(engine, plan, m)
-    st = engine._stats
+        _execute(engine, plan, m, ns)
+    st = engine.counters(ns.tenant)
     for k, v in plan.splices.items():
         st.splices[k] = st.splices.get(k, 0) + v
     st.rotated_tokens += plan.rotated_tokens
+    outcome = "applied" if order else "noop"
+    return _outcome(new_tokens, order, plan, outcome, m.length, t0)
+
+
+def _outcome(
+    new_tokens: list[int], order: list[Directive], plan: SplicePlan, outcome: str,
+    cached_base: int, t0: float,
+) -> DirectivesResponse:  # fmt: skip
     return DirectivesResponse(
+        outcome=outcome,
+        cached_base_tokens=cached_base,
         tokens=new_tokens,
         applied=order,
         splices=plan.splices,
@@ -126,25 +142,29 @@ def apply_request(engine: Engine, req: DirectivesRequest) -> DirectivesResponse:
 
 
 def _miss(
-    engine: Engine, req: DirectivesRequest, new_tokens: list[int], order: list[Directive], msg: str
-) -> DirectivesResponse:
+    engine: Engine, req: DirectivesRequest, ns: Namespace, new_tokens: list[int],
+    order: list[Directive], msg: str,
+) -> DirectivesResponse:  # fmt: skip
+    st = engine.counters(ns.tenant)
     if not req.fallback:
-        engine._stats.directive_errors += 1
+        st.directive_errors += 1
         raise CacheMissError(msg)
-    engine._stats.fallbacks += 1
-    return DirectivesResponse(tokens=new_tokens, applied=order, fallback=True)
+    st.fallbacks += 1
+    return DirectivesResponse(outcome="fallback", tokens=new_tokens, applied=order, fallback=True)
 
 
-def _execute(engine: Engine, plan: SplicePlan, m: Match) -> None:
-    engine.tree.lock(m.node)
+def _execute(engine: Engine, plan: SplicePlan, m: Match, ns: Namespace) -> None:
+    cache = engine.cache
+    cache.hold(m)
     try:
         res = execute_splice(plan, m.slots, _Backend(engine))
     except BaseException as e:
         engine.allocator.free(getattr(e, "fresh_slots", []))
         raise
     finally:
-        engine.tree.unlock(m.node)
+        cache.release(m)
     if len(res.slots) != len(plan.tokens):
         raise DirectiveError("internal: splice produced the wrong number of slots")
-    engine._insert_fresh(plan.tokens, res.slots, res.fresh)
-    engine._evict()
+    cache.insert(plan.tokens, res.slots, res.fresh, ns, plan.exact_len)
+    cache.pin(ns, plan.tokens)
+    engine.evict()

@@ -22,11 +22,11 @@ import structlog
 import torch
 
 from leyline_agent.errors import TrajectoryError
-from leyline_agent.namespaces import ANONYMOUS, Namespace
+from leyline_agent.namespaces import ANONYMOUS, DEFAULT_TENANT, Namespace
 from leyline_agent.runtime.allocator import SlotAllocator
 from leyline_agent.runtime.kv_pool import KVLayout, KVPool
 from leyline_agent.runtime.loader import load
-from leyline_agent.runtime.radix import Match, RadixCache
+from leyline_agent.runtime.prefix_cache import PrefixCache
 from leyline_agent.runtime.runner import ModelRunner
 from leyline_agent.runtime.sampling import (
     GenerationResult,
@@ -56,7 +56,6 @@ class EngineStats:
     rotated_tokens: int = 0
     fallbacks: int = 0
     directive_errors: int = 0
-    evicted_tokens: int = 0
 
 
 class Engine:
@@ -68,6 +67,7 @@ class Engine:
         model_name: str = "leyline",
         cache_budget_tokens: int = 65536,
         prefix_cache: bool = True,
+        pin_ttl_s: float = 300.0,
     ) -> None:
         from leyline_agent.kernels import RopeSpec
 
@@ -81,13 +81,16 @@ class Engine:
         if cache_budget_tokens < 1:
             raise InvalidRequestError(f"cache_budget_tokens: {cache_budget_tokens} must be >= 1")
         self.cache_budget_tokens = cache_budget_tokens
-        self.prefix_cache = prefix_cache
         cap = min(cache_budget_tokens + 1024, 8192)
         self.pool = KVPool(self.layout, self.rope_spec, self.dtype, self.device, capacity=cap)
         self.allocator = SlotAllocator(cap, grow=self.pool.grow)
-        self.tree = RadixCache()
+        self.cache = PrefixCache(
+            self.allocator, cache_budget_tokens, enabled=prefix_cache, pin_ttl_s=pin_ttl_s
+        )
         self.runner = ModelRunner(model, self.pool, self.allocator)
-        self._stats = EngineStats()
+        self._stats: dict[str, EngineStats] = {}
+        self._evicted_tokens = 0
+        self._pin_evictions = 0
         ids = {tokenizer.convert_tokens_to_ids(t) for t in (IM_END, EOS)}
         ids |= set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
         ids |= set(_as_list(tokenizer.eos_token_id))
@@ -105,6 +108,7 @@ class Engine:
         device: str = "cpu",
         cache_budget_tokens: int = 65536,
         prefix_cache: bool = True,
+        pin_ttl_s: float = 300.0,
     ) -> Engine:
         ld = load(path, dtype=dtype, device=device)
         return cls(
@@ -113,6 +117,7 @@ class Engine:
             model_name=ld.name,
             cache_budget_tokens=cache_budget_tokens,
             prefix_cache=prefix_cache,
+            pin_ttl_s=pin_ttl_s,
         )
 
     # ------------------------------------------------------------------ rendering
@@ -156,17 +161,12 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ generation
-    def _match(self, ids: Sequence[int]) -> Match:
-        if not self.prefix_cache:
-            return Match(0, [], self.tree.root)
-        return self.tree.match_prefix(ids)
-
     def logits_for(
         self, prompt_ids: Sequence[int], *, namespace: Namespace = ANONYMOUS
     ) -> torch.Tensor:
         """Next-token logits of ``prompt_ids`` through the cache path (caches nothing)."""
         ids = self.check_ids(prompt_ids, "prompt_ids")
-        m = self._match(ids[:-1])
+        m = self.cache.match(ids[:-1], namespace)
         return self.runner.prefill(m.slots, ids[m.length :]).logits
 
     def generate(
@@ -177,6 +177,8 @@ class Engine:
         *,
         namespace: Namespace = ANONYMOUS,
     ) -> GenerationResult:
+        """Generate in ``namespace``: it reuses exact rows of its tenant and its own spliced
+        rows; what it computes after a spliced row is cached as its own (``radix.py``)."""
         params = params if params is not None else SamplingParams()
         params.validate()
         ids = self.check_ids(prompt_ids, "prompt_ids")
@@ -189,8 +191,9 @@ class Engine:
         extra_stop = self.check_ids(params.stop_token_ids, "stop_token_ids", allow_empty=True)
         stop_ids = set(self.stop_token_ids) | set(extra_stop)
         t0 = time.perf_counter()
-        m = self._match(ids[:-1])
-        self.tree.lock(m.node)
+        splice_lost = self.cache.arrive(namespace)
+        m = self.cache.match(ids[:-1], namespace)
+        self.cache.hold(m)
         try:
             fwd = self.runner.prefill(m.slots, ids[m.length :])
             ttft = time.perf_counter() - t0
@@ -218,14 +221,19 @@ class Engine:
                     finish = "stop"
                     break
             e2e = time.perf_counter() - t0
-            if self.prefix_cache:
+            fresh: list[int] = []
+            if self.cache.enabled:
                 if out:
                     self.runner.extend(fwd.cache, [out[-1]], want_logits=False)
-                self._insert(ids + out, m, self.runner.store(fwd))
+                fresh = self.runner.store(fwd)
         finally:
-            self.tree.unlock(m.node)
-        self._evict()
-        st = self._stats
+            self.cache.release(m)
+        if self.cache.enabled:
+            seq = ids + out
+            exact = len(seq) if m.exact_len == m.length else m.exact_len
+            self.cache.insert(seq, m.slots + fresh, fresh, namespace, exact)
+        self.evict()
+        st = self.counters(namespace.tenant)
         st.requests += 1
         st.prompt_tokens += len(ids)
         st.cached_tokens += m.length
@@ -242,27 +250,22 @@ class Engine:
             logprobs=lps,
             ttft_s=ttft,
             e2e_s=e2e,
+            splice_evicted=splice_lost,
         )
 
     # ------------------------------------------------------------------ cache upkeep
-    def _insert(self, tokens: list[int], m: Match, new_slots: list[int]) -> None:
-        """Insert ``tokens`` whose first ``m.length`` slots came from the tree."""
-        self._insert_fresh(tokens, m.slots + new_slots, new_slots)
+    def counters(self, tenant: str) -> EngineStats:
+        """The tenant's cumulative counters (created on first use)."""
+        st = self._stats.get(tenant)
+        if st is None:
+            st = self._stats[tenant] = EngineStats()
+        return st
 
-    def _insert_fresh(self, tokens: list[int], slots: list[int], fresh: Sequence[int]) -> None:
-        """Insert ``tokens -> slots`` (which also refreshes the path's LRU stamps) and free
-        every slot of ``fresh`` the tree did not adopt: it keeps its own rows for the part
-        it already held, and scratch slots outside ``slots`` are never adopted."""
-        kept = self.tree.insert(tokens, slots)
-        adopted = set(slots[kept:])
-        self.allocator.free([s for s in fresh if s not in adopted])
-
-    def _evict(self) -> None:
-        over = self.tree.total_tokens - self.cache_budget_tokens
-        if over > 0:
-            freed = self.tree.evict(over)
-            self.allocator.free(freed)
-            self._stats.evicted_tokens += len(freed)
+    def evict(self) -> None:
+        """Evict down to the budget; count evicted rows and splice results lost on the way."""
+        rep = self.cache.evict()
+        self._evicted_tokens += rep.evicted_tokens
+        self._pin_evictions += rep.lost_pins
 
     # ------------------------------------------------------------------ directives
     def apply_directives(
@@ -271,24 +274,49 @@ class Engine:
         """``namespace`` defaults to the default tenant and ``req.session``."""
         from leyline_agent.runtime.directives_exec import apply_request
 
-        return apply_request(self, req)
+        ns = namespace if namespace is not None else Namespace(DEFAULT_TENANT, req.session)
+        return apply_request(self, req, ns)
 
     def stats(self, tenant: str | None = None) -> StatsResponse:
-        st = self._stats
+        """Counters of one tenant (cache sizes: its own rows), or of the whole engine."""
+        if tenant is None:
+            parts = list(self._stats.values())
+            cache_tokens, pinned = self.cache.total_tokens, self.cache.pins.pinned_tokens
+            evicted, lost = self._evicted_tokens, self._pin_evictions
+        else:
+            parts = [self._stats[tenant]] if tenant in self._stats else []
+            cache_tokens = self.cache.tenant_tokens(tenant)
+            pinned = self.cache.pins.pinned_tokens_of(tenant)
+            evicted, lost = self._evicted_tokens, self._pin_evictions
+        total = EngineStats()
+        for st in parts:
+            for f in _COUNTERS:
+                setattr(total, f, getattr(total, f) + getattr(st, f))
+            for k, v in st.splices.items():
+                total.splices[k] = total.splices.get(k, 0) + v
         return StatsResponse(
-            requests=st.requests,
-            prompt_tokens=st.prompt_tokens,
-            cached_tokens=st.cached_tokens,
-            prefilled_tokens=st.prefilled_tokens,
-            generated_tokens=st.generated_tokens,
-            splices=dict(st.splices),
-            rotated_tokens=st.rotated_tokens,
-            fallbacks=st.fallbacks,
-            directive_errors=st.directive_errors,
-            cache_tokens=self.tree.total_tokens,
+            requests=total.requests,
+            prompt_tokens=total.prompt_tokens,
+            cached_tokens=total.cached_tokens,
+            prefilled_tokens=total.prefilled_tokens,
+            generated_tokens=total.generated_tokens,
+            splices=dict(total.splices),
+            rotated_tokens=total.rotated_tokens,
+            fallbacks=total.fallbacks,
+            directive_errors=total.directive_errors,
+            cache_tokens=cache_tokens,
             cache_capacity_tokens=self.cache_budget_tokens,
-            evicted_tokens=st.evicted_tokens,
+            evicted_tokens=evicted,
+            pinned_tokens=pinned,
+            pin_evictions=lost,
+            tenant=tenant,
         )
+
+
+_COUNTERS = (
+    "requests", "prompt_tokens", "cached_tokens", "prefilled_tokens", "generated_tokens",
+    "rotated_tokens", "fallbacks", "directive_errors",
+)  # fmt: skip
 
 
 def _as_list(x: Any) -> list:

@@ -54,11 +54,21 @@ class SplicePlan:
     rotated_tokens: int = 0  # rows moved by a rotation
     reused_tokens: int = 0  # rows of T' whose latent/values come from T
     splices: dict[str, int] = field(default_factory=dict)
+    exact_len: int = 0  # leading rows of T' equal to a fresh prefill's (the rest: spliced)
 
 
-def plan_splice(base_tokens: Sequence[int], directives: Sequence[Directive]) -> SplicePlan:
-    """Plan compiled, validated directives (execution order, all ``end <= len(base)``)."""
+def plan_splice(
+    base_tokens: Sequence[int], directives: Sequence[Directive], exact_len: int | None = None
+) -> SplicePlan:
+    """Plan compiled, validated directives (execution order, all ``end <= len(base)``).
+
+    ``exact_len``: how many leading rows of the base are exact (default: all). AMORTIZE
+    keeps a prefix and prefills R over it (exact iff the prefix is), but its moved tail
+    keeps attending to the removed span: from there on rows are spliced. FORGET prefills
+    R + tail over the prefix: exact iff the prefix is.
+    """
     tokens = list(base_tokens)
+    exact = len(tokens) if exact_len is None else exact_len
     origin = [True] * len(tokens)  # does the row's latent/value come from T?
     steps: list[SpliceStep] = []
     prefilled = rotated = 0
@@ -70,13 +80,18 @@ def plan_splice(base_tokens: Sequence[int], directives: Sequence[Directive]) -> 
         steps.append(step)
         splices[step.mode.value] += 1
         r = list(step.replacement)
+        new_len = len(tokens) + step.delta
         if step.mode is Mode.AMORTIZE:
             prefilled += len(r)
             rotated += step.tail_len
             origin = origin[: d.start] + [False] * len(r) + origin[d.end :]
+            if exact >= d.start:
+                exact = d.start + len(r) if step.tail_len else new_len
         else:
             prefilled += len(r) + step.tail_len
             origin = origin[: d.start] + [False] * (len(r) + step.tail_len)
+            if exact >= d.start:
+                exact = new_len
         tokens = tokens[: d.start] + r + tokens[d.end :]
     return SplicePlan(
         base_tokens=list(base_tokens),
@@ -86,6 +101,7 @@ def plan_splice(base_tokens: Sequence[int], directives: Sequence[Directive]) -> 
         rotated_tokens=rotated,
         reused_tokens=sum(origin),
         splices=splices,
+        exact_len=min(exact, len(tokens)),
     )
 
 

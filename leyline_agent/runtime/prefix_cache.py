@@ -1,0 +1,122 @@
+"""``PrefixCache``: the radix tree, the slot allocator and the token budget behind one API.
+
+The engine and the directive executor talk to this, never to the tree's internals:
+
+- ``match(tokens, ns)``: the longest prefix namespace ``ns`` may reuse (pure).
+- ``hold(match)`` / ``release(match)``: keep a match's rows from eviction while they are read.
+- ``insert(tokens, slots, fresh, ns, exact_len)``: cache ``tokens -> slots``, free every slot
+  of ``fresh`` the tree did not adopt and every old row the write superseded.
+- ``pin(ns, tokens)`` / ``arrive(ns)``: PIN a directive's result for its session's next
+  request (``pins.py``); ``arrive`` tells whether it was evicted meanwhile.
+- ``evict()``: down to the budget: unpinned LRU leaves first, then pins, oldest first.
+
+Provenance (which rows are exact, which belong to a session) is the tree's: see
+``radix.py`` and ``leyline_agent.namespaces``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from leyline_agent.namespaces import Namespace
+from leyline_agent.runtime.allocator import SlotAllocator
+from leyline_agent.runtime.pins import PinTable
+from leyline_agent.runtime.radix import Match, RadixCache
+
+__all__ = ["EvictionReport", "PrefixCache"]
+
+
+@dataclass(slots=True)
+class EvictionReport:
+    evicted_tokens: int = 0
+    lost_pins: int = 0
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        allocator: SlotAllocator,
+        budget_tokens: int,
+        *,
+        enabled: bool = True,
+        pin_ttl_s: float = 300.0,
+    ) -> None:
+        self.allocator, self.budget_tokens, self.enabled = allocator, budget_tokens, enabled
+        self.tree = RadixCache()
+        self.pins = PinTable(self.tree, pin_ttl_s)
+
+    # ---------------------------------------------------------------- lookups
+    def match(self, tokens: Sequence[int], ns: Namespace) -> Match:
+        if not self.enabled:
+            return Match(0, [], self.tree.root)
+        return self.tree.match_prefix(tokens, ns)
+
+    def hold(self, m: Match) -> None:
+        self.tree.lock(m.node)
+
+    def release(self, m: Match) -> None:
+        self.tree.unlock(m.node)
+        self.allocator.free(self.tree.collect())
+
+    # ---------------------------------------------------------------- writes
+    def insert(
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        fresh: Sequence[int],
+        ns: Namespace,
+        exact_len: int,
+    ) -> None:
+        """Cache ``tokens -> slots``; rows ``[0, exact_len)`` exact, the rest ``ns``'s."""
+        if not self.enabled:
+            self.allocator.free(fresh)
+            return
+        res = self.tree.insert(tokens, slots, ns, exact_len)
+        adopted = set(slots[res.held :])
+        self.allocator.free([s for s in fresh if s not in adopted])
+        self.allocator.free(res.freed)
+
+    def pin(self, ns: Namespace, tokens: Sequence[int]) -> None:
+        if self.enabled:
+            self.pins.pin(ns, list(tokens))
+
+    def arrive(self, ns: Namespace) -> bool:
+        """``ns`` starts a request: its pin ends. True if its last splice result was lost."""
+        lost = self.pins.release(ns)
+        self.allocator.free(self.tree.collect())
+        return lost
+
+    def evict(self) -> EvictionReport:
+        rep = EvictionReport()
+        self.pins.expire()
+        while True:
+            over = self.tree.total_tokens - self.budget_tokens
+            if over > 0:
+                freed = self.tree.evict(over)
+                self.allocator.free(freed)
+                rep.evicted_tokens += len(freed)
+            if self.tree.total_tokens <= self.budget_tokens or not self.pins.break_oldest():
+                break
+        rep.lost_pins = self.pins.count_lost()
+        return rep
+
+    # ---------------------------------------------------------------- reading
+    @property
+    def total_tokens(self) -> int:
+        return self.tree.total_tokens
+
+    def tenant_tokens(self, tenant: str) -> int:
+        return self.tree.tenant_tokens(tenant)
+
+    def check(self) -> None:
+        """Internal invariant (tests): every slot is in the tree, detached, or free, once."""
+        cached = self.tree.all_slots()
+        free = self.allocator.free_slots()
+        everything = cached + free + self.tree.detached_slots
+        if len(everything) != len(set(everything)):
+            raise AssertionError("a slot is both cached and free (or cached twice)")
+        if len(everything) != self.allocator.capacity:
+            raise AssertionError(
+                f"slot leak: {self.allocator.capacity - len(everything)} slots unaccounted"
+            )
