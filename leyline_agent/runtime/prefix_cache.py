@@ -8,7 +8,7 @@ The engine and the directive executor talk to this, never to the tree's internal
   of ``fresh`` the tree did not adopt and every old row the write superseded.
 - ``pin(ns, tokens)`` / ``arrive(ns)``: PIN a directive's result for its session's next
   request (``pins.py``); ``arrive`` tells whether it was evicted meanwhile.
-- ``evict()``: down to the budget: unpinned LRU leaves first, then pins, oldest first.
+- ``evict()``: down to the budget: pins capped at half of it, then LRU leaves, then pins.
 
 Provenance (which rows are exact, which belong to a session) is the tree's: see
 ``radix.py`` and ``leyline_agent.namespaces``.
@@ -88,8 +88,12 @@ class PrefixCache:
         return lost
 
     def evict(self) -> EvictionReport:
+        """Pins hold at most half the budget (so they never starve fresh work); then LRU
+        leaves go; if locked rows alone still exceed the budget, pins give way, oldest first."""
         rep = EvictionReport()
         self.pins.expire()
+        while self.pins.pinned_tokens > self.budget_tokens // 2 and self.pins.break_oldest():
+            pass
         while True:
             over = self.tree.total_tokens - self.budget_tokens
             if over > 0:

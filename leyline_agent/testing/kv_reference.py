@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RefState", "cache_from_kv", "greedy_from_kv", "logits_from_kv", "plain_kv"]
+__all__ = ["RefState", "Row", "cache_from_kv", "greedy_from_kv", "logits_from_kv", "plain_kv"]
 
 
 def _attn_modules(model):
@@ -88,6 +88,16 @@ def apply_model_rope(model, pre: torch.Tensor, positions: torch.Tensor) -> torch
     return mod.apply_rotary_pos_emb(pre, pre, cos, sin)[1]
 
 
+@dataclass(eq=False)
+class Row:
+    """One cached position, position-free: per layer the plain part (MLA latent / GQA
+    values) and the PRE-RoPE rotary part, each ``[1, H, 1, D]``. Identity matters to
+    ``cache_oracle``: a row reused as it is is the same object."""
+
+    plain: list[torch.Tensor]
+    pre: list[torch.Tensor]
+
+
 @dataclass
 class RefState:
     model: object
@@ -99,6 +109,28 @@ class RefState:
     def prefill(cls, model, token_ids: Sequence[int]) -> RefState:
         empty = cls(model, [], [], [])
         return empty._forward_over(0, list(token_ids))
+
+    @classmethod
+    def from_rows(cls, model, tokens: Sequence[int], rows: Sequence[Row]) -> RefState:
+        """The state whose position ``i`` holds ``rows[i]`` (positions follow the index)."""
+        if not rows:
+            return cls(model, [], [], [])
+        n_layers = len(rows[0].plain)
+        plain = [torch.cat([r.plain[i] for r in rows], dim=2) for i in range(n_layers)]
+        pre = [torch.cat([r.pre[i] for r in rows], dim=2) for i in range(n_layers)]
+        return cls(model, list(tokens), plain, pre)
+
+    def rows(self, lo: int = 0, hi: int | None = None) -> list[Row]:
+        """Fresh ``Row`` objects for positions ``[lo, hi)`` (position-free contents)."""
+        hi = len(self.tokens) if hi is None else hi
+        return [
+            Row([p[:, :, i : i + 1] for p in self.plain], [p[:, :, i : i + 1] for p in self.pre])
+            for i in range(lo, hi)
+        ]
+
+    def extend(self, new: Sequence[int]) -> RefState:
+        """``new`` forwarded after the whole state."""
+        return self._forward_over(len(self.tokens), list(new))
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         pos = torch.arange(len(self.tokens))
