@@ -23,7 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from leyline_agent.errors import DirectiveError, UnsupportedModeError
 
-__all__ = ["Directive", "MessageEdit", "Mode", "RESERVED_MODES", "apply_directives", "plan_batch"]
+__all__ = [
+    "Directive",
+    "MessageEdit",
+    "Mode",
+    "RESERVED_MODES",
+    "apply_directives",
+    "check_mode",
+    "plan_batch",
+]
 
 
 class Mode(StrEnum):
@@ -45,7 +53,20 @@ class Mode(StrEnum):
 
 RESERVED_MODES = frozenset({Mode.PIN, Mode.DECAY, Mode.SCRATCH})
 
+
+def check_mode(mode: Mode) -> Mode:
+    """``mode`` if it is implemented; ``ValueError`` naming a reserved one."""
+    if mode in RESERVED_MODES:
+        raise ValueError(
+            f"mode {mode.value!r} is reserved for a future release; use 'amortize' or 'forget'"
+        )
+    return mode
+
+
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+# Strict: no coercion ("812", 5.0 and true are not positions or token ids). ``mode`` alone is
+# lax, so that its string value ("amortize") is accepted from Python as from JSON.
+_STRICT = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
 class Directive(BaseModel):
@@ -55,12 +76,12 @@ class Directive(BaseModel):
     compiles to ids before execution (see ``is_compiled``).
     """
 
-    model_config = _FROZEN
+    model_config = _STRICT
 
     start: int = Field(ge=0, description="first replaced position (inclusive)")
     end: int = Field(ge=0, description="one past the last replaced position")
     replacement: list[int] | str = Field(default_factory=list)
-    mode: Mode = Mode.AMORTIZE
+    mode: Mode = Field(default=Mode.AMORTIZE, strict=False)
 
     @field_validator("replacement")
     @classmethod
@@ -74,11 +95,7 @@ class Directive(BaseModel):
     @field_validator("mode")
     @classmethod
     def _mode_implemented(cls, v: Mode) -> Mode:
-        if v in RESERVED_MODES:
-            raise ValueError(
-                f"mode {v.value!r} is reserved for a future release; use 'amortize' or 'forget'"
-            )
-        return v
+        return check_mode(v)
 
     @model_validator(mode="after")
     def _ordered(self) -> Directive:

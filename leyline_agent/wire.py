@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from leyline_agent.directives import Directive, Mode
+from leyline_agent.directives import Directive, Mode, check_mode
 
 __all__ = ["DirectivesRequest", "DirectivesResponse", "ErrorBody", "StatsResponse"]
 
@@ -27,9 +27,12 @@ class DirectivesRequest(BaseModel):
     where they differ into directives of ``mode``.
     ``fallback``: if the base is not cached, don't fail; count it and let the next request
     re-prefill (FORGET semantics).
+
+    Strict: no value is coerced (``"812"``, ``5.0``, ``true`` are not token ids); ``mode``
+    takes its string value, and a reserved mode is refused by name.
     """
 
-    model_config = _FROZEN
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int] | None = None
@@ -37,7 +40,7 @@ class DirectivesRequest(BaseModel):
     old_messages: list[dict[str, Any]] | None = None
     new_messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
-    mode: Mode = Mode.AMORTIZE
+    mode: Mode = Field(default=Mode.AMORTIZE, strict=False)
     fallback: bool = False
     session: str | None = Field(
         default=None,
@@ -49,6 +52,11 @@ class DirectivesRequest(BaseModel):
         description="idempotency key: a retry with the same id (same tenant) gets the first "
         "answer and executes nothing",
     )
+
+    @field_validator("mode")
+    @classmethod
+    def _mode_implemented(cls, v: Mode) -> Mode:
+        return check_mode(v)
 
     @model_validator(mode="after")
     def _one_form(self) -> DirectivesRequest:
