@@ -208,7 +208,7 @@ class ScriptedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, prompt_ids, params, on_token=None):
+    def generate(self, prompt_ids, params, on_token=None, *, namespace=None):
         from leyline_agent.runtime.sampling import GenerationResult
 
         tok = self._engine.tokenizer

@@ -32,6 +32,63 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default="embedded",
         help="embedded transformers engine, or SGLang with the Leyline plugin",
     )
+    _add_limits_and_keys(p)
+
+
+MIB = 1024 * 1024
+
+
+def _add_limits_and_keys(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tenants and limits (embedded engine)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health (repeatable); "
+        "each key is its own tenant: its own cache namespace and stats",
+    )
+    g.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="keys, one per line: 'KEY' or 'KEY TENANT' ('#' comments). Keys that name the "
+        "same TENANT share one cache namespace: the opt-in for a trusted deployment",
+    )
+    g.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host header to answer besides localhost, 127.0.0.1 and [::1] (repeatable; "
+        "NAME or NAME:PORT). On a loopback bind other Hosts get 400 (DNS rebinding); on "
+        "another bind Hosts are checked only when this is given",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 * MIB,
+        help="larger request bodies get 413 (default: 16 MiB)",
+    )
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longer prompts get 400 (default: the model's context)",
+    )
+    g.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=None,
+        help="a request's max_tokens above this gets 400 (default: no cap beyond the context)",
+    )
+    g.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=300.0,
+        help="a request that waited longer for the engine gets 503 + Retry-After (default: 300)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,9 +1,15 @@
-"""``create_app(engine_or_scheduler)``: the FastAPI application of ``leyline serve``.
+"""``create_app(engine_or_scheduler, ...)``: the FastAPI application of ``leyline serve``.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (``openai_routes``),
 ``/leyline/v1/directives``, ``/leyline/v1/stats`` (``leyline_routes``), ``/health``.
 Every engine call goes through one ``Scheduler``; an app built from an engine owns its
 scheduler and closes it when the app shuts down.
+
+Pure ASGI middleware, outermost first: ``HostAllowlist`` (only with ``allowed_hosts``),
+``BearerAuth`` (only with ``api_keys``), ``BodyLimit``, ``ErrorGuard``. So a request from a
+foreign ``Host`` or without a key is refused before its body is read, and a body over the
+limit before it is parsed. The routers' dependency ``check_json_body`` then refuses text
+that is not Unicode before any field is used.
 """
 
 from __future__ import annotations
@@ -14,24 +20,32 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from leyline_agent.server import errors
 from leyline_agent.server.completions import CHAT_DEFAULT_MAX_TOKENS, ModelLimits, ServedModel
+from leyline_agent.server.directive_memory import DEFAULT_REMEMBERED, DirectiveMemory
+from leyline_agent.server.inputs import check_json_body
 from leyline_agent.server.leyline_routes import router as leyline_router
+from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, longest_token_bytes
 from leyline_agent.server.openai_routes import router as openai_router
-from leyline_agent.server.scheduler import Engine, Scheduler
+from leyline_agent.server.scheduler import DEFAULT_QUEUE_TIMEOUT_S, Engine, Scheduler
 from leyline_agent.server.state import ServerState
+from leyline_agent.server.tenants import ApiKeys, BearerAuth, HostAllowlist, session_header
 
 __all__ = ["create_app", "model_limits"]
 
 
 def model_limits(engine: Engine) -> ModelLimits:
-    """Vocabulary size and context length, from the model's config (or the tokenizer)."""
+    """Vocabulary size, context length and the longest token's bytes (once, at start-up)."""
     config = getattr(getattr(engine, "model", None), "config", None)
     vocab = getattr(config, "vocab_size", None) or len(engine.tokenizer)
     context = getattr(config, "max_position_embeddings", None)
-    return ModelLimits(vocab_size=int(vocab), max_context=int(context) if context else None)
+    return ModelLimits(
+        vocab_size=int(vocab),
+        max_context=int(context) if context else None,
+        longest_token_bytes=longest_token_bytes(engine.tokenizer),
+    )
 
 
 def _default_params_cls() -> type:
@@ -47,21 +61,46 @@ def create_app(
     aliases: Iterable[str] = (),
     params_cls: type | None = None,
     default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS,
+    api_keys: ApiKeys | Iterable[str | tuple[str, str | None]] = (),
+    allowed_hosts: Iterable[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_prompt_tokens: int | None = None,
+    max_tokens_cap: int | None = None,
+    queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S,
+    remembered_request_ids: int = DEFAULT_REMEMBERED,
 ) -> FastAPI:
-    """The app serving one engine. ``served_model_name`` defaults to the engine's name;
-    ``default_max_tokens`` bounds a chat answer whose request sets no ``max_tokens``."""
+    """The app serving one engine.
+
+    ``served_model_name`` defaults to the engine's name; ``default_max_tokens`` bounds a chat
+    answer whose request sets no ``max_tokens``. ``api_keys``: keys (or ``(key, tenant)``
+    pairs); none means no authentication and one tenant. ``allowed_hosts``: None turns the
+    ``Host`` check off; a collection turns it on (loopback names plus these).
+    ``max_prompt_tokens`` defaults to the model's context; ``max_tokens_cap`` to none.
+    ``queue_timeout_s`` applies to the scheduler the app builds from an engine.
+    """
     if isinstance(engine_or_scheduler, Scheduler):
         scheduler, owned = engine_or_scheduler, False
     else:
-        scheduler, owned = Scheduler(engine_or_scheduler), True
+        scheduler = Scheduler(engine_or_scheduler, queue_timeout_s=queue_timeout_s)
+        owned = True
+    for name, value in (
+        ("max_prompt_tokens", max_prompt_tokens),
+        ("max_tokens_cap", max_tokens_cap),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{name}: {value} must be >= 1")
+    keys = api_keys if isinstance(api_keys, ApiKeys) else ApiKeys.build(api_keys)
     engine = scheduler.engine
     engine_name = str(engine.model_name)
+    limits = scheduler.call(model_limits)
     model = ServedModel(
         id=served_model_name or Path(engine_name).name or engine_name,
         aliases=frozenset({engine_name, *aliases}),
         created=int(time.time()),
-        limits=scheduler.call(model_limits),
+        limits=limits,
         default_max_tokens=default_max_tokens,
+        max_prompt_tokens=max_prompt_tokens or limits.max_context,
+        max_tokens_cap=max_tokens_cap,
     )
 
     @asynccontextmanager
@@ -72,14 +111,25 @@ def create_app(
 
     app = FastAPI(title="Leyline", version="0.1.0", lifespan=lifespan)
     app.state.leyline = ServerState(
-        scheduler=scheduler, model=model, params_cls=params_cls or _default_params_cls()
+        scheduler=scheduler,
+        model=model,
+        params_cls=params_cls or _default_params_cls(),
+        directive_memory=DirectiveMemory(remembered_request_ids),
     )
     errors.install(app)
-    app.include_router(openai_router)
-    app.include_router(leyline_router)
+    checks = [Depends(check_json_body), Depends(session_header)]
+    app.include_router(openai_router, dependencies=checks)
+    app.include_router(leyline_router, dependencies=checks)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": model.id}
 
+    # add_middleware wraps what is there: the last added is the outermost.
+    app.add_middleware(errors.ErrorGuard)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if keys:
+        app.add_middleware(BearerAuth, keys=keys)
+    if allowed_hosts is not None:
+        app.add_middleware(HostAllowlist, names=list(allowed_hosts))
     return app

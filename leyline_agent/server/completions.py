@@ -19,10 +19,13 @@ from leyline_agent.server.openai_api import (
 )
 
 __all__ = [
+    "GREEDY_BELOW",
+    "SEED_MAX",
     "ModelLimits",
     "ServedModel",
     "check_messages",
     "check_prompt_ids",
+    "check_prompt_length",
     "completion_prompt",
     "messages_for_template",
     "sampling_params",
@@ -34,12 +37,17 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions API
 # session, so an unbounded answer (a random-weight model rarely stops) would stall them
 # all; the default is capped (``create_app(default_max_tokens=...)``).
 CHAT_DEFAULT_MAX_TOKENS = 1024
+# A temperature this small is greedy decoding: logits / 5e-324 overflow to inf and the
+# softmax to NaN, and below 1e-5 sampling already picks the argmax for any real logits.
+GREEDY_BELOW = 1e-5
+SEED_MAX = 2**63 - 1  # seeds are in [0, SEED_MAX]
 
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
     vocab_size: int
     max_context: int | None
+    longest_token_bytes: int | None = None  # None: no lower bound from text length
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,8 @@ class ServedModel:
     created: int
     limits: ModelLimits
     default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS
+    max_prompt_tokens: int | None = None  # None: the model's context
+    max_tokens_cap: int | None = None  # the largest max_tokens a request may ask for
 
     def check(self, requested: str | None, field: str = "model") -> None:
         if requested is not None and requested != self.id and requested not in self.aliases:
@@ -111,25 +121,33 @@ def sampling_params(
     else:
         want_logprobs = req.logprobs is not None
         top = req.logprobs or 0
+    chat = isinstance(req, ChatCompletionRequest)
+    check_prompt_length(prompt_len, model, "messages" if chat else "prompt")
     room = None if limits.max_context is None else limits.max_context - prompt_len
     if room is not None and room < 1:
         raise RequestError(
             f"the prompt has {prompt_len} tokens; the model's context is {limits.max_context}",
-            "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            "messages" if chat else "prompt",
         )
+    cap = model.max_tokens_cap
     if max_tokens is None:
-        chat = isinstance(req, ChatCompletionRequest)
         max_tokens = model.default_max_tokens if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         max_tokens = max_tokens if room is None else min(max_tokens, room)
+        max_tokens = max_tokens if cap is None else min(max_tokens, cap)
+    elif cap is not None and max_tokens > cap:
+        raise RequestError(f"{max_tokens} is over this server's cap of {cap} tokens", field)
     elif room is not None and max_tokens > room:
         raise RequestError(
             f"{max_tokens} tokens after a {prompt_len}-token prompt exceed the model's "
             f"context of {limits.max_context}",
             field,
         )
+    if req.seed is not None and not 0 <= req.seed <= SEED_MAX:
+        raise RequestError(f"{req.seed} is outside [0, 2**63 - 1]", "seed")
+    temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
     return params_cls(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         seed=req.seed,
         stop=_stop(req.stop),
@@ -171,6 +189,13 @@ def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]
             m = {**m, "role": "system"}
         out.append(m)
     return out
+
+
+def check_prompt_length(n_tokens: int, model: ServedModel, field: str) -> None:
+    """Refuse a prompt of more than the server's ``max_prompt_tokens`` (exact count)."""
+    limit = model.max_prompt_tokens
+    if limit is not None and n_tokens > limit:
+        raise RequestError(f"the prompt has {n_tokens} tokens; the limit is {limit}", field)
 
 
 def check_prompt_ids(ids: list[int], limits: ModelLimits, field: str) -> None:

@@ -11,10 +11,19 @@ FastAPI ``RequestValidationError``      422     ``ValidationError`` (``Unsupport
 other ``LeylineError``                  400     its class name (``DirectiveError``,
                                                 ``UnsupportedModeError``, ``TrajectoryError``..)
 other ``ValueError``                    400     ``ValueError``
-``RuntimeUnavailableError``             503     ``RuntimeUnavailableError``
+``RuntimeUnavailableError``             503     ``RuntimeUnavailableError`` (``QueueTimeoutError``
+                                                with a ``Retry-After`` header)
 Starlette ``HTTPException`` (404/405)   same    ``NotFound`` / ``MethodNotAllowed``
+a body over the size limit              413     ``PayloadTooLargeError`` (field ``body``)
+no or a wrong API key (middleware)      401     ``AuthenticationError`` (``authorization``)
+a ``Host`` not allowed (middleware)     400     ``HostNotAllowedError`` (field ``host``)
 anything else                           500     ``InternalError``
 =====================================  ======  =============================================
+
+Every one of them is an answer, never a dropped connection: ``ErrorGuard`` (innermost
+middleware) turns any exception a route lets through into the JSON error and returns
+normally, so the keep-alive connection stays usable (uvicorn closes a connection whose
+application raised).
 
 ``type`` is the name of the Leyline error class, so that a client (``HTTPRuntime``) can
 raise the same class on its side.
@@ -25,6 +34,7 @@ prefix of their message (``"directives[0].end: ..."``); it is lifted from there.
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from leyline_agent.directives import RESERVED_MODES
 from leyline_agent.errors import CacheMissError, LeylineError, RuntimeUnavailableError
@@ -41,7 +52,16 @@ from leyline_agent.wire import ErrorBody
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["ModelNotFoundError", "RequestError", "error_response", "field_path", "install"]
+__all__ = [
+    "ClientDisconnected",
+    "ErrorGuard",
+    "ModelNotFoundError",
+    "RequestError",
+    "classify",
+    "error_response",
+    "field_path",
+    "install",
+]
 
 
 class RequestError(LeylineError, ValueError):
@@ -57,6 +77,11 @@ class RequestError(LeylineError, ValueError):
 
 class ModelNotFoundError(RequestError):
     status = 404
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready (nobody reads the
+    answer; 499 as nginx logs it)."""
 
 
 def field_path(loc: Sequence[Any]) -> str:
@@ -82,9 +107,29 @@ def _lift_field(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def error_response(status: int, type_: str, message: str, field: str | None = None) -> JSONResponse:
-    body = ErrorBody(type=type_, message=message, field=field)
-    return JSONResponse({"error": body.model_dump()}, status_code=status)
+def error_response(
+    status: int,
+    type_: str,
+    message: str,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = ErrorBody(type=type_, message=_printable(message), field=field and _printable(field))
+    return JSONResponse({"error": body.model_dump()}, status_code=status, headers=headers)
+
+
+def _printable(text: str) -> str:
+    """``text`` encodable as UTF-8: a lone surrogate quoted from the input becomes ``\\udXXX``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def exception_response(exc: BaseException) -> JSONResponse:
+    """The JSON error answer of ``exc`` (with ``Retry-After`` where the error has one)."""
+    status, type_, message, field = classify(exc)
+    retry = getattr(exc, "retry_after_s", None)
+    return error_response(
+        status, type_, message, field, {"Retry-After": str(retry)} if retry else None
+    )
 
 
 def _validation(errors: Sequence[dict[str, Any]]) -> tuple[str, str | None, bool]:
@@ -93,7 +138,8 @@ def _validation(errors: Sequence[dict[str, Any]]) -> tuple[str, str | None, bool
         path = field_path(err.get("loc", ()))
         first = first if first is not None else (path or None)
         parts.append(f"{path}: {err.get('msg', 'invalid')}" if path else err.get("msg", "invalid"))
-        reserved |= path.endswith(".mode") and str(err.get("input", "")).lower() in _RESERVED
+        is_mode = path == "mode" or path.endswith(".mode")
+        reserved |= is_mode and str(err.get("input", "")).lower() in _RESERVED
     return "; ".join(parts), first, reserved
 
 
@@ -110,7 +156,13 @@ def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
     if isinstance(exc, CacheMissError):
         return 409, "CacheMissError", str(exc), _lift_field(str(exc)) or "tokens"
     if isinstance(exc, RuntimeUnavailableError):
-        return 503, "RuntimeUnavailableError", str(exc), None
+        return 503, type(exc).__name__, str(exc), None
+    if isinstance(exc, concurrent.futures.CancelledError):  # the scheduler shut down
+        return 503, "RuntimeUnavailableError", "the request was cancelled (shutting down)", None
+    if isinstance(exc, StarletteHTTPException):
+        return _http_error(exc)
+    if isinstance(exc, ClientDisconnected):
+        return 499, "ClientDisconnected", str(exc), None
     if isinstance(exc, LeylineError):
         return 400, type(exc).__name__, str(exc), _lift_field(str(exc))
     if isinstance(exc, ValueError):
@@ -118,20 +170,66 @@ def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
     return 500, "InternalError", f"{type(exc).__name__}: {exc}", None
 
 
+def _http_error(exc: StarletteHTTPException) -> tuple[int, str, str, str | None]:
+    status = exc.status_code
+    field = getattr(exc, "field", None)
+    if status == 400 and field is None:  # FastAPI could not parse the body
+        field = "body"
+    type_ = getattr(exc, "error_type", None) or {404: "NotFound", 405: "MethodNotAllowed"}.get(
+        status, "HTTPError"
+    )
+    return status, type_, str(exc.detail), field
+
+
 def install(app: FastAPI) -> None:
-    """Register the handlers that turn exceptions into ``{"error": ErrorBody}``."""
+    """Register the handlers that turn exceptions into ``{"error": ErrorBody}``; everything
+    else is answered by ``ErrorGuard`` (see ``create_app``)."""
 
     async def _leyline(request: Request, exc: Exception) -> JSONResponse:
-        status, type_, message, field = classify(exc)
-        if status >= 500:
-            log.error("request failed", path=request.url.path, error=message)
-        return error_response(status, type_, message, field)
+        response = exception_response(exc)
+        if response.status_code >= 500:
+            log.error("request failed", path=request.url.path, error=str(exc))
+        return response
 
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        type_ = {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, "HTTPError")
-        return error_response(exc.status_code, type_, f"{request.url.path}: {exc.detail}")
+        status, type_, message, field = _http_error(exc)
+        if status in (404, 405):
+            message = f"{request.url.path}: {message}"
+        return error_response(status, type_, message, field, exc.headers)
 
     app.add_exception_handler(RequestValidationError, _leyline)
     app.add_exception_handler(LeylineError, _leyline)
+    app.add_exception_handler(ValueError, _leyline)
+    app.add_exception_handler(ClientDisconnected, _leyline)
     app.add_exception_handler(StarletteHTTPException, _http)
-    app.add_exception_handler(Exception, _leyline)
+
+
+class ErrorGuard:
+    """Pure ASGI middleware: an exception that reached it becomes the JSON error answer
+    (500 ``InternalError`` for anything unexpected), and the call returns normally."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+                exc = exc.exceptions[0]
+            response = exception_response(exc)
+            if response.status_code >= 500:
+                log.error("request failed", path=scope.get("path"), error=repr(exc))
+            if started:  # nothing more can be said on this response
+                return
+            await response(scope, receive, send)

@@ -4,18 +4,33 @@ Everything that can be checked without the cache is checked here before the engi
 asked (model name, message shapes, token ids, directive spans against ``len(tokens)``), so
 a refused request costs the engine nothing and changes none of its counters. What needs
 the cache (is ``tokens`` cached?) is the engine's to say: ``CacheMissError`` -> 409.
+
+Each request acts in its namespace: the key's tenant, and the session named by the
+``X-Leyline-Session`` header or the ``session`` field. A directive whose client left before
+it started is not executed. A ``request_id`` makes retries idempotent
+(``directive_memory``); ``/leyline/v1/stats`` answers the caller's tenant's counters.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from leyline_agent.directives import plan_batch
-from leyline_agent.server.completions import check_prompt_ids, messages_for_template
+from leyline_agent.server.completions import (
+    check_prompt_ids,
+    check_prompt_length,
+    messages_for_template,
+)
+from leyline_agent.server.directive_memory import check_request_id
+from leyline_agent.server.disconnect import run_connected
 from leyline_agent.server.errors import RequestError, field_path
+from leyline_agent.server.limits import check_text_bound, message_text_bytes
 from leyline_agent.server.openai_api import ChatMessage, ToolSpec
 from leyline_agent.server.state import state
+from leyline_agent.server.tenants import namespace
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
 __all__ = ["router"]
@@ -39,6 +54,7 @@ def checked(req: DirectivesRequest, request: Request) -> DirectivesRequest:
     st = state(request)
     st.model.check(req.model)
     if req.tokens is not None and req.directives is not None:
+        check_prompt_length(len(req.tokens), st.model, "tokens")
         check_prompt_ids(req.tokens, st.model.limits, "tokens")
         plan_batch(req.directives, seq_len=len(req.tokens))  # raises naming directives[i]
         for i, d in enumerate(req.directives):
@@ -48,6 +64,9 @@ def checked(req: DirectivesRequest, request: Request) -> DirectivesRequest:
     assert req.old_messages is not None and req.new_messages is not None  # the model's invariant
     _check_messages(req.old_messages, "old_messages")
     _check_messages(req.new_messages, "new_messages")
+    longest, limit = st.model.limits.longest_token_bytes, st.model.max_prompt_tokens
+    for name, messages in (("old_messages", req.old_messages), ("new_messages", req.new_messages)):
+        check_text_bound(message_text_bytes(messages), longest, limit, name)
     for i, tool in enumerate(req.tools or []):
         try:
             ToolSpec.model_validate(tool)
@@ -63,10 +82,19 @@ def checked(req: DirectivesRequest, request: Request) -> DirectivesRequest:
 
 @router.post("/leyline/v1/directives", response_model=DirectivesResponse)
 async def directives(req: DirectivesRequest, request: Request) -> DirectivesResponse:
-    ready = checked(req, request)
-    return await state(request).scheduler.run(lambda engine: engine.apply_directives(ready))
+    st = state(request)
+    ns = namespace(request, req.session)
+    check_request_id(req.request_id)
+    ready = checked(req, request).model_copy(update={"session": ns.session})
+    memory = st.directive_memory
+
+    def job(engine: Any) -> DirectivesResponse:  # on the worker: lookup + execute, atomic
+        return memory.run(req, ns, lambda: engine.apply_directives(ready, namespace=ns))
+
+    return await run_connected(request, st.scheduler, job)
 
 
 @router.get("/leyline/v1/stats", response_model=StatsResponse)
 async def stats(request: Request) -> StatsResponse:
-    return await state(request).scheduler.run(lambda engine: engine.stats())
+    tenant = namespace(request).tenant
+    return await run_connected(request, state(request).scheduler, lambda e: e.stats(tenant=tenant))

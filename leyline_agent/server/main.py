@@ -11,7 +11,7 @@ import sys
 
 import structlog
 
-from leyline_agent.errors import RuntimeUnavailableError
+from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 
 log = structlog.get_logger(__name__)
 
@@ -19,6 +19,10 @@ __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "build_app", "build_server", "serve"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
+
+
+class ArgumentError(LeylineError, ValueError):
+    """A ``leyline serve`` argument that cannot be used (names the option)."""
 
 
 def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch comes with it)
@@ -31,6 +35,8 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
         )
     from leyline_agent.runtime.engine import Engine
     from leyline_agent.server.app import create_app
+    from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES
+    from leyline_agent.server.scheduler import DEFAULT_QUEUE_TIMEOUT_S
 
     kwargs = {
         "dtype": getattr(args, "dtype", "float32") or "float32",
@@ -40,12 +46,48 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     cache_tokens = getattr(args, "cache_tokens", None)
     if cache_tokens is not None:
         kwargs["cache_budget_tokens"] = cache_tokens
+    keys = api_keys(args)
+    limits = {
+        "max_body_bytes": getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
+        "max_prompt_tokens": getattr(args, "max_prompt_tokens", None),
+        "max_tokens_cap": getattr(args, "max_tokens_cap", None),
+        "queue_timeout_s": getattr(args, "queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S),
+    }
+    for name, value in limits.items():
+        if value is not None and not value > 0:
+            raise ArgumentError(f"--{name.replace('_', '-')}: {value} must be > 0")
     engine = Engine.from_pretrained(args.model, **kwargs)
     return create_app(
         engine,
         served_model_name=getattr(args, "served_model_name", None),
         aliases=[str(args.model)],
+        api_keys=keys,
+        allowed_hosts=allowed_hosts(args),
+        **limits,
     )
+
+
+def api_keys(args: argparse.Namespace):  # -> ApiKeys
+    """``--api-key`` and ``--api-key-file``, checked (``ArgumentError`` naming the option)."""
+    from leyline_agent.server.tenants import ApiKeys, read_key_file
+
+    keys: list[tuple[str, str | None]] = [(k, None) for k in getattr(args, "api_key", None) or []]
+    for path in getattr(args, "api_key_file", None) or []:
+        try:
+            keys += read_key_file(path)
+        except (OSError, ValueError) as e:
+            raise ArgumentError(f"--api-key-file: {e}") from e
+    try:
+        return ApiKeys.build(keys)
+    except ValueError as e:
+        raise ArgumentError(f"--api-key: {e}") from e
+
+
+def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """The Host allowlist: on for a loopback bind or with ``--allowed-host``, else None."""
+    names = list(getattr(args, "allowed_host", None) or [])
+    host = getattr(args, "host", None) or DEFAULT_HOST
+    return names if names or _is_loopback(host) else None
 
 
 def build_server(args: argparse.Namespace):  # -> uvicorn.Server

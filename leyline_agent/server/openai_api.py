@@ -92,9 +92,15 @@ class _Sampling(BaseModel):
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=2.0,
+        description="sampling temperature; 0 and anything below 1e-5 (GREEDY_BELOW) is "
+        "greedy decoding (a tinier one would overflow the logits); default 1",
+    )
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, description="in [0, 2**63 - 1]")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

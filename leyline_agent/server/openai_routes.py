@@ -4,8 +4,14 @@ A request is checked (``completions.py``), its prompt rendered or tokenized on t
 scheduler, its sampling parameters built, and then generated on the scheduler: in one
 job (JSON answer) or streamed as server-sent events, ``data: {chunk}`` per delta and
 ``data: [DONE]`` at the end; with ``stream_options.include_usage`` a last chunk with empty
-``choices`` carries ``usage``. An error after the stream has started is sent as one
-``data: {"error": ...}`` event (the OpenAI client raises it).
+``choices`` carries ``usage``. The response starts once the generation job runs, so what
+fails before that (a bad value, the queue timeout) is an ordinary error answer; an error
+after the stream has started is sent as one ``data: {"error": ...}`` event (the OpenAI
+client raises it).
+
+Every engine job watches its client: if it disconnects, a queued job never runs and a
+running generation stops at its next token, before the engine caches or counts anything
+(``disconnect``). Each request's namespace (tenant, session) goes to ``engine.generate``.
 """
 
 from __future__ import annotations
@@ -19,15 +25,24 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from leyline_agent.namespaces import Namespace
 from leyline_agent.server import logprobs as lp
 from leyline_agent.server.completions import (
     check_messages,
     check_prompt_ids,
+    check_prompt_length,
     completion_prompt,
     messages_for_template,
     sampling_params,
 )
+from leyline_agent.server.disconnect import (
+    GenerationCancelled,
+    run_connected,
+    stop_when_gone,
+    while_connected,
+)
 from leyline_agent.server.errors import ModelNotFoundError, classify
+from leyline_agent.server.limits import check_text_bound, message_text_bytes
 from leyline_agent.server.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,6 +54,7 @@ from leyline_agent.server.openai_api import (
 from leyline_agent.server.scheduler import StreamEnd
 from leyline_agent.server.state import ServerState, state
 from leyline_agent.server.streaming import DONE, IncrementalText, sse
+from leyline_agent.server.tenants import namespace
 from leyline_agent.server.tool_calls import OPEN_TAG, parse_tool_calls
 from leyline_agent.wire import ErrorBody
 
@@ -74,17 +90,26 @@ def _finish(result: Any, called_tools: bool = False) -> str:
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     st = state(request)
+    ns = namespace(request)
     st.model.check(req.model)
     tools = check_messages(req)
     messages = messages_for_template(req.messages)
-    ids = await st.scheduler.run(
-        lambda e: e.render(messages, tools=tools, add_generation_prompt=True)
+    longest, limit = st.model.limits.longest_token_bytes, st.model.max_prompt_tokens
+    check_text_bound(message_text_bytes(messages), longest, limit, "messages")
+    ids = await run_connected(
+        request,
+        st.scheduler,
+        lambda e: e.render(messages, tools=tools, add_generation_prompt=True),
     )
     check_prompt_ids(ids, st.model.limits, "messages")
     params = sampling_params(req, len(ids), st.model, st.params_cls)
     if req.stream:
-        return _event_stream(_chat_events(st, req, ids, params, tools is not None))
-    result = await st.scheduler.run(lambda e: e.generate(ids, params))
+        tools_on = tools is not None
+        tag = OPEN_TAG if tools_on else None
+        text = IncrementalText(_decoder(st), stop=params.stop, tool_tag=tag)
+        events = await _started(request, _generate(st, ids, params, text, ns))
+        return _event_stream(_chat_events(st, req, events, params, text, tools_on))
+    result = await _generate_once(request, st, ids, params, ns)
     parsed = parse_tool_calls(result.text) if tools is not None else None
     message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
     if parsed is not None and parsed.tool_calls:
@@ -109,7 +134,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
 
 
 async def _chat_events(
-    st: ServerState, req: ChatCompletionRequest, ids: list[int], params: Any, tools_on: bool
+    st: ServerState,
+    req: ChatCompletionRequest,
+    events: AsyncIterator[str | StreamEnd],
+    params: Any,
+    text: IncrementalText,
+    tools_on: bool,
 ) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = {
@@ -130,9 +160,8 @@ async def _chat_events(
         return sse({**body, "usage": None} if include_usage else body)
 
     yield chunk({"role": "assistant", "content": ""})
-    text = IncrementalText(_decoder(st), stop=params.stop, tool_tag=OPEN_TAG if tools_on else None)
     result = None
-    async with aclosing(_generate(st, ids, params, text)) as events:
+    async with aclosing(events):
         async for event in events:
             if isinstance(event, StreamEnd):
                 result = event.result
@@ -156,17 +185,25 @@ async def _chat_events(
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request) -> Any:
     st = state(request)
+    ns = namespace(request)
     st.model.check(req.model)
     prompt = completion_prompt(req)
     if isinstance(prompt, str):
-        ids = await st.scheduler.run(lambda e: list(e.tokenizer.encode(prompt)))
+        size = len(prompt.encode("utf-8", "surrogatepass"))
+        check_text_bound(
+            size, st.model.limits.longest_token_bytes, st.model.max_prompt_tokens, "prompt"
+        )
+        ids = await run_connected(request, st.scheduler, lambda e: list(e.tokenizer.encode(prompt)))
     else:
+        check_prompt_length(len(prompt), st.model, "prompt")
         ids = prompt  # token ids are used as given: no BOS, no template
     check_prompt_ids(ids, st.model.limits, "prompt")
     params = sampling_params(req, len(ids), st.model, st.params_cls)
     if req.stream:
-        return _event_stream(_completion_events(st, req, ids, params))
-    result = await st.scheduler.run(lambda e: e.generate(ids, params))
+        text = IncrementalText(_decoder(st), stop=params.stop)
+        events = await _started(request, _generate(st, ids, params, text, ns))
+        return _event_stream(_completion_events(st, req, events, params, text))
+    result = await _generate_once(request, st, ids, params, ns)
     choice = {
         "index": 0,
         "text": result.text,
@@ -187,7 +224,11 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
 
 
 async def _completion_events(
-    st: ServerState, req: CompletionRequest, ids: list[int], params: Any
+    st: ServerState,
+    req: CompletionRequest,
+    events: AsyncIterator[str | StreamEnd],
+    params: Any,
+    text: IncrementalText,
 ) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = {
@@ -204,9 +245,8 @@ async def _completion_events(
         }
         return sse({**body, "usage": None} if include_usage else body)
 
-    text = IncrementalText(_decoder(st), stop=params.stop)
     result = None
-    async with aclosing(_generate(st, ids, params, text)) as events:
+    async with aclosing(events):
         async for event in events:
             if isinstance(event, StreamEnd):
                 result = event.result
@@ -226,17 +266,28 @@ def _decoder(st: ServerState) -> Callable[[list[int]], str]:
     return lambda ids: tok.decode(ids, skip_special_tokens=True)
 
 
-class GenerationCancelled(Exception):
-    """Raised from ``on_token`` on the worker when the stream's client has gone away."""
+async def _generate_once(
+    request: Request, st: ServerState, ids: list[int], params: Any, ns: Namespace
+) -> Any:
+    """One non-streamed generation, stopped if the client leaves (see the module doc)."""
+    gone = threading.Event()
+    on_token = stop_when_gone(gone)
+    return await run_connected(
+        request,
+        st.scheduler,
+        lambda e: e.generate(ids, params, on_token=on_token, namespace=ns),
+        gone,
+    )
 
 
 async def _generate(
-    st: ServerState, ids: list[int], params: Any, text: IncrementalText
+    st: ServerState, ids: list[int], params: Any, text: IncrementalText, ns: Namespace
 ) -> AsyncIterator[str | StreamEnd]:
-    """Text deltas (computed on the worker, where the tokenizer lives), then ``StreamEnd``.
+    """``""`` when the job starts, text deltas (computed on the worker, where the tokenizer
+    lives), then ``StreamEnd``.
 
-    If the consumer stops early (the client disconnected), the generation is stopped at
-    its next token, before the engine caches or counts anything, and the scheduler moves on.
+    If the consumer stops early (the client disconnected), a queued job never runs and a
+    running one is stopped at its next token, before the engine caches or counts anything.
     """
     gone = threading.Event()
 
@@ -246,7 +297,8 @@ async def _generate(
         emit(text.push(token_id))
 
     def job(engine: Any, emit: Callable[..., None]) -> Any:
-        return engine.generate(ids, params, on_token=partial(on_token, emit))
+        emit("")
+        return engine.generate(ids, params, on_token=partial(on_token, emit), namespace=ns)
 
     try:
         async with aclosing(st.scheduler.stream(job)) as events:
@@ -254,6 +306,19 @@ async def _generate(
                 yield event if isinstance(event, StreamEnd) else event[0]
     finally:
         gone.set()
+
+
+async def _started(
+    request: Request, events: AsyncIterator[str | StreamEnd]
+) -> AsyncIterator[str | StreamEnd]:
+    """``events`` once its job runs: until then the client is watched and a failure (the
+    queue timeout) is raised here, before any response header is sent."""
+    try:
+        await while_connected(request, anext(events), lambda: None)
+    except BaseException:
+        await events.aclose()
+        raise
+    return events
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:

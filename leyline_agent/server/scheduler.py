@@ -11,8 +11,12 @@ half-done.
 Streaming: ``stream`` runs a generating job whose ``on_token`` callback (called on the
 worker thread) hands each event to the event loop through an ``asyncio.Queue``; the
 async iterator yields them and then the job's result (or raises its exception).
-A stream whose client went away still runs to its ``max_tokens``: the engine is never
-interrupted half-way through a step.
+A stream whose consumer stops before the job started cancels it (it never runs); once
+running, the job itself decides when to stop (the routes raise from ``on_token``), so the
+engine is never interrupted half-way through a step.
+
+Queue timeout: a job that waited longer than ``queue_timeout_s`` before the worker reached it
+fails with ``QueueTimeoutError`` (503 with ``Retry-After``) without running.
 
 ``close()`` stops accepting work, lets queued jobs finish (or cancels them), and joins.
 """
@@ -20,8 +24,10 @@ interrupted half-way through a step.
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,12 +36,14 @@ from typing import Any, Protocol, TypeVar
 import structlog
 
 from leyline_agent.errors import RuntimeUnavailableError
+from leyline_agent.namespaces import ANONYMOUS, Namespace
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["Engine", "Scheduler", "StreamEnd"]
+__all__ = ["DEFAULT_QUEUE_TIMEOUT_S", "Engine", "QueueTimeoutError", "Scheduler", "StreamEnd"]
 
 T = TypeVar("T")
+DEFAULT_QUEUE_TIMEOUT_S = 300.0
 
 
 class Engine(Protocol):
@@ -53,17 +61,39 @@ class Engine(Protocol):
         add_generation_prompt: bool = True,
     ) -> list[int]: ...
 
-    def generate(self, prompt_ids: list[int], params: Any, on_token: Any = None) -> Any: ...
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: Any,
+        on_token: Any = None,
+        *,
+        namespace: Namespace = ANONYMOUS,
+    ) -> Any: ...
 
-    def apply_directives(self, request: Any) -> Any: ...
+    def apply_directives(self, request: Any, *, namespace: Namespace | None = None) -> Any: ...
 
-    def stats(self) -> Any: ...
+    def stats(self, tenant: str | None = None) -> Any: ...
+
+
+class QueueTimeoutError(RuntimeUnavailableError):
+    """A job waited in the queue longer than the scheduler's ``queue_timeout_s``.
+
+    ``retry_after_s`` (the ``Retry-After`` header): a tenth of the timeout, 1 to 60 s.
+    """
+
+    def __init__(self, waited_s: float, timeout_s: float) -> None:
+        super().__init__(
+            f"the server is busy: the request waited {waited_s:.1f}s in the queue "
+            f"(limit {timeout_s:g}s) and was not run; retry later"
+        )
+        self.retry_after_s = max(1, min(60, math.ceil(timeout_s / 10)))
 
 
 @dataclass(slots=True)
 class _Job:
     fn: Callable[[Any], Any]
     future: Future
+    queued_at: float
 
 
 @dataclass(slots=True)
@@ -76,8 +106,17 @@ class StreamEnd[R]:
 class Scheduler:
     """Serializes all work on one engine in one worker thread (FIFO)."""
 
-    def __init__(self, engine: Engine, *, name: str = "leyline-scheduler") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        name: str = "leyline-scheduler",
+        queue_timeout_s: float | None = None,
+    ) -> None:
+        if queue_timeout_s is not None and not queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s: {queue_timeout_s} must be > 0 (or None)")
         self.engine = engine
+        self.queue_timeout_s = queue_timeout_s
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -91,7 +130,7 @@ class Scheduler:
         with self._lock:
             if self._closed:
                 raise RuntimeUnavailableError("the server is shutting down; no new work accepted")
-            self._queue.put(_Job(fn, future))
+            self._queue.put(_Job(fn, future, time.monotonic()))
         return future
 
     async def run(self, fn: Callable[[Engine], T]) -> T:
@@ -108,6 +147,7 @@ class Scheduler:
         """Run ``fn(engine, emit)``; yield each ``emit(*args)`` as a tuple, then ``StreamEnd``.
 
         The job's exception, if any, is raised from the iterator after the events before it.
+        If the iterator is closed before the job started, the job is cancelled (never runs).
         """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -120,13 +160,16 @@ class Scheduler:
 
         future = self.submit(lambda engine: fn(engine, lambda *args: post("event", args)))
         future.add_done_callback(lambda f: post("done", f))
-        while True:
-            kind, payload = await events.get()
-            if kind == "event":
-                yield payload
-                continue
-            yield StreamEnd(payload.result())  # raises the job's exception, if any
-            return
+        try:
+            while True:
+                kind, payload = await events.get()
+                if kind == "event":
+                    yield payload
+                    continue
+                yield StreamEnd(payload.result())  # raises the job's exception, if any
+                return
+        finally:
+            future.cancel()  # no effect once running
 
     def close(self, *, cancel_pending: bool = False, timeout: float | None = 60.0) -> None:
         """Stop accepting work; finish (or cancel) what is queued; join the worker."""
@@ -161,6 +204,10 @@ class Scheduler:
             if job is None:
                 return
             if not job.future.set_running_or_notify_cancel():
+                continue
+            waited = time.monotonic() - job.queued_at
+            if self.queue_timeout_s is not None and waited > self.queue_timeout_s:
+                job.future.set_exception(QueueTimeoutError(waited, self.queue_timeout_s))
                 continue
             try:
                 result = job.fn(self.engine)

@@ -1,12 +1,14 @@
-"""What every route reads: the scheduler, the served model, the engine's parameter class."""
+"""What every route reads: the scheduler, the served model, the engine's parameter class,
+and the memory of directive request ids (used on the worker thread only)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from leyline_agent.server.completions import ServedModel
+from leyline_agent.server.directive_memory import DirectiveMemory
 from leyline_agent.server.scheduler import Scheduler
 
 __all__ = ["ServerState", "state"]
@@ -17,6 +19,7 @@ class ServerState:
     scheduler: Scheduler
     model: ServedModel
     params_cls: type  # the engine's SamplingParams
+    directive_memory: DirectiveMemory = field(default_factory=DirectiveMemory)
 
 
 def state(request: Request) -> ServerState:

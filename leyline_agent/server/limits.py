@@ -1,0 +1,140 @@
+"""Resource limits that are checked before the engine does any work.
+
+- ``BodyLimit``: pure ASGI middleware. A request whose ``Content-Length`` is over the limit
+  is answered 413 at once, without reading a byte of the body; a body without a length
+  (chunked) is counted as it arrives and refused as soon as the count passes the limit.
+- ``longest_token_bytes``: computed once at start-up. Each token of a byte-level tokenizer
+  without a normalizer covers at most that many bytes of the text, so
+  ``utf8_bytes // longest`` is a lower bound on a text's token count: an obviously
+  too-long prompt is refused before the tokenizer runs (``check_text_bound``). Tokenizers
+  that normalize or drop characters (their bound would not hold) get no early check; the
+  exact count after tokenizing is checked for every tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from leyline_agent.server.errors import RequestError, error_response
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "BodyLimit",
+    "BodyTooLargeError",
+    "check_text_bound",
+    "longest_token_bytes",
+    "message_text_bytes",
+]
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class BodyTooLargeError(StarletteHTTPException):
+    """Raised from ``receive`` once a streamed body passes the limit (FastAPI re-raises
+    HTTP exceptions from body reading, so it is answered like any HTTP error)."""
+
+    error_type = "PayloadTooLargeError"
+    field = "body"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than the limit of {limit} bytes")
+
+
+class BodyLimit:
+    """Refuse request bodies over ``max_bytes`` with 413 (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_body_bytes: {max_bytes} must be >= 1")
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLargeError(self.max_bytes)
+            return message
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, send_tracked)
+        except BodyTooLargeError:
+            if started:
+                raise
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        exc = BodyTooLargeError(self.max_bytes)
+        response = error_response(413, exc.error_type, exc.detail, exc.field)
+        await response(scope, receive, send)
+
+
+def longest_token_bytes(tokenizer: Any) -> int | None:
+    """Bytes of the longest token, or None where a byte count does not bound the tokens.
+
+    ``decode`` of one token is never shorter than the token's bytes (a partial UTF-8
+    sequence decodes to U+FFFD, 3 bytes, for at most 3 bytes), so the maximum is safe.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    if "ByteLevel" not in repr(backend.pre_tokenizer):
+        return None
+    longest = 0
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        longest = max(longest, len(text.encode("utf-8", "surrogatepass")))
+    return longest or None
+
+
+def message_text_bytes(messages: Iterable[Any]) -> int:
+    """UTF-8 bytes of the text of ``messages`` that the chat template copies verbatim."""
+    total = 0
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content.encode("utf-8", "surrogatepass"))
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    total += len(part["text"].encode("utf-8", "surrogatepass"))
+    return total
+
+
+def check_text_bound(
+    utf8_bytes: int, longest: int | None, max_tokens: int | None, field: str
+) -> None:
+    """Refuse a text whose token count is surely above ``max_tokens`` (before tokenizing)."""
+    if longest is None or max_tokens is None:
+        return
+    at_least = utf8_bytes // longest
+    if at_least > max_tokens:
+        raise RequestError(
+            f"the prompt has at least {at_least} tokens ({utf8_bytes} bytes of text); "
+            f"the limit is {max_tokens}",
+            field,
+        )

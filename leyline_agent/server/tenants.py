@@ -1,0 +1,207 @@
+"""Who is asking: API keys and tenants, the ``Host`` allowlist, each request's namespace.
+
+- ``ApiKeys``: each key belongs to one tenant. ``--api-key KEY`` gives the key a tenant of
+  its own, named by a stable, non-secret id derived from the key (``key_tenant``). A key file
+  holds one key per line, optionally ``KEY TENANT``: keys that name the same tenant share
+  one cache namespace (the opt-in for a trusted deployment); blank lines and ``#`` comments
+  are skipped.
+- ``BearerAuth`` (pure ASGI): with keys configured, every path but ``/health`` needs
+  ``Authorization: Bearer KEY`` (401 ``AuthenticationError`` otherwise); the tenant is put
+  in the request's scope. Without keys every request is ``DEFAULT_TENANT``.
+- ``HostAllowlist`` (pure ASGI): a browser page on an attacker's domain can resolve that
+  domain to 127.0.0.1 (DNS rebinding) and talk to a loopback server; it still sends its
+  own ``Host``. So only ``localhost``, ``127.0.0.1``, ``[::1]`` (any port) and the names
+  given are answered; anything else gets 400 naming ``host``.
+- ``namespace(request, body_session)``: ``Namespace(tenant, session)`` of a request; the
+  session comes from the ``X-Leyline-Session`` header or a directive's ``session`` field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from leyline_agent.namespaces import DEFAULT_TENANT, SESSION_HEADER, Namespace, check_session_id
+from leyline_agent.server.errors import RequestError, error_response
+
+__all__ = [
+    "ApiKeys",
+    "BearerAuth",
+    "HostAllowlist",
+    "LOOPBACK_HOSTS",
+    "key_tenant",
+    "namespace",
+    "read_key_file",
+    "session_header",
+]
+
+SCOPE_TENANT = "leyline.tenant"
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+OPEN_PATHS = frozenset({"/health"})
+
+
+def key_tenant(key: str) -> str:
+    """The tenant of a key given without one: ``key-`` + 12 hex digits of its SHA-256."""
+    return "key-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
+
+
+def read_key_file(path: str | Path) -> list[tuple[str, str | None]]:
+    """``(key, tenant or None)`` per line of a key file (``ValueError`` naming the line)."""
+    out: list[tuple[str, str | None]] = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        cols = line.split()
+        if not cols or cols[0].startswith("#"):
+            continue
+        if len(cols) > 2:
+            raise ValueError(f"{path}:{n}: expected 'KEY' or 'KEY TENANT', got {len(cols)} columns")
+        out.append((cols[0], cols[1] if len(cols) == 2 else None))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeys:
+    """Keys (as bytes, for ``hmac.compare_digest``) and their tenants."""
+
+    entries: tuple[tuple[bytes, str], ...] = ()
+
+    @classmethod
+    def build(cls, keys: Iterable[str | tuple[str, str | None]] = ()) -> ApiKeys:
+        """From ``"KEY"`` or ``("KEY", tenant or None)`` items; a key twice with two
+        tenants is an error."""
+        tenants: dict[str, str] = {}
+        for item in keys:
+            key, tenant = (item, None) if isinstance(item, str) else item
+            if not key or any(c.isspace() for c in key) or not key.isprintable():
+                raise ValueError("api key: must be printable, without spaces, not empty")
+            tenant = tenant or key_tenant(key)
+            if tenants.setdefault(key, tenant) != tenant:
+                raise ValueError(f"api key given twice with tenants {tenants[key]!r}, {tenant!r}")
+        return cls(tuple((k.encode("utf-8"), t) for k, t in tenants.items()))
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def tenant(self, presented: bytes) -> str | None:
+        """The tenant of ``presented``, comparing with every key in constant time."""
+        found = None
+        for key, tenant in self.entries:
+            if hmac.compare_digest(key, presented):
+                found = tenant
+        return found
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for k, v in scope.get("headers", ()):
+        if k.lower() == name:
+            return v
+    return None
+
+
+class BearerAuth:
+    """401 unless ``Authorization: Bearer KEY`` names a configured key (see module doc)."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        tenant: str | None = DEFAULT_TENANT
+        if self.keys and scope.get("path") not in OPEN_PATHS:
+            tenant, problem = None, "missing 'Authorization: Bearer <key>'"
+            value = _header(scope, b"authorization") or b""
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                tenant, problem = self.keys.tenant(token.strip()), "the API key is not valid"
+            if tenant is None:
+                response = error_response(
+                    401,
+                    "AuthenticationError",
+                    f"authorization: {problem}",
+                    "authorization",
+                    {"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        scope[SCOPE_TENANT] = tenant
+        await self.app(scope, receive, send)
+
+
+def _split_host(value: str) -> tuple[str, str | None]:
+    """``"[::1]:8080"`` -> ``("[::1]", "8080")``; ``"Example.COM."`` -> ``("example.com", None)``."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        name, rest = value[: end + 1], value[end + 1 :]
+        port = rest[1:] if rest.startswith(":") else None
+    else:
+        name, sep, port_s = value.rpartition(":")
+        name, port = (name, port_s) if sep else (port_s, None)
+    return name.rstrip("."), port
+
+
+class HostAllowlist:
+    """400 naming ``host`` unless the ``Host`` header is loopback or one of ``names``.
+
+    A name given with a port (``example.com:8080``) matches that port only; without, any.
+    """
+
+    def __init__(self, app: ASGIApp, names: Iterable[str] = ()) -> None:
+        self.app = app
+        self.allowed: set[tuple[str, str | None]] = {(h, None) for h in LOOPBACK_HOSTS}
+        self.allowed |= {_split_host(n) for n in names if n.strip()}
+
+    def allows(self, host: str) -> bool:
+        name, port = _split_host(host)
+        return bool(name) and ((name, None) in self.allowed or (name, port) in self.allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        host = (_header(scope, b"host") or b"").decode("latin-1")
+        if not self.allows(host):
+            shown = host.encode("unicode_escape").decode("ascii")[:100]
+            response = error_response(
+                400,
+                "HostNotAllowedError",
+                f"host: {shown!r} is not an allowed Host for this server "
+                "(leyline serve --allowed-host NAME adds one)",
+                "host",
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def session_header(request: Request) -> str | None:
+    """The ``X-Leyline-Session`` header, checked (400 naming it)."""
+    try:
+        return check_session_id(request.headers.get(SESSION_HEADER), SESSION_HEADER)
+    except ValueError as e:
+        raise RequestError(str(e).partition(": ")[2] or str(e), SESSION_HEADER) from e
+
+
+def namespace(request: Request, body_session: str | None = None) -> Namespace:
+    """The request's ``Namespace``: its key's tenant, and the session named by the header or
+    by the body's ``session`` field (both given and different: 400 naming ``session``)."""
+    header = session_header(request)
+    try:
+        body = check_session_id(body_session, "session")
+    except ValueError as e:
+        raise RequestError(str(e).partition(": ")[2] or str(e), "session") from e
+    if header is not None and body is not None and header != body:
+        raise RequestError(
+            f"the {SESSION_HEADER} header ({header!r}) and the body ({body!r}) name "
+            "different sessions",
+            "session",
+        )
+    tenant = request.scope.get(SCOPE_TENANT, DEFAULT_TENANT)
+    return Namespace(tenant=tenant, session=header if header is not None else body)
