@@ -7,8 +7,9 @@ the number of assistant messages already in the request (so every conversation r
 script from its start, and several episodes can share one server); past the end of the
 script the last turn repeats. It also serves ``/v1/models`` and the Leyline routes
 (``/leyline/v1/stats`` counts requests and prompt characters / 4 as tokens; the directives
-route answers ``fallback=True``: nothing is cached here). Every request body is kept in
-``requests`` for assertions.
+route answers ``fallback=True``: nothing is cached here). Every chat request body is kept in
+``requests`` and its headers (names lower-cased) in ``request_headers``; directive requests
+likewise in ``directive_requests`` / ``directive_headers``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ class ScriptedLLMServer:
     turns: list[Turn]
     model: str = "scripted"
     requests: list[dict[str, Any]] = field(default_factory=list)
+    request_headers: list[dict[str, str]] = field(default_factory=list)
     directive_requests: list[dict[str, Any]] = field(default_factory=list)
+    directive_headers: list[dict[str, str]] = field(default_factory=list)
     _httpd: ThreadingHTTPServer | None = field(default=None, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -76,11 +79,13 @@ class ScriptedLLMServer:
                 body = json.loads(
                     self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}"
                 )
+                headers = {k.lower(): v for k, v in self.headers.items()}
                 if self.path == "/v1/chat/completions":
-                    self._send(200, server._complete(body))
+                    self._send(200, server._complete(body, headers))
                 elif self.path == "/leyline/v1/directives":
                     with server._lock:
                         server.directive_requests.append(body)
+                        server.directive_headers.append(headers)
                     self._send(
                         200, DirectivesResponse(tokens=[], applied=[], fallback=True).model_dump()
                     )
@@ -108,10 +113,11 @@ class ScriptedLLMServer:
         with self._lock:
             return StatsResponse(requests=len(self.requests), prompt_tokens=self._prompt_tokens)
 
-    def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _complete(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         with self._lock:
             i = len(self.requests)
             self.requests.append(body)
+            self.request_headers.append(headers)
             prompt = len(json.dumps(body.get("messages", []))) // 4
             self._prompt_tokens += prompt
         step = sum(1 for m in body.get("messages", []) if m.get("role") == "assistant")

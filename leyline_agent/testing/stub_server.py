@@ -5,6 +5,7 @@
         ...
         server.chat_bodies()        # every /v1/chat/completions body, as received
         server.directive_bodies()   # every /leyline/v1/directives body, as received
+        server.chat_headers()       # their headers (names lower-cased), same order
 
 A real HTTP server (stdlib ``ThreadingHTTPServer`` in a daemon thread) on 127.0.0.1 and a
 random port. Routes:
@@ -17,17 +18,25 @@ random port. Routes:
 - ``GET /leyline/v1/stats``: a ``StatsResponse`` of what the stub saw.
 ``leyline_routes=False`` makes it a plain OpenAI-compatible endpoint (404 on /leyline/...);
 ``directives_status=500`` makes the directives route fail (to test fallbacks);
-``directives_delay_s`` makes it answer late (to test client timeouts).
+``directives_delay_s`` makes it answer late (to test client timeouts);
+``directive_faults`` makes the first directive requests fail *after* they were received
+and recorded, one fault each, in order: ``"reset"`` (the connection is reset, no answer),
+``"close"`` (closed without an answer) or a status such as ``"503"`` (with ``Retry-After:
+retry_after`` unless that is None); the requests after them are answered normally.
+``api_key``: every route but ``/health`` wants ``Authorization: Bearer <api_key>`` and
+answers 401 without it (the request is still recorded).
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -43,6 +52,7 @@ class RecordedRequest:
     method: str
     path: str
     body: Any  # parsed JSON, or None
+    headers: dict[str, str] = field(default_factory=dict)  # names lower-cased
 
 
 class StubServer:
@@ -53,12 +63,18 @@ class StubServer:
         leyline_routes: bool = True,
         directives_status: int = 200,
         directives_delay_s: float = 0.0,
+        directive_faults: Sequence[str] = (),
+        retry_after: str | None = "0",
+        api_key: str | None = None,
         chunk_chars: int = 7,
     ) -> None:
         self.model = model
         self.leyline_routes = leyline_routes
         self.directives_status = directives_status
         self.directives_delay_s = directives_delay_s
+        self.directive_faults = list(directive_faults)
+        self.retry_after = retry_after
+        self.api_key = api_key
         self.chunk_chars = chunk_chars
         self.requests: list[RecordedRequest] = []
         self._lock = threading.Lock()
@@ -94,19 +110,35 @@ class StubServer:
         return f"http://{host}:{port}"
 
     # -- what was received ------------------------------------------------------------------
-    def record(self, method: str, path: str, body: Any) -> None:
+    def record(
+        self, method: str, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> None:
         with self._lock:
-            self.requests.append(RecordedRequest(method, path, body))
+            self.requests.append(RecordedRequest(method, path, body, dict(headers or {})))
 
     def bodies(self, path: str) -> list[Any]:
         with self._lock:
             return [r.body for r in self.requests if r.path == path]
+
+    def headers(self, path: str) -> list[dict[str, str]]:
+        with self._lock:
+            return [r.headers for r in self.requests if r.path == path]
 
     def chat_bodies(self) -> list[dict[str, Any]]:
         return self.bodies("/v1/chat/completions")
 
     def directive_bodies(self) -> list[dict[str, Any]]:
         return self.bodies("/leyline/v1/directives")
+
+    def chat_headers(self) -> list[dict[str, str]]:
+        return self.headers("/v1/chat/completions")
+
+    def directive_headers(self) -> list[dict[str, str]]:
+        return self.headers("/leyline/v1/directives")
+
+    def take_directive_fault(self) -> str | None:
+        with self._lock:
+            return self.directive_faults.pop(0) if self.directive_faults else None
 
     def stats(self) -> StatsResponse:
         splices: dict[str, int] = {"amortize": 0, "forget": 0}
@@ -151,9 +183,46 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(n) if n else b""
         return json.loads(raw) if raw else None
 
+    def _headers(self) -> dict[str, str]:
+        return {k.lower(): v for k, v in self.headers.items()}
+
+    def _refused(self, path: str) -> bool:
+        """Answer 401 if the stub wants a key and the request does not carry it."""
+        key = self.stub.api_key
+        if key is None or path == "/health":
+            return False
+        if self.headers.get("Authorization") == f"Bearer {key}":
+            return False
+        self._error(401, "AuthenticationError", "missing or wrong API key")
+        return True
+
+    def _fail(self, fault: str) -> None:
+        """Fail a request that was received: no answer, or an error status."""
+        if fault in ("reset", "close"):
+            if fault == "reset":  # RST instead of FIN: the client reads ECONNRESET
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+            self.close_connection = True
+            self.connection.close()
+            return
+        status = int(fault)
+        data = json.dumps(
+            {"error": ErrorBody(type="StubFailure", message=f"fault {fault}").model_dump()}
+        ).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if self.stub.retry_after is not None:
+            self.send_header("Retry-After", self.stub.retry_after)
+        self.end_headers()
+        self.wfile.write(data)
+
     def do_GET(self) -> None:  # noqa: N802
         path = self.path.split("?")[0]
-        self.stub.record("GET", path, None)
+        self.stub.record("GET", path, None, self._headers())
+        if self._refused(path):
+            return
         if path == "/v1/models":
             self._send_json(
                 200,
@@ -174,13 +243,16 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = self._read_json()
         except json.JSONDecodeError as e:
-            self.stub.record("POST", path, None)
+            self.stub.record("POST", path, None, self._headers())
             return self._error(400, "BadRequest", f"body is not JSON: {e}")
-        self.stub.record("POST", path, body)
+        self.stub.record("POST", path, body, self._headers())
+        if self._refused(path):
+            return None
         if path == "/v1/chat/completions":
             return self._chat(body)
         if path == "/leyline/v1/directives" and self.stub.leyline_routes:
-            return self._directives(body)
+            fault = self.stub.take_directive_fault()
+            return self._fail(fault) if fault is not None else self._directives(body)
         self._error(404, "NotFound", f"no route {path}")
 
     def _directives(self, body: Any) -> None:
