@@ -4,17 +4,37 @@
     GET  {base}/leyline/v1/stats        -> StatsResponse
 
 ``base`` is the server root; a trailing ``/v1`` (an OpenAI client's base URL) is stripped.
-Connection errors are retried (tenacity, ``retries`` attempts, exponential backoff; a GET
-also on read timeouts, a POST not: it may have been applied) and then raise
-``RuntimeUnavailableError``. Answers: 2xx -> the response model;
-404/405 -> ``RuntimeUnavailableError`` (a plain OpenAI-compatible endpoint has no Leyline
-routes; ``has_leyline()`` asks without raising); other 4xx -> the server's ``ErrorBody``
-as ``DirectiveError`` / ``CacheMissError`` / ``UnsupportedModeError``; 5xx ->
-``RuntimeUnavailableError``. Sync and async share everything but the transport call.
+
+Headers: ``Authorization: Bearer <api_key>`` on every request when a key is given (a
+server without ``--api-key`` ignores it); a directive request that names a ``session``
+also carries it as ``X-Leyline-Session``.
+
+Retries (tenacity, ``retries`` attempts in all). Every directive POST carries an
+idempotency key, ``request_id`` (a fresh uuid4 hex unless the request has one), and every
+retry of it the same key, so a server that already executed it answers the first answer
+and executes nothing. That makes a POST safe to retry also after it reached the server:
+- a transport failure: connect errors and pool timeouts (never sent), a connection reset
+  or closed before the answer, a failed write; a read timeout is *not* retried (the server
+  is slow, not gone: asking again only queues a second copy behind the first);
+- 502/503/504 with a ``Retry-After`` of at most ``max_retry_after_s``: retried after that
+  many seconds (a server that is shedding load says when to come back); without one, or
+  with a longer one, the answer stands.
+Other waits back off exponentially. A GET is also retried on read timeouts. When the
+attempts run out: ``RuntimeUnavailableError``.
+
+Answers: 2xx -> the response model; 401/403 -> ``AuthenticationError`` (never retried);
+404/405 -> ``NoLeylineRoutesError`` (a plain OpenAI-compatible endpoint has no Leyline
+routes; ``has_leyline()`` asks without raising), except a 404 naming an unknown model;
+other 4xx -> the server's ``ErrorBody`` as ``DirectiveError`` / ``CacheMissError`` /
+``UnsupportedModeError``; 5xx -> ``RuntimeUnavailableError``. Sync and async share
+everything but the transport call.
 """
 
 from __future__ import annotations
 
+import email.utils
+import time
+import uuid
 from typing import Any, TypeVar
 
 import httpx
@@ -22,9 +42,10 @@ import structlog
 from pydantic import BaseModel, ValidationError
 from tenacity import (
     AsyncRetrying,
+    RetryCallState,
     RetryError,
     Retrying,
-    retry_if_exception_type,
+    retry_if_exception,
     stop_after_attempt,
     wait_exponential,
 )
@@ -36,9 +57,17 @@ from leyline_agent.errors import (
     RuntimeUnavailableError,
     UnsupportedModeError,
 )
+from leyline_agent.namespaces import SESSION_HEADER
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, ErrorBody, StatsResponse
 
-__all__ = ["AsyncHTTPRuntime", "HTTPRuntime", "NoLeylineRoutesError", "server_root"]
+__all__ = [
+    "AsyncHTTPRuntime",
+    "AuthenticationError",
+    "HTTPRuntime",
+    "NoLeylineRoutesError",
+    "retry_after_s",
+    "server_root",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -50,11 +79,51 @@ _ERRORS: dict[str, type[LeylineError]] = {
     "DirectiveError": DirectiveError,
 }
 M = TypeVar("M", bound=BaseModel)
-_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+# What a directive POST (idempotent by its request_id) is retried on: never sent, or the
+# connection broke before the answer came. Not ReadTimeout: the server may still be at it.
+_POST_RETRY_ERRORS: tuple[type[Exception], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+)
+_GET_RETRY_ERRORS: tuple[type[Exception], ...] = (httpx.TransportError,)
+_RETRY_AFTER_STATUSES = frozenset({502, 503, 504})
 
 
 class NoLeylineRoutesError(RuntimeUnavailableError):
     """The server answers, but has no ``/leyline/v1/...`` routes (plain OpenAI endpoint)."""
+
+
+class AuthenticationError(LeylineError, PermissionError):
+    """The server refused the request's API key (401) or its access (403)."""
+
+
+class _RetryAfter(Exception):
+    """A 502/503/504 whose ``Retry-After`` asks to come back in ``seconds``."""
+
+    def __init__(self, response: httpx.Response, seconds: float) -> None:
+        super().__init__(f"HTTP {response.status_code}, Retry-After {seconds:g} s")
+        self.response = response
+        self.seconds = seconds
+
+
+def retry_after_s(resp: httpx.Response) -> float | None:
+    """The ``Retry-After`` of a 502/503/504 in seconds (delta or HTTP date), else None."""
+    if resp.status_code not in _RETRY_AFTER_STATUSES:
+        return None
+    value = resp.headers.get("Retry-After", "").strip()
+    if not value:
+        return None
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 def server_root(base_url: Any) -> str:
@@ -76,6 +145,7 @@ class _HTTPRuntimeBase:
         timeout: float = 30.0,
         retries: int = 3,
         backoff_s: float = 0.2,
+        max_retry_after_s: float = 10.0,
     ) -> None:
         if retries < 1:
             raise RuntimeUnavailableError(f"retries: must be >= 1, got {retries}")
@@ -83,18 +153,43 @@ class _HTTPRuntimeBase:
         self.timeout = timeout
         self.retries = retries
         self.backoff_s = backoff_s
+        self.max_retry_after_s = max_retry_after_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def _retry_kwargs(self, method: str) -> dict[str, Any]:
-        # A POST is retried only if it never reached the server (a directive applied twice
-        # would find its base gone); a GET is retried on any transport error.
-        retry_on = _CONNECT_ERRORS if method == "POST" else (httpx.TransportError,)
+        errors = _POST_RETRY_ERRORS if method == "POST" else _GET_RETRY_ERRORS
+        backoff = wait_exponential(multiplier=self.backoff_s, max=2.0)
+
+        def retryable(e: BaseException) -> bool:
+            if isinstance(e, _RetryAfter):
+                return e.seconds <= self.max_retry_after_s
+            return isinstance(e, errors)
+
+        def wait(state: RetryCallState) -> float:
+            e = state.outcome.exception() if state.outcome is not None else None
+            return e.seconds if isinstance(e, _RetryAfter) else backoff(state)
+
         return {
             "stop": stop_after_attempt(self.retries),
-            "wait": wait_exponential(multiplier=self.backoff_s, max=2.0),
-            "retry": retry_if_exception_type(retry_on),
+            "wait": wait,
+            "retry": retry_if_exception(retryable),
             "reraise": False,
         }
+
+    def _answer(self, resp: httpx.Response) -> httpx.Response:
+        """``resp``, or ``_RetryAfter`` (inside an attempt) if the server asks to come back."""
+        seconds = retry_after_s(resp)
+        if seconds is not None:
+            raise _RetryAfter(resp, seconds)
+        return resp
+
+    def _ended(self, path: str, e: BaseException) -> httpx.Response:
+        """After the attempts ended in ``e``: the answer to parse (a 5xx that asked for a
+        retry the attempts or the wait limit did not allow), or ``RuntimeUnavailableError``."""
+        last = e.last_attempt.exception() if isinstance(e, RetryError) else e
+        if isinstance(last, _RetryAfter):
+            return last.response
+        raise self._unreachable(path, e) from e
 
     def _unreachable(self, path: str, e: BaseException) -> RuntimeUnavailableError:
         retried = isinstance(e, RetryError)
@@ -106,6 +201,11 @@ class _HTTPRuntimeBase:
 
     def _parse(self, path: str, resp: httpx.Response, model: type[M]) -> M:
         url = f"{self.base_url}{path}"
+        if resp.status_code in (401, 403):
+            given = "the API key was refused" if self.headers else "no API key was given"
+            raise AuthenticationError(
+                f"{url}: HTTP {resp.status_code}: {given}: {_error_message(resp)}"
+            )
         if resp.status_code == 404 and _error_type(resp) == "ModelNotFoundError":
             raise _error_from_body(url, resp)  # the routes exist; the model name is wrong
         if resp.status_code in (404, 405):
@@ -124,9 +224,13 @@ class _HTTPRuntimeBase:
                 f"{url}: answer is not a valid {model.__name__}: {e}"
             ) from e
 
-    @staticmethod
-    def _body(request: DirectivesRequest) -> dict[str, Any]:
-        return request.model_dump(mode="json", exclude_none=True)
+    def _directive(self, request: DirectivesRequest) -> tuple[dict[str, Any], dict[str, str]]:
+        """Body and headers of a directive POST, the same for each of its attempts: a fresh
+        ``request_id`` unless the request names one, the session in the header too."""
+        body = request.model_dump(mode="json", exclude_none=True)
+        body.setdefault("request_id", uuid.uuid4().hex)
+        headers = {SESSION_HEADER: request.session} if request.session is not None else {}
+        return body, headers
 
 
 def _error_type(resp: httpx.Response) -> str | None:
@@ -134,6 +238,13 @@ def _error_type(resp: httpx.Response) -> str | None:
         return str(resp.json()["error"]["type"])
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:300]
 
 
 def _error_from_body(url: str, resp: httpx.Response) -> LeylineError:
@@ -153,19 +264,30 @@ class HTTPRuntime(_HTTPRuntimeBase):
         super().__init__(base_url, **kw)
         self._client = client or httpx.Client(timeout=self.timeout)
 
-    def _call(self, method: str, path: str, model: type[M], json: Any = None) -> M:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        model: type[M],
+        json: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> M:
+        headers = {**self.headers, **(headers or {})}
         try:
             for attempt in Retrying(**self._retry_kwargs(method)):
                 with attempt:
-                    resp = self._client.request(
-                        method, self.base_url + path, json=json, headers=self.headers
+                    resp = self._answer(
+                        self._client.request(
+                            method, self.base_url + path, json=json, headers=headers
+                        )
                     )
-        except (RetryError, httpx.HTTPError) as e:
-            raise self._unreachable(path, e) from e
+        except (RetryError, _RetryAfter, httpx.HTTPError) as e:
+            resp = self._ended(path, e)
         return self._parse(path, resp, model)
 
     def apply_directives(self, request: DirectivesRequest) -> DirectivesResponse:
-        return self._call("POST", DIRECTIVES_PATH, DirectivesResponse, self._body(request))
+        body, headers = self._directive(request)
+        return self._call("POST", DIRECTIVES_PATH, DirectivesResponse, body, headers)
 
     def stats(self) -> StatsResponse:
         return self._call("GET", STATS_PATH, StatsResponse)
@@ -192,19 +314,30 @@ class AsyncHTTPRuntime(_HTTPRuntimeBase):
         super().__init__(base_url, **kw)
         self._client = client or httpx.AsyncClient(timeout=self.timeout)
 
-    async def _call(self, method: str, path: str, model: type[M], json: Any = None) -> M:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        model: type[M],
+        json: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> M:
+        headers = {**self.headers, **(headers or {})}
         try:
             async for attempt in AsyncRetrying(**self._retry_kwargs(method)):
                 with attempt:
-                    resp = await self._client.request(
-                        method, self.base_url + path, json=json, headers=self.headers
+                    resp = self._answer(
+                        await self._client.request(
+                            method, self.base_url + path, json=json, headers=headers
+                        )
                     )
-        except (RetryError, httpx.HTTPError) as e:
-            raise self._unreachable(path, e) from e
+        except (RetryError, _RetryAfter, httpx.HTTPError) as e:
+            resp = self._ended(path, e)
         return self._parse(path, resp, model)
 
     async def apply_directives(self, request: DirectivesRequest) -> DirectivesResponse:
-        return await self._call("POST", DIRECTIVES_PATH, DirectivesResponse, self._body(request))
+        body, headers = self._directive(request)
+        return await self._call("POST", DIRECTIVES_PATH, DirectivesResponse, body, headers)
 
     async def stats(self) -> StatsResponse:
         return await self._call("GET", STATS_PATH, StatsResponse)

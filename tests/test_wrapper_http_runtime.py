@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import email.utils
+import re
 import socket
+import time
 
+import httpx
 import pytest
 
 from leyline_agent.errors import DirectiveError, RuntimeUnavailableError
 from leyline_agent.http_runtime import (
     AsyncHTTPRuntime,
+    AuthenticationError,
     HTTPRuntime,
     NoLeylineRoutesError,
+    retry_after_s,
     server_root,
 )
 from leyline_agent.protocols import AsyncRuntime, Runtime
@@ -47,8 +53,14 @@ def test_apply_and_stats_round_trip():
         resp = rt.apply_directives(request())
         assert resp.splices == {"amortize": 1}
         [body] = server.directive_bodies()
+        request_id = body.pop("request_id")
+        assert re.fullmatch(r"[0-9a-f]{32}", request_id)
         assert body == request().model_dump(mode="json", exclude_none=True)
+        [headers] = server.directive_headers()
+        assert headers["authorization"] == "Bearer k"
+        assert headers["x-leyline-session"] == "s"
         assert rt.stats().splices["amortize"] == 1
+        assert server.headers("/leyline/v1/stats")[0]["authorization"] == "Bearer k"
         assert rt.has_leyline()
         assert isinstance(rt, Runtime) and isinstance(
             AsyncHTTPRuntime(server.base_url), AsyncRuntime
@@ -105,10 +117,107 @@ def test_async_twin():
         assert server.directive_bodies()[0]["fallback"] is True
 
 
-def test_a_post_that_reached_the_server_is_not_retried():
+def test_a_post_the_server_is_slow_to_answer_is_not_retried():
+    # a read timeout: the server may still be executing it; asking again only queues a copy
     with StubServer(ScriptedModel([]), directives_delay_s=1.0) as server:
         rt = HTTPRuntime(server.base_url, timeout=0.2, retries=3, backoff_s=0.01)
         with pytest.raises(RuntimeUnavailableError, match="ReadTimeout") as info:
             rt.apply_directives(request())
         assert "attempts" not in str(info.value)
         assert len(server.directive_bodies()) == 1
+
+
+def apply(is_async: bool, rt_args: dict, base: str, req: DirectivesRequest):
+    """``apply_directives`` on a fresh (Async)HTTPRuntime, from sync code."""
+    if not is_async:
+        return HTTPRuntime(base, **rt_args).apply_directives(req)
+
+    async def main():
+        rt = AsyncHTTPRuntime(base, **rt_args)
+        try:
+            return await rt.apply_directives(req)
+        finally:
+            await rt.aclose()
+
+    return asyncio.run(main())
+
+
+FAST = {"retries": 3, "backoff_s": 0.01, "timeout": 5}
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "faults", [["reset"], ["close"], ["503"], ["502", "504"]], ids=lambda f: "+".join(f)
+)
+def test_a_directive_retried_after_the_server_received_it_keeps_its_request_id(is_async, faults):
+    with StubServer(ScriptedModel([]), directive_faults=faults) as server:
+        resp = apply(is_async, {**FAST, "api_key": "k"}, server.base_url, request())
+        assert resp.splices == {"amortize": 1}
+        bodies = server.directive_bodies()
+        assert len(bodies) == len(faults) + 1  # each failed attempt reached the server
+        ids = {b["request_id"] for b in bodies}
+        assert len(ids) == 1 and re.fullmatch(r"[0-9a-f]{32}", ids.pop())
+        assert {b["session"] for b in bodies} == {"s"}
+        for h in server.directive_headers():  # every attempt carries key and session
+            assert h["authorization"] == "Bearer k" and h["x-leyline-session"] == "s"
+
+
+def test_each_directive_gets_a_fresh_request_id_unless_it_names_one():
+    with StubServer(ScriptedModel([])) as server:
+        rt = HTTPRuntime(server.base_url)
+        rt.apply_directives(request())
+        rt.apply_directives(request())
+        rt.apply_directives(request(request_id="mine-1"))
+        a, b, c = (body["request_id"] for body in server.directive_bodies())
+        assert a != b and c == "mine-1"
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_5xx_without_a_usable_retry_after_is_not_retried(is_async):
+    for retry_after in (None, "60", "soon"):  # none, longer than max_retry_after_s, bad
+        with StubServer(
+            ScriptedModel([]), directive_faults=["503"], retry_after=retry_after
+        ) as server:
+            with pytest.raises(RuntimeUnavailableError, match="HTTP 503"):
+                apply(is_async, {**FAST, "max_retry_after_s": 10}, server.base_url, request())
+            assert len(server.directive_bodies()) == 1, retry_after
+
+
+def test_retry_after_waits_as_asked_and_the_attempts_run_out():
+    with StubServer(ScriptedModel([]), directive_faults=["503"] * 3, retry_after="1") as server:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeUnavailableError, match="HTTP 503") as info:
+            HTTPRuntime(server.base_url, **FAST).apply_directives(request())
+        assert time.monotonic() - t0 >= 2.0  # two waits of Retry-After: 1
+        assert "StubFailure" in str(info.value)
+        assert len(server.directive_bodies()) == 3
+        assert len({b["request_id"] for b in server.directive_bodies()}) == 1
+
+
+def test_retry_after_as_seconds_or_date():
+    def resp(status, value):
+        return httpx.Response(status, headers={"Retry-After": value} if value else {})
+
+    assert retry_after_s(resp(503, "3")) == 3.0
+    assert retry_after_s(resp(502, "0")) == 0.0
+    assert retry_after_s(resp(503, None)) is None
+    assert retry_after_s(resp(500, "3")) is None  # only 502/503/504 ask to come back
+    assert retry_after_s(resp(503, "-1")) is None
+    later = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 <= retry_after_s(resp(504, later)) <= 30
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_401_is_an_authentication_error_and_never_retried(is_async):
+    with StubServer(ScriptedModel([]), api_key="right") as server:
+        with pytest.raises(AuthenticationError, match="HTTP 401: no API key was given"):
+            apply(is_async, FAST, server.base_url, request())
+        with pytest.raises(AuthenticationError, match="HTTP 401: the API key was refused"):
+            apply(is_async, {**FAST, "api_key": "wrong"}, server.base_url, request())
+        assert len(server.directive_bodies()) == 2  # one attempt each
+        resp = apply(is_async, {**FAST, "api_key": "right"}, server.base_url, request())
+        assert resp.splices == {"amortize": 1}
+        rt = HTTPRuntime(server.base_url, **FAST)
+        with pytest.raises(AuthenticationError):
+            rt.has_leyline()  # not "no Leyline routes": the routes are there, the key is not
+        assert len(server.bodies("/leyline/v1/stats")) == 1
