@@ -84,13 +84,24 @@ class ClientDisconnected(Exception):
     answer; 499 as nginx logs it)."""
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _union_tag(part: str) -> bool:
+    """pydantic names the member of a union it tried (``list[int]``, ``str``, ``Model``)."""
+    return part in _TYPE_TAGS or not part.isidentifier() or part[:1].isupper()
+
+
 def field_path(loc: Sequence[Any]) -> str:
-    """``("body", "messages", 2, "role")`` -> ``"messages[2].role"``."""
+    """``("body", "messages", 2, "role")`` -> ``"messages[2].role"``; the members of a
+    union pydantic tried are left out (``replacement.list[int].1`` -> ``replacement[1]``)."""
     out = ""
     for k, part in enumerate(loc):
         if part == "body" and k == 0:
             if len(loc) > 1 and isinstance(loc[1], int):
                 out = "body"  # a position in the raw body (bad JSON)
+            continue
+        if isinstance(part, str) and _union_tag(part):
             continue
         if isinstance(part, int):
             out += f"[{part}]"
