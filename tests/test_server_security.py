@@ -187,3 +187,11 @@ def test_serve_help_documents_the_flags():
     ):
         assert flag in out, flag
     assert "share one cache namespace" in " ".join(out.split())
+
+
+def test_sglang_engine_refuses_keys_and_limits_it_would_ignore(capsys):
+    from leyline_agent.cli import main
+
+    argv = ["serve", "--model", "/nonexistent", "--engine", "sglang", "--api-key", "k"]
+    assert main(argv) == 2
+    assert "--api-key" in capsys.readouterr().err

@@ -36,6 +36,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 MIB = 1024 * 1024
+_EMBEDDED_ONLY = {
+    "api_key": [],
+    "api_key_file": [],
+    "allowed_host": [],
+    "max_body_bytes": 16 * MIB,
+    "max_prompt_tokens": None,
+    "max_tokens_cap": None,
+    "queue_timeout_s": 300.0,
+}
 
 
 def _add_limits_and_keys(p: argparse.ArgumentParser) -> None:
@@ -68,7 +77,7 @@ def _add_limits_and_keys(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-body-bytes",
         type=int,
-        default=16 * MIB,
+        default=_EMBEDDED_ONLY["max_body_bytes"],
         help="larger request bodies get 413 (default: 16 MiB)",
     )
     g.add_argument(
@@ -86,7 +95,7 @@ def _add_limits_and_keys(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--queue-timeout-s",
         type=float,
-        default=300.0,
+        default=_EMBEDDED_ONLY["queue_timeout_s"],
         help="a request that waited longer for the engine gets 503 + Retry-After (default: 300)",
     )
 
@@ -117,7 +126,20 @@ def _make_model(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     if args.engine == "sglang":
+        _refuse_embedded_only(args)
         from leyline_agent.sglang_plugin.launch import serve
     else:
         from leyline_agent.server.main import serve
     return int(serve(args) or 0)
+
+
+def _refuse_embedded_only(args: argparse.Namespace) -> None:
+    """SGLang's own server does not read these: never ignore a key or a limit silently."""
+    from leyline_agent.errors import LeylineError
+
+    given = [k for k, default in _EMBEDDED_ONLY.items() if getattr(args, k, default) != default]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise LeylineError(
+            f"{flags}: only the embedded engine has this; SGLang's server would ignore it"
+        )
