@@ -4,18 +4,27 @@
     client.chat.completions.create(model=..., messages=history, tools=tools)  # as before
 
 The result is a copy of the client (same class, same HTTP connection pool; the original is
-left untouched) whose ``chat.completions.create`` runs the policies (a ``ContextSession``)
+left untouched; its own copies, ``with_options(...)``, are wrapped alike and share its
+sessions) whose ``chat.completions.create`` runs the policies (a ``ContextSession``)
 on the incoming messages, forwards new edits of already-cached messages to the serving
 side as directives, sends the edited list, and observes the reply (for streams: once the
 stream has been consumed). Everything else on the client passes through unchanged.
 
-Session identity: one session per wrapped client (``session_id=`` names it, default a
-random id). A call can pick another session with ``extra_body={"leyline_session": "id"}``;
-that key is removed before the request is forwarded. ``wrapped.leyline`` exposes the state
+Session identity: one session per wrapped client (``session_id=`` names it, or the
+client's own ``X-Leyline-Session`` default header; else a random id). A call can pick
+another session with ``extra_body={"leyline_session": "id"}`` (that key is removed before
+the request is forwarded) or with its own ``extra_headers={"X-Leyline-Session": "id"}``.
+The server reuses a session's spliced KV rows only for requests that name the session, so
+every call the wrapper makes for a session names it: the chat completion carries the
+``X-Leyline-Session`` header (merged into the call's ``extra_headers``; a header the user
+set is kept as it is, and is then the call's session), and each directive request carries
+it in its ``session`` field and (``HTTPRuntime``) the same header. Session ids are 1 to 256
+printable ASCII characters (they travel in a header). ``wrapped.leyline`` exposes the state
 (``.session(id)``, ``.sessions``, ``.runtime``).
 
 Runtime: a ``Runtime`` / ``AsyncRuntime`` object, or ``None`` / ``"auto"``: an
-``HTTPRuntime`` at the client's base URL (``/v1`` stripped), checked once for
+``HTTPRuntime`` at the client's base URL (``/v1`` stripped) with the client's ``api_key`` as
+its bearer key (whatever it is: a server without keys ignores it), checked once for
 ``/leyline/v1/stats``; a plain OpenAI-compatible endpoint is fine (no directives are sent,
 edits cost a re-prefill). ``"off"``: never send directives.
 
@@ -40,7 +49,8 @@ import structlog
 
 from leyline_agent.directives import Mode
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
-from leyline_agent.http_runtime import AsyncHTTPRuntime, HTTPRuntime
+from leyline_agent.http_runtime import AsyncHTTPRuntime, AuthenticationError, HTTPRuntime
+from leyline_agent.namespaces import SESSION_HEADER, check_session_id
 from leyline_agent.protocols import AsyncRuntime, Runtime
 from leyline_agent.session import ContextSession
 from leyline_agent.stream_observer import AsyncObservedStream, ObservedStream
@@ -74,7 +84,7 @@ class LeylineState:
 
         self.policies = [load_policy(p, where=f"policies[{k}]") for k, p in enumerate(policies)]
         self.mode = Mode(mode)
-        self.default_session = session_id or f"leyline-{uuid.uuid4().hex[:12]}"
+        self.default_session = _default_session(client, session_id)
         self.sessions: dict[str, ContextSession] = {}
         self.strict = strict
         self.failures = 0  # policy-layer failures let through
@@ -102,17 +112,30 @@ class LeylineState:
             return self.sessions[sid]
 
     def split(self, kwargs: dict[str, Any]) -> tuple[ContextSession, dict[str, Any]]:
-        """The session a call belongs to, and the kwargs to forward (Leyline keys removed)."""
+        """The session a call belongs to, and the kwargs to forward: the Leyline key removed
+        from ``extra_body``, the session header merged into ``extra_headers``."""
         kwargs = dict(kwargs)
         extra = kwargs.get("extra_body")
         sid = None
         if isinstance(extra, dict) and SESSION_KEY in extra:
             extra = dict(extra)
-            sid = str(extra.pop(SESSION_KEY))
+            sid = _session_id(extra.pop(SESSION_KEY), f"extra_body.{SESSION_KEY}")
             if extra:
                 kwargs["extra_body"] = extra
             else:
                 del kwargs["extra_body"]
+        headers = dict(kwargs.get("extra_headers") or {})
+        name = _header_name(headers, SESSION_HEADER)
+        if name is None:
+            headers[SESSION_HEADER] = sid or self.default_session
+        elif isinstance(headers[name], str):  # the user's own header names the session
+            own = _session_id(headers[name], f"extra_headers[{name!r}]")
+            if sid is not None and own != sid:
+                raise LeylineError(
+                    f"extra_headers[{name!r}]: {own!r} contradicts extra_body.{SESSION_KEY} {sid!r}"
+                )
+            sid = own
+        kwargs["extra_headers"] = headers
         return self.session(sid), kwargs
 
     # -- runtime detection (once) ---------------------------------------------------------
@@ -130,7 +153,7 @@ class LeylineState:
             return self.runtime
         try:
             has: bool | None = self.runtime.has_leyline()
-        except RuntimeUnavailableError as e:
+        except (RuntimeUnavailableError, AuthenticationError) as e:
             log.warning("wrap_openai.runtime_unreachable", error=str(e))
             has = None
         return self._detected_runtime(has)
@@ -140,7 +163,7 @@ class LeylineState:
             return self.runtime
         try:
             has: bool | None = await self.runtime.has_leyline()
-        except RuntimeUnavailableError as e:
+        except (RuntimeUnavailableError, AuthenticationError) as e:
             log.warning("wrap_openai.runtime_unreachable", error=str(e))
             has = None
         return self._detected_runtime(has)
@@ -161,6 +184,39 @@ class LeylineState:
         if choices:
             session.observe_reply(choices[0].message)
         return response
+
+
+def _session_id(value: object, where: str) -> str | None:
+    """A session id given by the user, checked as the server checks it, and ASCII (it
+    travels in a header); ``LeylineError`` naming ``where`` otherwise."""
+    try:
+        sid = check_session_id(value, where)
+    except ValueError as e:
+        raise LeylineError(str(e)) from None
+    if sid is not None and not sid.isascii():
+        raise LeylineError(f"{where}: must be ASCII (it travels in the {SESSION_HEADER} header)")
+    return sid
+
+
+def _header_name(headers: Any, name: str) -> str | None:
+    """The key under which ``headers`` holds ``name`` (header names ignore case), or None."""
+    return next((k for k in headers if isinstance(k, str) and k.lower() == name.lower()), None)
+
+
+def _default_session(client: Any, session_id: str | None) -> str:
+    """``session_id``, or the client's own ``X-Leyline-Session`` default header, or a new id."""
+    sid = _session_id(session_id, "session_id")
+    defaults = getattr(client, "default_headers", None) or {}
+    name = _header_name(defaults, SESSION_HEADER)
+    own = defaults[name] if name is not None and isinstance(defaults[name], str) else None
+    if own is not None:
+        own = _session_id(own, f"default_headers[{name!r}]")
+        if sid is not None and own != sid:
+            raise LeylineError(
+                f"session_id: {sid!r} contradicts the client's {name} header {own!r}"
+            )
+        return own
+    return sid or f"leyline-{uuid.uuid4().hex[:12]}"
 
 
 def _call_args(kwargs: dict[str, Any]) -> tuple[list[Any], list[Any] | None, str | None]:
@@ -256,13 +312,27 @@ def wrap_openai(
             f"client: expected an openai.OpenAI or AsyncOpenAI, got {type(client).__name__}"
         )
     wrapped = client.with_options()
-    completions = wrapped.chat.completions
-    original = completions.create
-    is_async = _is_async(original, client)
+    is_async = _is_async(wrapped.chat.completions.create, client)
     state = LeylineState(wrapped, policies, runtime, session_id, mode, is_async, strict)
-    completions.create = _make_create(original, state, is_async)
-    wrapped.leyline = state
+    _install(wrapped, state, is_async)
     return wrapped
+
+
+def _install(wrapped: Any, state: LeylineState, is_async: bool) -> None:
+    """Wrap ``create`` of ``wrapped``; its copies (``with_options(timeout=...)``, ``copy``)
+    are wrapped too and share ``state`` (sessions, runtime)."""
+    completions = wrapped.chat.completions
+    completions.create = _make_create(completions.create, state, is_async)
+    copy = wrapped.copy
+
+    @functools.wraps(copy)
+    def copy_wrapped(*args: Any, **kwargs: Any) -> Any:
+        new = copy(*args, **kwargs)
+        _install(new, state, is_async)
+        return new
+
+    wrapped.copy = wrapped.with_options = copy_wrapped
+    wrapped.leyline = state
 
 
 def _is_async(fn: Callable[..., Any], client: Any) -> bool:

@@ -14,7 +14,7 @@ import json
 import openai
 import pytest
 
-from leyline_agent.errors import TrajectoryError
+from leyline_agent.errors import LeylineError, TrajectoryError
 from leyline_agent.policies import StaleToolTruncation
 from leyline_agent.testing.scripted import ScriptedModel, text_turn, tool_turn
 from leyline_agent.testing.stub_server import StubServer
@@ -100,11 +100,23 @@ def sync_loop(client, turns: int, stream_every: int = 0, **extra) -> list[list[d
     return history
 
 
+def check_session_headers(server: StubServer, session: str) -> None:
+    """Every chat call and every directive POST names ``session``; directives also carry
+    the client's API key (runtime "auto" takes it from the client)."""
+    chats, directives = server.chat_headers(), server.directive_headers()
+    assert chats and all(h.get("x-leyline-session") == session for h in chats)
+    for h, body in zip(directives, server.directive_bodies(), strict=True):
+        assert h.get("x-leyline-session") == body["session"] == session
+        assert h.get("authorization") == "Bearer stub"
+
+
 def check_diffing(
     server: StubServer, history: list[list[dict]], keep: int, session: str | None = None
 ) -> None:
     chats = server.chat_bodies()
     assert len(chats) == len(history)
+    if session is not None:
+        check_session_headers(server, session)
     for body, raw in zip(chats, history, strict=True):
         assert body["messages"] == expected_send(raw, keep)  # the edited history went out
         assert "leyline_session" not in body
@@ -232,8 +244,11 @@ def test_sessions_by_extra_body_are_diffed_separately_and_the_key_is_stripped():
                 run_tools(raw, reply_of(resp))
         for body in server.chat_bodies():
             assert "leyline_session" not in body and body["top_k"] == 5
+        # calls alternate A, B: each chat call names its own session in the header
+        assert [h["x-leyline-session"] for h in server.chat_headers()] == ["A", "B"] * 4
         sessions = [b["session"] for b in server.directive_bodies()]
         assert sorted(sessions) == ["A", "A", "B", "B"]
+        assert [h["x-leyline-session"] for h in server.directive_headers()] == sessions
         for b in server.directive_bodies():
             assert b["old_messages"][0]["content"] == f"task {b['session']}"
         assert set(client.leyline.sessions) == {"A", "B"}
@@ -337,3 +352,104 @@ def test_stream_as_context_manager_and_a_stream_left_unconsumed():
         [body] = server.directive_bodies()
         assert body["old_messages"][-1]["tool_calls"][0]["id"] == "own"
         assert server.chat_bodies()[-1]["messages"] == expected_send(raw, keep=1)
+
+
+def test_user_headers_are_kept_and_a_users_session_header_is_the_calls_session():
+    with StubServer(
+        ScriptedModel([tool_turn("bash", {"cmd": f"s{k}"}) for k in range(10)])
+    ) as server:
+        client = wrap_openai(
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            policies=[StaleToolTruncation(keep=1)],
+            session_id="default",
+        )
+        mine: list = [{"role": "user", "content": "mine"}]
+        other: list = [{"role": "user", "content": "other"}]
+        for _ in range(3):
+            resp = client.chat.completions.create(
+                model="scripted", messages=mine, extra_headers={"X-Trace": "t1"}
+            )
+            run_tools(mine, reply_of(resp))
+            resp = client.chat.completions.create(
+                model="scripted", messages=other, extra_headers={"x-leyline-session": "own"}
+            )
+            run_tools(other, reply_of(resp))
+        headers = server.chat_headers()
+        assert [h["x-trace"] for h in headers[::2]] == ["t1"] * 3  # the user's header stays
+        assert [h["x-leyline-session"] for h in headers] == ["default", "own"] * 3  # not overridden
+        assert set(client.leyline.sessions) == {"default", "own"}  # ... and it is the session
+        for h, b in zip(server.directive_headers(), server.directive_bodies(), strict=True):
+            assert h["x-leyline-session"] == b["session"]
+            assert (
+                b["old_messages"][0]["content"] == {"default": "mine", "own": "other"}[b["session"]]
+            )
+        assert sorted(b["session"] for b in server.directive_bodies()) == ["default", "own"]
+        with pytest.raises(LeylineError, match=r"contradicts extra_body\.leyline_session"):
+            client.chat.completions.create(
+                model="scripted",
+                messages=mine,
+                extra_headers={"X-Leyline-Session": "x"},
+                extra_body={"leyline_session": "y"},
+            )
+        assert len(server.chat_bodies()) == 6  # nothing was sent
+
+
+def test_the_clients_default_session_header_names_the_session():
+    with StubServer(script(3)) as server:
+        base = openai.OpenAI(
+            base_url=server.base_url + "/v1",
+            api_key="stub",
+            max_retries=0,
+            default_headers={"X-Leyline-Session": "from-client"},
+        )
+        client = wrap_openai(base, policies=[StaleToolTruncation(keep=1)])
+        assert client.leyline.default_session == "from-client"
+        sync_loop(client, 3)
+        check_session_headers(server, "from-client")
+        assert len(server.directive_bodies()) == 1
+        with pytest.raises(LeylineError, match="session_id: 'other' contradicts"):
+            wrap_openai(base, session_id="other")
+
+
+@pytest.mark.parametrize(
+    "where,value,needle",
+    [
+        ("session_id", "café", "must be ASCII"),
+        ("session_id", "", "1 to 256 printable"),
+        ("extra_body", "a\nb", r"extra_body\.leyline_session: must be 1 to 256"),
+        ("extra_body", 7, r"extra_body\.leyline_session: must be a string"),
+        ("extra_headers", "x" * 257, r"extra_headers\['X-Leyline-Session'\]: must be 1 to 256"),
+    ],
+)
+def test_bad_session_ids_are_named_before_anything_is_sent(where, value, needle):
+    with StubServer(script(3)) as server:
+        base = openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0)
+        msgs = [{"role": "user", "content": "x"}]
+        with pytest.raises(LeylineError, match=needle):
+            if where == "session_id":
+                wrap_openai(base, session_id=value)
+            else:
+                kw = (
+                    {"extra_body": {"leyline_session": value}}
+                    if where == "extra_body"
+                    else {"extra_headers": {"X-Leyline-Session": value}}
+                )
+                wrap_openai(base).chat.completions.create(model="scripted", messages=msgs, **kw)
+        assert server.chat_bodies() == []
+
+
+def test_copies_of_the_wrapped_client_are_wrapped_and_share_its_sessions():
+    with StubServer(script(4)) as server:
+        client = wrap_openai(
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            policies=[StaleToolTruncation(keep=1)],
+            session_id="s1",
+        )
+        raw: list = [{"role": "user", "content": "go"}]
+        for k in range(4):  # alternate the client and copies of it, as agents do for timeouts
+            c = client if k % 2 == 0 else client.with_options(timeout=30)
+            run_tools(raw, reply_of(c.chat.completions.create(model="scripted", messages=raw)))
+        check_session_headers(server, "s1")
+        assert server.chat_bodies()[-1]["messages"] == expected_send(raw[:-2], keep=1)
+        assert len(server.directive_bodies()) == 2  # one session, diffed across the copies
+        assert client.with_options().leyline is client.leyline

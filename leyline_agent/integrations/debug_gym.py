@@ -4,8 +4,11 @@ debug-gym's agents (froggy, ...) call ``llm(messages, tools)``; its ``HuggingFac
 tokens with a local Hugging Face tokenizer and sends the request with an OpenAI client.
 ``LeylineHuggingFaceLLM`` changes exactly one thing: the OpenAI client it sends with is
 ``wrap_openai(OpenAI(...), policies=..., runtime=...)``, so the Leyline policies edit the
-agent's context and the serving side splices its KV cache before each request. The agent,
-its prompts, its history, its tools and the environment are debug-gym's, unchanged.
+agent's context and the serving side splices its KV cache before each request. Every
+request of one LLM object names its session (``session_id``, default a fresh id per
+object; ``X-Leyline-Session`` on the chat calls and the directives), so the server reuses
+the spliced rows for it and for nobody else. The agent, its prompts, its history, its tools
+and the environment are debug-gym's, unchanged.
 
 Three deliberate differences from the parent class:
 - a reply without a tool call gets a unique call id (``empty_tool_response_<n>``): debug-gym
