@@ -4,7 +4,9 @@ from leyline_agent.policies import Policy, StaleToolTruncation, FailedCallDetect
 from leyline_agent.policies import load_policy, load_policies
 
 A custom policy subclasses ``Policy`` (``name`` + ``edits(trajectory) -> list[MessageEdit]``)
-and loads by ``module:Class``; ``Trajectory`` and ``MessageEdit`` are re-exported for it.
+and loads by ``module:Class``; ``Trajectory`` and ``MessageEdit`` are re-exported for it. One
+that stubs tool results also overrides ``is_stub(text, tool)``: in a pipeline a stub is final
+(no policy stubs it again or reads it as evidence; see ``policies/base``).
 """
 
 from leyline_agent.directives import MessageEdit
