@@ -6,9 +6,13 @@ Layers, one job each:
 - ``openai_api`` (wire models) -> ``completions`` (checks, sampling parameters) ->
   ``openai_routes`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``),
   with ``streaming`` (SSE, incremental text), ``tool_calls`` and ``logprobs``.
-- ``leyline_routes``: ``POST /leyline/v1/directives``, ``GET /leyline/v1/stats``.
+- ``leyline_routes``: ``POST /leyline/v1/directives``, ``GET /leyline/v1/stats``, with
+  ``directive_memory`` (idempotent ``request_id`` retries).
+- ``tenants`` (API keys, ``Host`` allowlist, each request's namespace), ``limits`` (body
+  size, prompt tokens before tokenizing), ``inputs`` (text that is not Unicode),
+  ``disconnect`` (work for a client that left is cancelled or stopped).
 - ``errors``: every failure -> ``{"error": ErrorBody}`` with a 4xx/5xx status.
-- ``app.create_app(engine_or_scheduler)``; ``main.serve(args)`` runs uvicorn.
+- ``app.create_app(engine_or_scheduler, ...)``; ``main.serve(args)`` runs uvicorn.
 
 Nothing is imported here: ``leyline_agent.server.app`` pulls in FastAPI, and the engine
 pulls in torch.
