@@ -1,11 +1,12 @@
 """``SGLangRuntime`` and the HTTP route (on SGLang's real FastAPI app) over the real tree + MLA pool.
 
 Only the two transports that need a GPU server are stood in for, each by what it does:
-``Engine.generate`` / ``TokenizerManager.generate_request`` by a prefill into the real
-cache (``sglang_pools.prefill``), ``collective_rpc`` / the RPC socket by calling the
-scheduler method and turning a failure into its message (as ``Engine.collective_rpc``
-does with ``assert recv_req.success, recv_req.message``). Expected KV: ``RefState``
-(the model's own RoPE on hook-captured pre-RoPE keys), chained the same way.
+``TokenizerManager.generate_request`` by what the scheduler does with the request (the
+plugin's routing hook picks the radix namespace, then a prefill into the real cache,
+``sglang_pools.prefill``), ``collective_rpc`` / the RPC socket by calling the scheduler
+method and turning a failure into its message (as ``Engine.collective_rpc`` does with
+``assert recv_req.success, recv_req.message``). Expected KV: ``RefState`` (the model's own
+RoPE on hook-captured pre-RoPE keys), chained the same way.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import torch
 from leyline_agent.directives import Directive, Mode, apply_directives
 from leyline_agent.errors import CacheMissError
 from leyline_agent.http_runtime import HTTPRuntime
+from leyline_agent.namespaces import Namespace
 from leyline_agent.runtime.engine import Engine
 from leyline_agent.sglang_plugin import scheduler_hook as hook
 from leyline_agent.sglang_plugin.client import SGLangRuntime
 from leyline_agent.sglang_plugin.http_route import LeylineRoute, before_http_server
+from leyline_agent.sglang_plugin.routing import route_key
 from leyline_agent.sglang_plugin.treeview import peek_prefix
 from leyline_agent.testing import sglang_pools as sp
 from leyline_agent.testing.kv_reference import RefState
@@ -42,45 +45,31 @@ def engine() -> Engine:
     return Engine.from_pretrained(tiny_model_dir("deepseek_v2"))
 
 
-class Loopback:
-    """``sglang.Engine``'s two calls, landing on the real cache of one scheduler rank."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.cache = sp.build_cache(engine.config, size=1024)
-        self.model = engine.model
-        self.scheduler = SimpleNamespace(
-            tree_cache=self.cache.tree,
-            token_to_kv_pool_allocator=self.cache.allocator,
-            model_config=SimpleNamespace(hf_config=engine.config),
-        )
-        hook.install(self.scheduler)
-        self.tokenizer_manager = SimpleNamespace(
-            tokenizer=engine.tokenizer, generate_request=self._generate_request
-        )
-
-    def generate(self, input_ids, sampling_params) -> dict:
-        assert sampling_params["max_new_tokens"] >= 1
-        sp.prefill(self.cache, self.model, input_ids)
-        return {}
-
-    async def _generate_request(self, obj, request):
-        yield self.generate(obj.input_ids, obj.sampling_params)
-
-    def collective_rpc(self, method: str, **kwargs) -> None:
-        try:
-            getattr(self.scheduler, method)(**kwargs)
-        except Exception as e:
-            raise AssertionError(str(e)) from e
+ANON = Namespace().key
 
 
-def _kpe(cache: sp.SGLangCache, tokens: list[int]) -> list[torch.Tensor]:
-    p = peek_prefix(cache.tree, tokens)
+Loopback = sp.LoopbackEngine
+
+
+@pytest.fixture()
+def loop(engine: Engine):
+    lb = Loopback(engine.model, engine.tokenizer, size=1024)
+    yield lb
+    lb.close()
+
+
+def _served(cache: sp.SGLangCache, tokens: list[int], ns: str = ANON):
+    """What a request of namespace ``ns`` for ``tokens`` is served (the tree routing picks)."""
+    return peek_prefix(cache.tree, tokens, route_key(cache.tree, tokens, ns))
+
+
+def _kpe(cache: sp.SGLangCache, tokens: list[int], ns: str = ANON) -> list[torch.Tensor]:
+    p = _served(cache, tokens, ns)
     assert p.length == len(tokens)
     return [r[1] for r in sp.rows(cache, p.slots)]
 
 
-def test_sglang_runtime_batch_matches_reference(engine: Engine) -> None:
-    loop = Loopback(engine)
+def test_sglang_runtime_batch_matches_reference(engine: Engine, loop: Loopback) -> None:
     rt = SGLangRuntime(loop)
     tokens = engine.render(MESSAGES, add_generation_prompt=False)
     r1 = engine.tokenizer.encode("[stub]", add_special_tokens=False)
@@ -101,13 +90,13 @@ def test_sglang_runtime_batch_matches_reference(engine: Engine) -> None:
     d = Directive(start=20, end=25, replacement=r1, mode=Mode.FORGET)
     resp = rt.apply_directives(DirectivesRequest(tokens=final, directives=[d]))
     assert resp.splices == {"amortize": 0, "forget": 1}
-    assert peek_prefix(loop.cache.tree, resp.tokens).length == len(resp.tokens)
+    assert _served(loop.cache, resp.tokens).length == len(resp.tokens)
+    assert loop.cache.allocator.available_size() + sp.held_slots(loop.cache) == 1024
     sp.evict_all(loop.cache)
     assert loop.cache.allocator.available_size() == loop.cache.initial_free
 
 
-def test_sglang_runtime_errors_and_fallback(engine: Engine) -> None:
-    loop = Loopback(engine)
+def test_sglang_runtime_errors_and_fallback(engine: Engine, loop: Loopback) -> None:
     rt = SGLangRuntime(loop)
     never = engine.tokenizer.encode("never sent to this server", add_special_tokens=False)
     req = DirectivesRequest(tokens=never, directives=[Directive(start=1, end=3, replacement=[9])])
@@ -120,8 +109,7 @@ def test_sglang_runtime_errors_and_fallback(engine: Engine) -> None:
     assert rt.stats().fallbacks == 1 and rt.stats().directive_errors == 1
 
 
-def test_sglang_runtime_message_form(engine: Engine) -> None:
-    loop = Loopback(engine)
+def test_sglang_runtime_message_form(engine: Engine, loop: Loopback) -> None:
     rt = SGLangRuntime(loop)
     old = engine.render(MESSAGES, add_generation_prompt=False)
     sp.prefill(loop.cache, engine.model, old[:-1])  # SGLang caches all but the last token
@@ -130,16 +118,15 @@ def test_sglang_runtime_message_form(engine: Engine) -> None:
     resp = rt.apply_directives(DirectivesRequest(old_messages=MESSAGES, new_messages=new_messages))
     new = engine.render(new_messages, add_generation_prompt=False)
     assert resp.tokens == new and resp.splices["amortize"] == 1
-    assert peek_prefix(loop.cache.tree, new).length == len(new) - 1
+    assert _served(loop.cache, new).length == len(new) - 1
 
 
-def test_sglang_http_route_on_sglang_app(engine: Engine, monkeypatch) -> None:
+def test_sglang_http_route_on_sglang_app(engine: Engine, loop: Loopback, monkeypatch) -> None:
     """The BEFORE hook adds the routes to SGLang's real FastAPI app; requests go through it."""
     import sglang.srt.entrypoints.http_server as http_server
     from fastapi.testclient import TestClient
 
     monkeypatch.setattr(http_server.app.router, "routes", list(http_server.app.router.routes))
-    loop = Loopback(engine)
 
     async def rpc(self, kwargs, method):  # the socket round trip: RpcReqOutput(success, message)
         try:
@@ -157,7 +144,7 @@ def test_sglang_http_route_on_sglang_app(engine: Engine, monkeypatch) -> None:
     r = client.post("/leyline/v1/directives", json=body)
     assert r.status_code == 200, r.text
     out = DirectivesResponse.model_validate(r.json())
-    assert peek_prefix(loop.cache.tree, out.tokens).length == len(out.tokens)
+    assert _served(loop.cache, out.tokens).length == len(out.tokens)
     assert out.splices == {"amortize": 1, "forget": 0}
 
     r = client.post("/leyline/v1/directives", json={"tokens": tokens})
@@ -178,6 +165,43 @@ def test_sglang_http_route_on_sglang_app(engine: Engine, monkeypatch) -> None:
     d = Directive(start=8, end=14, replacement=[5, 6])
     resp = rt.apply_directives(DirectivesRequest(tokens=out.tokens, directives=[d]))
     assert resp.tokens == apply_directives(out.tokens, [d])
-    assert peek_prefix(loop.cache.tree, resp.tokens).length == len(resp.tokens)
+    assert _served(loop.cache, resp.tokens).length == len(resp.tokens)
     with pytest.raises(CacheMissError):
         rt.apply_directives(DirectivesRequest(**miss))
+
+
+def test_sglang_http_route_sessions(engine: Engine, loop: Loopback, monkeypatch) -> None:
+    """``X-Leyline-Session`` (or the body's ``session``) names the namespace the splice goes
+    to; the header and the body must agree."""
+    import sglang.srt.entrypoints.http_server as http_server
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setattr(http_server.app.router, "routes", list(http_server.app.router.routes))
+
+    async def rpc(self, kwargs, method):
+        getattr(loop.scheduler, method)(**kwargs)
+
+    monkeypatch.setattr(LeylineRoute, "_rpc", rpc)
+    before_http_server(None, loop.tokenizer_manager, None, SimpleNamespace(rpc_ipc_name="ipc://x"))
+    client = TestClient(http_server.app)
+    tokens = engine.render(MESSAGES, add_generation_prompt=False)
+    sp.prefill(loop.cache, engine.model, tokens)
+    d = {"start": 30, "end": 44, "replacement": "[x]"}
+    body = {"tokens": tokens, "directives": [d]}
+    r = client.post("/leyline/v1/directives", json=body, headers={"X-Leyline-Session": "a"})
+    assert r.status_code == 200, r.text
+    new = r.json()["tokens"]
+    r = client.post("/leyline/v1/directives", json={**body, "session": "b"})
+    assert r.status_code == 200, r.text
+    for s in ("a", "b"):
+        assert peek_prefix(loop.cache.tree, new, Namespace(session=s).key).length == len(new)
+    assert peek_prefix(loop.cache.tree, new, ANON).length == 0
+    assert peek_prefix(loop.cache.tree, new, None).length < len(new)
+
+    r = client.post(
+        "/leyline/v1/directives", json={**body, "session": "b"}, headers={"X-Leyline-Session": "a"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "DirectiveError"
+    assert "X-Leyline-Session" in r.json()["error"]["message"]
+    r = client.post("/leyline/v1/directives", json={**body, "session": ""})
+    assert r.status_code == 400 and "session" in r.json()["error"]["message"]

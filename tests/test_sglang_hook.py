@@ -7,7 +7,10 @@
   runs ``leyline_splice`` on an object holding the real tree/allocator/MLA pool, with the
   request passed through SGLang's own msgpack IPC encoding; a single-process gloo group
   stands in for the TP group of its barrier;
-- failures come back as ``RpcReqOutput(success=False)`` carrying the Leyline error class.
+- failures come back as ``RpcReqOutput(success=False)`` carrying the Leyline error class;
+- the request hooks, applied by ``HookRegistry`` to the real ``TokenizerManager`` and
+  ``Scheduler`` methods: the ``X-Leyline-Session`` header becomes the request's extra key,
+  and the scheduler routes the request to the session's tree or the plain one.
 
 Not exercised here (needs CUDA + full SGLang): a live Scheduler process, the ZMQ sockets,
 the HTTP server (``http_route``), ``Engine.collective_rpc`` itself.
@@ -23,12 +26,14 @@ import pytest
 
 from leyline_agent.directives import Directive
 from leyline_agent.errors import CacheMissError, DirectiveError, RuntimeUnavailableError
+from leyline_agent.namespaces import Namespace
 from leyline_agent.runtime.engine import Engine
 from leyline_agent.sglang_plugin import scheduler_hook as hook
 from leyline_agent.sglang_plugin.treeview import peek_prefix
 from leyline_agent.testing import sglang_pools as sp
 from leyline_agent.testing.models import tiny_model_dir
 
+ANON = Namespace().key
 MESSAGES = [
     {"role": "user", "content": "Run the tests."},
     {"role": "assistant", "content": "Running pytest."},
@@ -59,8 +64,12 @@ def test_sglang_rpc_kwargs_round_trip() -> None:
     d = Directive(start=3, end=9, replacement=[7, 8])
     kw = hook.encode_splice_kwargs([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], d)
     assert all(isinstance(v, (str, int)) for v in kw.values()), "collective_rpc takes flat scalars"
-    tokens, back = hook.decode_splice_kwargs(**kw)
-    assert tokens == json.loads(kw["tokens_json"]) and back == d
+    tokens, back, ns = hook.decode_splice_kwargs(**kw)
+    assert tokens == json.loads(kw["tokens_json"]) and back == d and ns == ANON
+    kw_b = hook.encode_splice_kwargs([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], d, Namespace(session="b").key)
+    assert hook.decode_splice_kwargs(**kw_b)[2] == Namespace(session="b").key
+    with pytest.raises(DirectiveError, match="namespace"):
+        hook.decode_splice_kwargs(**{**kw, "namespace": "not-ours"})
     with pytest.raises(DirectiveError, match="tokens_json"):
         hook.decode_splice_kwargs(**{**kw, "tokens_json": "[1, 2,"})
     with pytest.raises(DirectiveError, match=r"replacement_json\[1\]"):
@@ -78,7 +87,7 @@ def test_sglang_scheduler_method_splices_real_cache(engine: Engine, scheduler) -
     sp.prefill(cache, engine.model, tokens[:12] + repl)
     fake.leyline_splice(**hook.encode_splice_kwargs(tokens, d))
     new_tokens = tokens[:12] + repl + tokens[20:]
-    assert peek_prefix(cache.tree, new_tokens).length == len(new_tokens)
+    assert peek_prefix(cache.tree, new_tokens, ANON).length == len(new_tokens)
 
     snap = sp.snapshot(cache)
     missing = engine.tokenizer.encode("never cached", add_special_tokens=False)
@@ -97,9 +106,12 @@ def isolated_hooks(monkeypatch):
     import sglang.srt.entrypoints.http_server as http_server
     import sglang.srt.mem_cache.registry as registry
     from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     monkeypatch.setattr(Scheduler, "__init__", Scheduler.__init__)
+    monkeypatch.setattr(Scheduler, "handle_generate_request", Scheduler.handle_generate_request)
+    monkeypatch.setattr(TokenizerManager, "generate_request", TokenizerManager.generate_request)
     monkeypatch.setattr(
         http_server, "_setup_and_run_http_server", http_server._setup_and_run_http_server
     )
@@ -161,7 +173,7 @@ def test_sglang_plugin_loaded_by_sglang_and_rpc_dispatch(
     out = Scheduler.handle_rpc_request(fake, wire)
     assert out.success, out.message
     new_tokens = tokens[:12] + repl + tokens[20:]
-    assert peek_prefix(cache.tree, new_tokens).length == len(new_tokens)
+    assert peek_prefix(cache.tree, new_tokens, ANON).length == len(new_tokens)
 
     bad = {**kw, "end": len(tokens) + 5}
     wire = msgpack_decode(msgpack_encode(RpcReqInput(method=hook.RPC_METHOD, parameters=bad)))
@@ -169,8 +181,51 @@ def test_sglang_plugin_loaded_by_sglang_and_rpc_dispatch(
     assert not out.success
     err = hook.error_from_message(out.message)
     assert isinstance(err, DirectiveError) and "outside the sequence" in str(err)
+
+    # the scheduler's request hook: once the anonymous session holds rows of its own (T'),
+    # its requests go to its tree; another session's requests go to the plain tree
+    seen = []
+    fake._handle_generate_request = lambda req, *a, **k: seen.append(req.extra_key)
+    b_key = Namespace(session="b").key
+    for ids, key in ((new_tokens + [5], None), (new_tokens, b_key), (tokens, None)):
+        req = SimpleNamespace(input_ids=ids, extra_key=key, cache_salt=None, mm_inputs=None)
+        Scheduler.handle_generate_request(fake, req)
+    assert seen == [ANON, None, ANON]
     sp.evict_all(cache)
     assert cache.allocator.available_size() == cache.initial_free
+
+
+def test_sglang_session_header_hook(isolated_hooks) -> None:
+    """``X-Leyline-Session`` on any generate route -> the request's extra key (SGLang answers
+    a ``ValueError`` with 400)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+    from starlette.requests import Request
+
+    _Scheduler, HookRegistry = isolated_hooks
+    load_plugins_by_group(GENERAL_PLUGINS_GROUP)["leyline"][0]()
+    HookRegistry.apply_hooks()
+
+    def call(headers: dict[str, str], **fields) -> GenerateReqInput:
+        scope = {
+            "type": "http",
+            "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        }
+        obj = GenerateReqInput(input_ids=[1, 2, 3], **fields)
+        # the hook runs at the call; the (never started) async generator is just dropped
+        TokenizerManager.generate_request(SimpleNamespace(), obj, Request(scope))
+        return obj
+
+    assert call({"X-Leyline-Session": "agent-7"}).extra_key == Namespace(session="agent-7").key
+    assert call({}).extra_key is None
+    assert call({}, extra_key="mine").extra_key == "mine"  # no header: left alone
+    with pytest.raises(ValueError, match="extra_key: cannot be combined"):
+        call({"X-Leyline-Session": "agent-7"}, extra_key="mine")
+    with pytest.raises(ValueError, match="cache_salt"):
+        call({"X-Leyline-Session": "agent-7"}, cache_salt="salt")
+    with pytest.raises(ValueError, match="X-Leyline-Session"):
+        call({"X-Leyline-Session": "x" * 300})
 
 
 def _params(cache: sp.SGLangCache):

@@ -1,10 +1,11 @@
 """AMORTIZE splice of the SGLang plugin on SGLang's REAL RadixCache, allocator and KV pools.
 
 The pools hold KV of the tiny models (DeepseekV2: MLA pool; Llama, Qwen3: MHA pool) for a
-rendered chat. Expected values come from code paths that share nothing with the plugin:
-- the embedded runtime's AMORTIZE (its own pool, tree and slot bookkeeping);
-- ``RefState``: pre-RoPE keys captured with hooks and re-roped by the model's own RoPE at
-  the new positions (no rotate_band at all).
+rendered chat. Expected values come from ``RefState``, which shares nothing with the
+plugin: pre-RoPE keys captured with hooks and re-roped by the model's own RoPE at the new
+positions (no rotate_band at all). ``T'`` lands in the session's radix namespace (SGLang's
+``extra_key``; the anonymous session's here); ``test_sglang_namespaces.py`` covers the
+isolation itself.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ import pytest
 import torch
 
 from leyline_agent.directives import Directive
-from leyline_agent.runtime.engine import Engine, SamplingParams
+from leyline_agent.namespaces import Namespace
+from leyline_agent.runtime.engine import Engine
 from leyline_agent.sglang_plugin.splice import splice_amortize
 from leyline_agent.sglang_plugin.treeview import radix_key
 from leyline_agent.testing import sglang_pools as sp
 from leyline_agent.testing.kv_reference import RefState
 from leyline_agent.testing.models import tiny_model_dir
-from leyline_agent.wire import DirectivesRequest
+
+ANON = Namespace().key
 
 MESSAGES = [
     {"role": "system", "content": "You are a careful coding agent."},
@@ -49,28 +52,17 @@ def _case(engine: Engine, change: str) -> tuple[list[int], Directive]:
     return tokens, Directive(start=20, end=24, replacement=repl)  # the tail moves right
 
 
-def _match(cache: sp.SGLangCache, tokens: list[int]) -> tuple[int, torch.Tensor]:
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-
-    m = cache.tree.match_prefix(MatchPrefixParams(key=radix_key(tokens)))
-    slots = cache.tree.path_device_indices(m.last_device_node)[: m.device_prefix_len]
-    return m.device_prefix_len, slots
+def _match(cache: sp.SGLangCache, tokens: list[int], key: str | None = ANON):
+    return sp.match(cache, tokens, key)
 
 
-def _engine_amortize(engine: Engine, tokens: list[int], d: Directive, new_tokens: list[int]):
-    """T' rows from the embedded runtime: (position-free, rotated) per layer, [heads, n, dim]."""
-    engine.generate(tokens, SamplingParams(max_tokens=0))
-    engine.apply_directives(DirectivesRequest(tokens=tokens, directives=[d]))
-    m = engine.tree.match_prefix(new_tokens)
-    assert m.length == len(new_tokens)
-    kv = engine.pool.as_cache_data(m.slots)
-    if engine.layout.kind == "mla":
-        return [(k[0], v[0]) for k, v in kv]  # latent, k_pe
-    return [(v[0], k[0]) for k, v in kv]  # values, keys
+def _no_leak(cache: sp.SGLangCache) -> None:
+    assert cache.tree.protected_size() == 0
+    assert cache.allocator.available_size() + sp.held_slots(cache) == cache.initial_free
 
 
 @pytest.mark.parametrize("change", ["shrink", "grow"])
-def test_sglang_amortize_matches_runtime_and_reference(engine: Engine, change: str) -> None:
+def test_sglang_amortize_matches_reference(engine: Engine, change: str) -> None:
     tokens, d = _case(engine, change)
     s, e, repl = d.start, d.end, list(d.replacement)
     new_tokens = tokens[:s] + repl + tokens[e:]
@@ -79,38 +71,38 @@ def test_sglang_amortize_matches_runtime_and_reference(engine: Engine, change: s
     old_slots = sp.prefill(cache, engine.model, tokens)
     head_slots = sp.prefill(cache, engine.model, tokens[:s] + repl)  # SGLang's prefill of R
     before = sp.rows(cache, old_slots)
+    head_rows = sp.rows(cache, head_slots)
 
     result = splice_amortize(cache.target(), tokens, d)
 
-    assert result.rotated_tokens == len(tokens) - e
-    assert result.reused_tokens == head
+    assert result.rotated_tokens == len(tokens) - e and result.namespace == ANON
+    assert result.copied_tokens == head and result.reused_tokens == 0
     n, new_slots = _match(cache, new_tokens)
-    assert n == len(new_tokens), "match_prefix(T') must cover all of T'"
-    assert torch.equal(new_slots[:head], head_slots), "head slots are the prefilled ones"
-    tail = new_slots[head:]
-    assert not set(tail.tolist()) & set(old_slots.tolist()), "tail written out of place"
-    # the old path T still matches, same slots, same bytes
-    n_old, again = _match(cache, tokens)
+    assert n == len(new_tokens), "match_prefix(T') in the session's namespace covers T'"
+    assert not set(new_slots.tolist()) & (set(old_slots.tolist()) | set(head_slots.tolist()))
+    assert _match(cache, new_tokens, None)[0] == head, "the plain tree has the exact head only"
+    # the old path T still matches in the plain tree, same slots, same bytes
+    n_old, again = _match(cache, tokens, None)
     assert n_old == len(tokens) and torch.equal(again, old_slots)
     for (a0, b0), (a1, b1) in zip(before, sp.rows(cache, old_slots), strict=True):
         assert torch.equal(a0, a1) and torch.equal(b0, b1)
 
     after = sp.rows(cache, new_slots)
-    runtime = _engine_amortize(engine, tokens, d, new_tokens)
     ref = RefState.prefill(engine.model, tokens).amortize(s, e, repl).kv()
     for layer, (x, y) in enumerate(after):
+        # the head is a bitwise copy of the plain tree's rows (namespaces share no slots)
+        if cache.kind == "mla":
+            assert torch.equal(x[:head], head_rows[layer][0])
+            assert torch.equal(y[:head], head_rows[layer][1])
+        else:
+            assert torch.equal(x[:, :head], head_rows[layer][0])
+            assert torch.equal(y[:, :head], head_rows[layer][1])
         if cache.kind == "mla":  # x: latent [n, r], y: k_pe [n, rope]
             assert torch.equal(x[head:], before[layer][0][e:]), f"layer {layer}: latent not bitwise"
-            rot, rot_rt, rot_ref = y[head:], runtime[layer][1][0, head:], ref[layer][1][0, 0, head:]
-            assert torch.equal(y[:head], sp.rows(cache, head_slots)[layer][1])
+            rot, rot_ref = y[head:], ref[layer][1][0, 0, head:]
         else:  # x: keys [H, n, D], y: values [H, n, D]
             assert torch.equal(y[:, head:], before[layer][1][:, e:]), f"layer {layer}: values"
-            rot, rot_rt, rot_ref = (
-                x[:, head:],
-                runtime[layer][1][:, head:],
-                ref[layer][0][0, :, head:],
-            )
-        torch.testing.assert_close(rot, rot_rt, rtol=1e-5, atol=1e-5)
+            rot, rot_ref = x[:, head:], ref[layer][0][0, :, head:]
         torch.testing.assert_close(rot, rot_ref, rtol=1e-4, atol=5e-5)
         moved = rot if cache.kind == "mla" else rot.transpose(0, 1)
         orig = (
@@ -119,7 +111,7 @@ def test_sglang_amortize_matches_runtime_and_reference(engine: Engine, change: s
         assert not torch.allclose(moved, orig, atol=1e-3), "the band must actually move"
 
     # locks released, nothing leaked: evicting everything restores the initial free size
-    assert cache.tree.protected_size() == 0
+    _no_leak(cache)
     assert cache.tree.evictable_size() == cache.tree.total_size()
     sp.evict_all(cache)
     assert cache.allocator.available_size() == cache.initial_free
@@ -145,13 +137,13 @@ def test_sglang_second_session_sharing_prefix(engine: Engine) -> None:
 
     new_tokens = tokens[: d.start] + list(d.replacement) + tokens[d.end :]
     assert _match(cache, new_tokens)[0] == len(new_tokens)
-    n, slots = _match(cache, other)
+    n, slots = _match(cache, other, None)
     assert n == len(other) and torch.equal(slots, other_slots)
     for (a0, b0), (a1, b1) in zip(other_rows, sp.rows(cache, other_slots), strict=True):
         assert torch.equal(a0, a1) and torch.equal(b0, b1)
 
     sp.evict_all(cache)  # everything but the locked session goes
-    assert _match(cache, other)[0] == len(other)
+    assert _match(cache, other, None)[0] == len(other)
     assert cache.allocator.available_size() == cache.initial_free - len(other)
     cache.tree.unlock(lock)
     sp.evict_all(cache)
@@ -168,6 +160,7 @@ def test_sglang_splice_again_is_a_no_op(engine: Engine) -> None:
     second = splice_amortize(cache.target(), tokens, d)
     assert first.rotated_tokens == len(tokens) - d.end and second.rotated_tokens == 0
     sp.snapshot(cache).assert_equal(snap)
+    _no_leak(cache)
     sp.evict_all(cache)
     assert cache.allocator.available_size() == cache.initial_free
 

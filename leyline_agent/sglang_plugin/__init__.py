@@ -7,8 +7,13 @@ node), the ``TokenToKVPoolAllocator`` (hands out and takes back slots), the KV p
 - ``treeview``: read-only prefix lookups (``match_prefix`` splits nodes; validation must not).
 - ``plan``: pure, from two lookups and a directive to a ``SplicePlan`` of slot indices.
 - ``kv_write``: the bytes (``leyline_agent.kernels.rotate_band``, out of place).
-- ``splice``: lock, allocate, write, insert ``T'``, unlock (no leaks, no double frees).
-- ``scheduler_hook``: ``Scheduler.leyline_splice(**flat_scalars)`` for ``collective_rpc``.
+- ``routing``: which radix namespace (SGLang's ``extra_key``) a request reads and writes:
+  spliced rows live in their session's tree, the plain tree holds exact rows only.
+- ``splice``: lock, allocate, write, insert ``T'`` into the session's tree, unlock (no
+  leaks, no double frees).
+- ``forget``: before a FORGET's prefill, drop the session's rows of ``T'`` from the span on.
+- ``scheduler_hook``: ``Scheduler.leyline_splice(**flat_scalars)`` (and ``leyline_check``,
+  ``leyline_forget``) for ``collective_rpc``.
 - ``client``: ``SGLangRuntime`` (the ``Runtime`` protocol over an embedded ``sglang.Engine``).
 - ``http_route``: ``POST /leyline/v1/directives`` on SGLang's own HTTP server.
 - ``launch``: ``leyline serve --engine sglang``.
@@ -36,6 +41,10 @@ def register() -> None:
     )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from leyline_agent.sglang_plugin.routing import (
+        before_generate_request,
+        before_scheduler_request,
+    )
     from leyline_agent.sglang_plugin.scheduler_hook import after_scheduler_init
 
     # --radix-cache-backend leyline: the plain RadixCache the splice works on (SGLang's
@@ -46,12 +55,23 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.__init__", after_scheduler_init, HookType.AFTER
     )
-    if multiprocessing.parent_process() is None:  # the HTTP server lives in the main process
+    # every request is routed to its session's tree or the plain one (routing.py)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
+        before_scheduler_request,
+        HookType.BEFORE,
+    )
+    if multiprocessing.parent_process() is None:  # HTTP server + tokenizer manager live here
         from leyline_agent.sglang_plugin.http_route import before_http_server
 
         HookRegistry.register(
             "sglang.srt.entrypoints.http_server._setup_and_run_http_server",
             before_http_server,
+            HookType.BEFORE,
+        )
+        HookRegistry.register(  # X-Leyline-Session -> the request's extra key
+            "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+            before_generate_request,
             HookType.BEFORE,
         )
 

@@ -8,7 +8,13 @@ Directives run right to left (``plan_batch``), each on the sequence the previous
   (radix hit on ``T[:s]``, chunked prefill, every TP rank) computes R's KV over the prefix
   and caches it; (2) ``collective_rpc("leyline_splice")`` moves the cached tail ``T[e:]``
   behind it (``splice.py``).
-- FORGET: one normal request for ``T'``: prefix hit on ``T[:s]``, ``R + T[e:]`` prefilled.
+- FORGET: (0) ``collective_rpc("leyline_forget")`` drops the session's cached rows of ``T'``
+  from ``s`` on (``forget.py``: they may be a coinciding AMORTIZE's); (1) one normal
+  request for ``T'``: prefix hit on ``T[:s]``, ``R + T[e:]`` prefilled afresh.
+
+Every call names the session's namespace (``routing.py``): the RPCs carry it as
+``namespace``, the requests as their ``extra_key``; the scheduler routes each request to the
+session's tree or to the plain tree of exact rows.
 
 Why a normal request for R rather than the scheduler's internal prefill: it is SGLang's
 exact path (attention backend, CUDA graphs, chunking, TP/DP placement, accounting), needs
@@ -28,6 +34,7 @@ from typing import Any
 
 from leyline_agent.directives import Directive, Mode, plan_batch
 from leyline_agent.errors import DirectiveError, TrajectoryError
+from leyline_agent.namespaces import ANONYMOUS
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
 __all__ = ["PREFILL_PARAMS", "SpliceStep", "compile_request", "plan_steps", "response_for"]
@@ -42,11 +49,15 @@ class SpliceStep:
     tokens_before: list[int]
     tokens_after: list[int]
     prefill_ids: list[int]  # AMORTIZE: T[:s] + R; FORGET: all of T'
-    rpc_kwargs: dict[str, str | int] | None  # AMORTIZE only
+    rpc_kwargs: dict[str, str | int]  # the RPCs' keywords (both modes)
+    rpc_before: str  # before the prefill: leyline_check (read-only) / leyline_forget
+    rpc_after: str | None  # after it: leyline_splice (AMORTIZE) / nothing (FORGET)
 
     @property
     def rotated(self) -> int:
-        return len(self.tokens_before) - self.directive.end if self.rpc_kwargs else 0
+        if self.directive.mode is not Mode.AMORTIZE:
+            return 0
+        return len(self.tokens_before) - self.directive.end
 
     @property
     def prefilled(self) -> int:
@@ -54,8 +65,15 @@ class SpliceStep:
         return len(self.prefill_ids) - d.start
 
 
-def plan_steps(tokens: Sequence[int], directives: Sequence[Directive]) -> list[SpliceStep]:
-    from leyline_agent.sglang_plugin.scheduler_hook import encode_splice_kwargs
+def plan_steps(
+    tokens: Sequence[int], directives: Sequence[Directive], namespace: str = ANONYMOUS.key
+) -> list[SpliceStep]:
+    from leyline_agent.sglang_plugin.scheduler_hook import (
+        RPC_CHECK,
+        RPC_FORGET,
+        RPC_METHOD,
+        encode_splice_kwargs,
+    )
 
     cur = [int(t) for t in tokens]
     steps = []
@@ -63,11 +81,12 @@ def plan_steps(tokens: Sequence[int], directives: Sequence[Directive]) -> list[S
         if not isinstance(d.replacement, list):
             raise DirectiveError(f"directives[{i}].replacement: compile text to token ids first")
         after = cur[: d.start] + d.replacement + cur[d.end :]
+        kw = encode_splice_kwargs(cur, d, namespace)
         if d.mode is Mode.AMORTIZE:
             head = cur[: d.start] + d.replacement
-            steps.append(SpliceStep(d, cur, after, head, encode_splice_kwargs(cur, d)))
+            steps.append(SpliceStep(d, cur, after, head, kw, RPC_CHECK, RPC_METHOD))
         else:
-            steps.append(SpliceStep(d, cur, after, after, None))
+            steps.append(SpliceStep(d, cur, after, after, kw, RPC_FORGET, None))
         cur = after
     return steps
 

@@ -8,10 +8,17 @@ wire models as ``leyline serve`` (``leyline_agent.wire``), so the agent-side
 
 Execution per step (``batch.plan_steps``): ``RpcReqInput("leyline_check")`` (read-only),
 the head through the server's own ``TokenizerManager.generate_request`` (SGLang's
-prefill, caching it), then ``RpcReqInput("leyline_splice")``; the RPCs go to scheduler rank 0 over the RPC socket SGLang
-created for ``Engine.collective_rpc`` (``port_args.rpc_ipc_name``; in HTTP-server mode no
-``Engine`` binds it, so the route does) and is broadcast to every TP rank. Requests are
-serialized with one lock. Single tokenizer worker only (``--tokenizer-worker-num 1``).
+prefill, caching it), then ``RpcReqInput("leyline_splice")``; a FORGET is
+``RpcReqInput("leyline_forget")`` then a request for ``T'``. The RPCs go to scheduler rank 0
+over the RPC socket SGLang created for ``Engine.collective_rpc`` (``port_args.rpc_ipc_name``;
+in HTTP-server mode no ``Engine`` binds it, so the route does) and are broadcast to every TP
+rank. Requests are serialized with one lock. Single tokenizer worker only
+(``--tokenizer-worker-num 1``).
+
+Sessions: the ``X-Leyline-Session`` header or the body's ``session`` names the namespace
+(both: they must agree; neither: the anonymous session). Every call of the directive
+carries its key (``routing.py``); the client's own generation requests get it from the
+same header, mapped by ``routing.before_generate_request``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from leyline_agent.errors import CacheMissError, LeylineError, RuntimeUnavailableError
+from leyline_agent.namespaces import SESSION_HEADER
 from leyline_agent.sglang_plugin.batch import (
     PREFILL_PARAMS,
     compile_request,
@@ -33,7 +41,8 @@ from leyline_agent.sglang_plugin.batch import (
     response_for,
 )
 from leyline_agent.sglang_plugin.client import SpliceCounters
-from leyline_agent.sglang_plugin.scheduler_hook import RPC_CHECK, RPC_METHOD, error_from_message
+from leyline_agent.sglang_plugin.routing import request_namespace
+from leyline_agent.sglang_plugin.scheduler_hook import error_from_message
 from leyline_agent.wire import DirectivesRequest, ErrorBody
 
 __all__ = ["LeylineRoute", "before_http_server"]
@@ -49,7 +58,9 @@ class LeylineRoute:
         self._lock = asyncio.Lock()
         self._sock: Any = None
 
-    async def directives(self, body: Any) -> tuple[int, dict[str, Any]]:
+    async def directives(
+        self, body: Any, session_header: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """(status, JSON body): the server's mapping (``leyline_agent.server.errors.classify``)."""
         from pydantic import ValidationError
 
@@ -61,15 +72,15 @@ class LeylineRoute:
         t0 = time.perf_counter()
         async with self._lock:
             try:
+                key = request_namespace(req.session, session_header).key
                 tokens, directives = compile_request(req, self.tm.tokenizer)
-                steps = plan_steps(tokens, directives)
+                steps = plan_steps(tokens, directives, key)
                 try:
                     for st in steps:
-                        if st.rpc_kwargs is not None:  # read-only pre-check
-                            await self._rpc(st.rpc_kwargs, RPC_CHECK)
-                        await self._prefill(st.prefill_ids)
-                        if st.rpc_kwargs is not None:
-                            await self._rpc(st.rpc_kwargs, RPC_METHOD)
+                        await self._rpc(st.rpc_kwargs, st.rpc_before)  # check / forget
+                        await self._prefill(st.prefill_ids, key)
+                        if st.rpc_after is not None:
+                            await self._rpc(st.rpc_kwargs, st.rpc_after)
                     resp = response_for(steps, tokens)
                 except CacheMissError:
                     if not req.fallback:
@@ -82,10 +93,12 @@ class LeylineRoute:
         self.counters.add(resp)
         return 200, resp.model_dump(mode="json")
 
-    async def _prefill(self, ids: list[int]) -> None:
+    async def _prefill(self, ids: list[int], extra_key: str) -> None:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        obj = GenerateReqInput(input_ids=list(ids), sampling_params=dict(PREFILL_PARAMS))
+        obj = GenerateReqInput(
+            input_ids=list(ids), sampling_params=dict(PREFILL_PARAMS), extra_key=extra_key
+        )
         await self.tm.generate_request(obj, None).__anext__()
 
     async def _rpc(self, kwargs: dict[str, Any], method: str) -> None:
@@ -121,7 +134,7 @@ def add_routes(app: Any, route: LeylineRoute) -> None:
                 RequestValidationError([{"loc": ("body",), "msg": "not valid JSON"}])
             )
             return JSONResponse(content, status_code=status)
-        status, content = await route.directives(body)
+        status, content = await route.directives(body, request.headers.get(SESSION_HEADER))
         return JSONResponse(content, status_code=status)
 
     async def stats() -> JSONResponse:

@@ -5,7 +5,8 @@ The latent is copied, the ``k_pe`` band rotated by ``delta`` (``rotate_band`` wi
 ``band_offset = kv_lora_rank``). MHA/GQA (``MHATokenToKVPool``, NHD layout): keys are
 ``[slot, head, head_dim]``; every head's rotary band is rotated, values are copied.
 Always out of place (``dst`` are fresh slots, ``src`` stay as they are): the old path
-may be shared with other sequences and stays valid.
+may be shared with other sequences and stays valid. ``copy_rows`` copies whole rows
+bitwise (a head taken from the plain tree into a session's namespace).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from leyline_agent.errors import RuntimeUnavailableError
 
-__all__ = ["check_pool", "pool_kind", "write_tail"]
+__all__ = ["check_pool", "copy_rows", "pool_kind", "write_tail"]
 
 
 def pool_kind(pool: Any) -> str:
@@ -78,3 +79,15 @@ def write_tail(pool: Any, spec: Any, src: torch.Tensor, dst: torch.Tensor, delta
     for k_buf, v_buf in zip(pool.k_buffer, pool.v_buffer, strict=True):
         rotate_band(k_buf.transpose(0, 1), src, dst, delta, spec, band_offset=0)  # [H, rows, D]
         v_buf.index_copy_(0, dst, v_buf.index_select(0, src))
+
+
+def copy_rows(pool: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """For every layer: slots ``dst[k]`` <- slots ``src[k]``, bitwise (``dst`` disjoint)."""
+    if src.numel() == 0:
+        return
+    buffers = list(pool.kv_buffer) if pool_kind(pool) == "mla" else [*pool.k_buffer, *pool.v_buffer]
+    device = buffers[0].device
+    src = src.to(device=device, dtype=torch.int64)
+    dst = dst.to(device=device, dtype=torch.int64)
+    for buf in buffers:
+        buf.index_copy_(0, dst, buf.index_select(0, src))

@@ -1,15 +1,24 @@
 """Pure planning of one AMORTIZE splice over SGLang's radix cache (no tensor is mutated).
 
-Inputs are what two read-only lookups found (``treeview.peek_prefix``):
-- ``old``: the cached prefix of the base sequence ``T`` (``m`` tokens, their slots);
-- ``new``: the cached prefix of ``T' = T[:start] + R + T[end:]`` (``a`` tokens). The head
-  ``T[:start] + R`` must already be in it: ``R`` was prefilled by SGLang's own prefill (a
-  normal request for the head, see ``client.py``), so ``a >= start + |R|``.
+Inputs are what read-only lookups found (``treeview.peek_prefix``), in two namespaces:
+- ``old``: the cached prefix of the base sequence ``T`` (``m`` tokens, their slots), in the
+  session's tree if it holds ``T`` through the span, else in the plain tree
+  (``splice.base_of``);
+- ``own``: the cached prefix of ``T' = T[:start] + R + T[end:]`` in the session's own tree,
+  where ``T'`` is inserted;
+- ``plain``: the cached prefix of ``T'`` in the plain tree (only read when ``own`` lacks the
+  head).
 
-The plan says which old tail slots are read (``src_slots``), how many new slots the tail
-needs (``num_new``), by how much their rotary band moves (``delta``) and which key/value
-prefix the tree already holds (``reuse_len`` tokens of ``T'``). Everything is validated
-here, before anything is locked, allocated or written.
+The head ``T[:start] + R`` must be cached in one of them: ``R`` was prefilled by SGLang's
+own prefill (a normal request for the head, see ``client.py``). If the session's tree holds
+it, those rows are reused (and so is any tail an earlier identical splice left there);
+otherwise the plain tree's head rows are copied bitwise into new slots (``copy_slots``):
+namespaces cannot share slots (``routing.py``).
+
+The plan says which rows are copied (``copy_slots``), which old tail rows are read and
+rotated (``src_slots``, by ``delta``) and which rows of the session's tree are kept
+(``reuse_len`` tokens of ``T'``). Everything is validated here, before anything is locked,
+allocated or written.
 """
 
 from __future__ import annotations
@@ -24,21 +33,33 @@ from leyline_agent.errors import CacheMissError, DirectiveError
 
 __all__ = ["SplicePlan", "check_base", "plan_amortize", "spliced_tokens"]
 
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
 
 @dataclass(slots=True, frozen=True)
 class SplicePlan:
     new_token_ids: tuple[int, ...]  # the key inserted into the tree: T'[: reuse_len + num_new]
     head_len: int  # start + |R|: the prefilled part of T'
-    reuse_len: int  # tokens of T' already in the tree (>= head_len)
-    reuse_slots: torch.Tensor  # int64 [reuse_len]: their slots (the tree's own, not freed)
-    src_slots: torch.Tensor  # int64 [num_new]: old tail slots to read
+    reuse_len: int  # tokens of T' the session's tree holds already (kept, not freed)
+    reuse_slots: torch.Tensor  # int64 [reuse_len]: their slots (the tree's own)
+    copy_slots: torch.Tensor  # int64 [num_copy]: plain-tree head rows copied into new slots
+    src_slots: torch.Tensor  # int64 [num_rotate]: old tail slots to read and rotate
     delta: int  # every tail token moves by delta positions
     first_old_pos: int  # position in T of the first tail token read
     cached_base_len: int  # m: tokens of T in the tree (the tail ends there)
 
     @property
-    def num_new(self) -> int:
+    def num_copy(self) -> int:
+        return int(self.copy_slots.numel())
+
+    @property
+    def num_rotate(self) -> int:
         return int(self.src_slots.numel())
+
+    @property
+    def num_new(self) -> int:
+        """New slots the splice allocates: copied head rows, then rotated tail rows."""
+        return self.num_copy + self.num_rotate
 
 
 def spliced_tokens(tokens: Sequence[int], directive: Directive) -> list[int]:
@@ -85,34 +106,40 @@ def check_base(tokens: Sequence[int], directive: Directive, old_len: int) -> Non
 def plan_amortize(
     tokens: Sequence[int],
     directive: Directive,
-    old_len: int,
-    old_slots: torch.Tensor,
-    new_len: int,
-    new_slots: torch.Tensor,
+    old: tuple[int, torch.Tensor],
+    own: tuple[int, torch.Tensor],
+    plain: tuple[int, torch.Tensor] = (0, _EMPTY),
 ) -> SplicePlan:
-    """Plan the tail copy for ``directive`` on ``tokens`` (T); see the module docstring."""
+    """Plan the splice of ``directive`` on ``tokens`` (T); see the module docstring.
+    ``old``, ``own``, ``plain``: ``(cached length, slots)`` of T, T' (session), T' (plain)."""
+    (old_len, old_slots), (own_len, own_slots), (plain_len, plain_slots) = old, own, plain
     check_base(tokens, directive, old_len)
     start, end, repl = directive.start, directive.end, list(directive.replacement)
     delta = directive.delta
     head = list(tokens[:start]) + repl
     head_len = len(head)
-    if new_len < head_len:
-        raise CacheMissError(
-            f"directive.replacement: prefix + replacement is not prefilled (only {new_len} of "
-            f"{head_len} tokens cached); send it as a request first"
-        )
     tail_cached = old_len - end  # tail tokens that have KV in the tree
     new_total = head_len + tail_cached
     new_ids = head + list(tokens[end:old_len])
-    reuse = min(new_len, new_total)
-    skip = reuse - head_len  # tail tokens of T' the tree already holds (an earlier splice)
-    src = old_slots[end + skip : old_len].clone()
+    if own_len >= head_len:  # the session's tree holds the head (and maybe an earlier tail)
+        reuse = min(own_len, new_total)
+        copy = _EMPTY
+    elif plain_len >= head_len:  # the head is exact rows of the plain tree: copy them
+        reuse = own_len
+        copy = plain_slots[own_len:head_len].clone()
+    else:
+        raise CacheMissError(
+            f"directive.replacement: prefix + replacement is not prefilled (only "
+            f"{max(own_len, plain_len)} of {head_len} tokens cached); send it as a request first"
+        )
+    skip = max(0, reuse - head_len)  # tail tokens of T' the session holds (an earlier splice)
     return SplicePlan(
         new_token_ids=tuple(new_ids),
         head_len=head_len,
         reuse_len=reuse,
-        reuse_slots=new_slots[:reuse].clone(),
-        src_slots=src,
+        reuse_slots=own_slots[:reuse].clone(),
+        copy_slots=copy,
+        src_slots=old_slots[end + skip : old_len].clone(),
         delta=delta,
         first_old_pos=end + skip,
         cached_base_len=old_len,

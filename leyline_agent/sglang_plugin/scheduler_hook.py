@@ -5,7 +5,12 @@ on every TP rank (rank 0 receives the request and broadcasts it), then barriers,
 ``RpcReqOutput(success, message=str(exception))``. ``RpcReqInput.parameters`` holds flat
 scalars only (``bool | int | float | str | None``), so token lists travel as JSON strings.
 
-``install`` (run by the plugin after ``Scheduler.__init__``) binds ``leyline_splice`` on the
+Every RPC names the radix namespace of the session it acts for (``namespace``: a
+``Namespace(...).key``, see ``routing.py``): ``leyline_check`` and ``leyline_splice`` for
+AMORTIZE, ``leyline_forget`` (drop the session's rows of ``T'`` from the span on) before a
+FORGET's normal prefill.
+
+``install`` (run by the plugin after ``Scheduler.__init__``) binds the three methods on the
 scheduler instance. Every TP rank holds its own replica of the tree (the ranks make the same
 decisions in lockstep) and of the MLA latent cache (or its shard of the KV heads for MHA):
 each rank splices its own, with the same slot indices.
@@ -22,21 +27,27 @@ from typing import Any
 
 from leyline_agent.directives import Directive
 from leyline_agent.errors import DirectiveError, LeylineError
+from leyline_agent.namespaces import ANONYMOUS
+
+_ANONYMOUS_KEY = ANONYMOUS.key
 
 __all__ = [
     "RPC_CHECK",
+    "RPC_FORGET",
     "RPC_METHOD",
     "SpliceRpcError",
     "decode_splice_kwargs",
     "encode_splice_kwargs",
     "install",
     "leyline_check",
+    "leyline_forget",
     "leyline_splice",
     "target_of",
 ]
 
 RPC_METHOD = "leyline_splice"
 RPC_CHECK = "leyline_check"
+RPC_FORGET = "leyline_forget"
 _ERROR_PREFIX = "leyline:"
 
 
@@ -44,7 +55,9 @@ class SpliceRpcError(RuntimeError):
     """Carries a Leyline error across the RPC boundary as ``leyline:<Class>: message``."""
 
 
-def encode_splice_kwargs(tokens: list[int], directive: Directive) -> dict[str, str | int]:
+def encode_splice_kwargs(
+    tokens: list[int], directive: Directive, namespace: str = _ANONYMOUS_KEY
+) -> dict[str, str | int]:
     """Flat scalars for ``collective_rpc``: token lists as compact JSON strings."""
     if not isinstance(directive.replacement, list):
         raise DirectiveError("directive.replacement: text must be compiled to token ids first")
@@ -54,6 +67,7 @@ def encode_splice_kwargs(tokens: list[int], directive: Directive) -> dict[str, s
         "end": int(directive.end),
         "replacement_json": json.dumps(directive.replacement, separators=(",", ":")),
         "mode": directive.mode.value,
+        "namespace": namespace,
     }
 
 
@@ -71,14 +85,22 @@ def _token_list(text: Any, field: str) -> list[int]:
 
 
 def decode_splice_kwargs(
-    *, tokens_json: Any, start: Any, end: Any, replacement_json: Any, mode: Any = "amortize"
-) -> tuple[list[int], Directive]:
+    *,
+    tokens_json: Any,
+    start: Any,
+    end: Any,
+    replacement_json: Any,
+    mode: Any = "amortize",
+    namespace: Any = _ANONYMOUS_KEY,
+) -> tuple[list[int], Directive, str]:
+    from leyline_agent.sglang_plugin.routing import check_namespace
+
     tokens = _token_list(tokens_json, "tokens_json")
     replacement = _token_list(replacement_json, "replacement_json")
     directive = Directive.parse(
         {"start": start, "end": end, "replacement": replacement, "mode": mode}, where="directive"
     )
-    return tokens, directive
+    return tokens, directive, check_namespace(namespace)
 
 
 def target_of(scheduler: Any) -> Any:
@@ -96,55 +118,46 @@ def target_of(scheduler: Any) -> Any:
     )
 
 
-def _run_rpc(scheduler: Any, op: Any, **kwargs: Any) -> None:
-    """Decode the flat RPC arguments, run ``op(target, tokens, directive)`` on this rank;
-    a Leyline error travels back as ``leyline:<ErrorClass>: message``."""
+def _run_rpc(scheduler: Any, op: Any, kwargs: dict[str, Any]) -> None:
+    """Decode the flat RPC arguments, run ``op(target, tokens, directive, namespace)`` on
+    this rank; a Leyline error travels back as ``leyline:<ErrorClass>: message``."""
     try:
-        tokens, directive = decode_splice_kwargs(**kwargs)
-        op(target_of(scheduler), tokens, directive)
+        tokens, directive, namespace = decode_splice_kwargs(**kwargs)
+        op(target_of(scheduler), tokens, directive, namespace)
     except LeylineError as e:
         raise SpliceRpcError(f"{_ERROR_PREFIX}{type(e).__name__}: {e}") from e
 
 
-def leyline_splice(
-    scheduler: Any,
-    *,
-    tokens_json: str,
-    start: int,
-    end: int,
-    replacement_json: str,
-    mode: str = "amortize",
-) -> None:
-    """The RPC method: AMORTIZE-splice ``tokens`` on this rank's tree and pool."""
+def leyline_splice(scheduler: Any, **kwargs: Any) -> None:
+    """The RPC method: AMORTIZE-splice ``tokens`` on this rank's tree and pool, ``T'`` into
+    the session's namespace (keywords: ``encode_splice_kwargs``)."""
     from leyline_agent.sglang_plugin.splice import splice_amortize
 
-    def op(target: Any, tokens: list[int], directive: Any) -> None:
+    def op(target: Any, tokens: list[int], directive: Any, namespace: str) -> None:
         _sync(target.kv_pool)
-        splice_amortize(target, tokens, directive)
+        splice_amortize(target, tokens, directive, namespace)
         _sync(target.kv_pool)
 
-    _run_rpc(
-        scheduler, op, tokens_json=tokens_json, start=start, end=end,
-        replacement_json=replacement_json, mode=mode,
-    )  # fmt: skip
+    _run_rpc(scheduler, op, kwargs)
 
 
-def leyline_check(
-    scheduler: Any,
-    *,
-    tokens_json: str,
-    start: int,
-    end: int,
-    replacement_json: str,
-    mode: str = "amortize",
-) -> None:
+def leyline_check(scheduler: Any, **kwargs: Any) -> None:
     """The read-only RPC sent before the head's prefill: fail early, change nothing."""
     from leyline_agent.sglang_plugin.splice import check_splice_base
 
-    _run_rpc(
-        scheduler, check_splice_base, tokens_json=tokens_json, start=start, end=end,
-        replacement_json=replacement_json, mode=mode,
-    )  # fmt: skip
+    _run_rpc(scheduler, check_splice_base, kwargs)
+
+
+def leyline_forget(scheduler: Any, **kwargs: Any) -> None:
+    """The RPC sent before a FORGET's prefill: drop the session's rows of ``T'`` from the
+    span on (``forget.py``), so the prefill computes them afresh."""
+    from leyline_agent.sglang_plugin.forget import forget_rows
+
+    def op(target: Any, tokens: list[int], directive: Any, namespace: str) -> None:
+        _sync(target.kv_pool)  # in-flight forwards may still read the rows being freed
+        forget_rows(target, tokens, directive, namespace)
+
+    _run_rpc(scheduler, op, kwargs)
 
 
 def _sync(pool: Any) -> None:
@@ -160,6 +173,7 @@ def install(scheduler: Any) -> None:
     """Bind the RPC methods on a scheduler instance (the RPC looks them up with getattr)."""
     scheduler.leyline_splice = types.MethodType(leyline_splice, scheduler)
     scheduler.leyline_check = types.MethodType(leyline_check, scheduler)
+    scheduler.leyline_forget = types.MethodType(leyline_forget, scheduler)
 
 
 def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

@@ -3,22 +3,35 @@
 Three levels, as in SGLang: the ``RadixCache`` holds int64 slot indices per token, the
 ``TokenToKVPoolAllocator`` hands slots out and takes them back, the KV pool holds the bytes.
 
+Namespaces (``routing.py``): the splice reads the base ``T`` from the session's own tree if
+that holds ``T`` through the span (the session's latest state), else from the plain tree
+(exact rows; never another session's), and writes ``T'`` into the session's own tree only
+(extra key ``namespace``). Plain requests and other sessions never match it.
+
 ``splice_amortize`` for ``T' = T[:start] + R + T[end:]``, with ``T[:start] + R`` already
-prefilled into the tree by SGLang (``client.py`` sends it as a normal request first):
+prefilled by SGLang (``client.py`` sends it as a normal request first):
 
 1. look ``T`` and ``T'`` up read-only and plan (``plan.py``): every check happens here;
    a refused directive leaves tree, allocator and pool bitwise unchanged;
-2. lock both matched paths (``inc_lock_ref``), so the eviction an allocation may trigger
-   cannot free the slots being read; if free + evictable slots cannot hold the tail, unlock
-   and refuse before evicting anything;
-3. allocate one new slot per cached tail token, write them (``kv_write.write_tail``:
-   latent/values copied, rotary band rotated by delta) out of place;
-4. insert ``T'`` into the tree with value ``tree's slots of the head + new tail slots``:
-   the head part is the tree's own (``insert`` reports it as the matched prefix and nothing
-   is freed), the new slots become the tree's (one reference, freed by eviction);
+2. lock the matched paths (``inc_lock_ref``), so the eviction an allocation may trigger
+   cannot free the slots being read; if free + evictable slots cannot hold the new rows,
+   unlock and refuse before evicting anything;
+3. allocate the new slots and write them out of place (``kv_write``): the head rows the
+   session's tree lacks are copied bitwise from the plain tree, the tail rows are copied
+   with their rotary band rotated by delta;
+4. insert ``T'`` under the session's extra key with value ``session's own slots + new
+   slots``: the first part is the tree's own (``insert`` reports it as the matched prefix
+   and nothing is freed), the new slots become the tree's (one reference, freed by eviction);
 5. unlock. On any failure after step 2 the new slots go back to the allocator.
 
-The old path ``T`` stays in the tree untouched; LRU eviction reclaims it when unused.
+Why copies and not shared slots for the head: SGLang's extra-key namespaces are separate
+trees under one root (no node is shared, not even the root's children), and its allocator
+keeps no reference counts; a slot held by two trees would be freed by the first eviction
+while the other still serves it. A copy costs one row of memory per head token and no
+compute; it is made once, on a session's first splice from the plain tree (later splices of
+the session find their head in its own tree and reuse it).
+
+The old path ``T`` stays in its tree untouched; LRU eviction reclaims it when unused.
 """
 
 from __future__ import annotations
@@ -32,11 +45,20 @@ import torch
 
 from leyline_agent.directives import Directive
 from leyline_agent.errors import RuntimeUnavailableError
-from leyline_agent.sglang_plugin.kv_write import check_pool, write_tail
+from leyline_agent.sglang_plugin.kv_write import check_pool, copy_rows, write_tail
 from leyline_agent.sglang_plugin.plan import SplicePlan, check_base, plan_amortize, spliced_tokens
-from leyline_agent.sglang_plugin.treeview import check_tree, peek_prefix, radix_key
+from leyline_agent.sglang_plugin.routing import ANONYMOUS_KEY, check_namespace
+from leyline_agent.sglang_plugin.treeview import PrefixPeek, check_tree, peek_prefix, radix_key
 
-__all__ = ["SpliceResult", "SpliceTarget", "check_splice_base", "plan_splice", "splice_amortize"]
+__all__ = [
+    "SpliceLookups",
+    "SpliceResult",
+    "SpliceTarget",
+    "base_of",
+    "check_splice_base",
+    "plan_splice",
+    "splice_amortize",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -53,45 +75,89 @@ class SpliceTarget:
 
 @dataclass(slots=True, frozen=True)
 class SpliceResult:
-    new_token_ids: tuple[int, ...]  # what is now cached of T'
-    reused_tokens: int  # tokens of T' that were already in the tree (prefix + R, ...)
+    new_token_ids: tuple[int, ...]  # what the session's tree now holds of T'
+    reused_tokens: int  # tokens of T' already in the session's tree (prefix + R, ...)
+    copied_tokens: int  # head rows copied from the plain tree into new slots
     rotated_tokens: int  # tail tokens written into new slots
     delta: int
+    namespace: str  # the extra key T' is cached under
 
 
-def check_splice_base(target: SpliceTarget, tokens: Sequence[int], directive: Directive) -> None:
-    """Read-only pre-check, before the head is prefilled: is the base cached far enough?"""
+def check_splice_base(
+    target: SpliceTarget,
+    tokens: Sequence[int],
+    directive: Directive,
+    namespace: str = ANONYMOUS_KEY,
+) -> None:
+    """Read-only pre-check, before the head is prefilled: is the base cached far enough, in
+    the session's tree or else in the plain one?"""
     check_tree(target.tree)
     check_pool(target.kv_pool, target.spec)
+    namespace = check_namespace(namespace)
     directive = Directive.parse(directive, where="directive")
     tokens = [int(t) for t in tokens]
     spliced_tokens(tokens, directive)
-    check_base(tokens, directive, peek_prefix(target.tree, tokens).length)
+    check_base(tokens, directive, base_of(target.tree, tokens, directive.end, namespace).length)
 
 
-def plan_splice(target: SpliceTarget, tokens: Sequence[int], directive: Directive) -> tuple:
-    """Validate and plan without mutating anything; returns ``(plan, old_peek, new_peek)``."""
+def base_of(tree: Any, tokens: Sequence[int], end: int, namespace: str) -> PrefixPeek:
+    """The base ``T`` as cached in the session's tree if that holds it through ``end``,
+    else in the plain tree (else the longer of the two, for the error message)."""
+    own = peek_prefix(tree, tokens, namespace)
+    if own.length and own.length >= end:
+        return own
+    plain = peek_prefix(tree, tokens, None)
+    return plain if plain.length >= own.length else own
+
+
+@dataclass(slots=True, frozen=True)
+class SpliceLookups:
+    old: PrefixPeek  # T in the session's tree, or else the plain one (``base_of``)
+    own: PrefixPeek  # T' in the session's tree
+    plain: PrefixPeek  # T' in the plain tree (read only when the session lacks the head)
+
+
+def plan_splice(
+    target: SpliceTarget,
+    tokens: Sequence[int],
+    directive: Directive,
+    namespace: str = ANONYMOUS_KEY,
+) -> tuple[SplicePlan, SpliceLookups]:
+    """Validate and plan without mutating anything."""
     check_tree(target.tree)
     check_pool(target.kv_pool, target.spec)
     if target.allocator.page_size != 1:
         raise RuntimeUnavailableError("the KV allocator must have page_size 1")
+    namespace = check_namespace(namespace)
     directive = Directive.parse(directive, where="directive")
     tokens = [int(t) for t in tokens]
     new_tokens = spliced_tokens(tokens, directive)
-    old = peek_prefix(target.tree, tokens)
-    new = peek_prefix(target.tree, new_tokens)
-    plan = plan_amortize(tokens, directive, old.length, old.slots, new.length, new.slots)
-    return plan, old, new
+    tree = target.tree
+    old = base_of(tree, tokens, directive.end, namespace)
+    own = peek_prefix(tree, new_tokens, namespace)
+    plain = peek_prefix(tree, new_tokens, None)
+    plan = plan_amortize(
+        tokens,
+        directive,
+        (old.length, old.slots),
+        (own.length, own.slots),
+        (plain.length, plain.slots),
+    )
+    return plan, SpliceLookups(old, own, plain)
 
 
 def splice_amortize(
-    target: SpliceTarget, tokens: Sequence[int], directive: Directive
+    target: SpliceTarget,
+    tokens: Sequence[int],
+    directive: Directive,
+    namespace: str = ANONYMOUS_KEY,
 ) -> SpliceResult:
-    plan, old, new = plan_splice(target, tokens, directive)
+    plan, found = plan_splice(target, tokens, directive, namespace)
     if plan.num_new == 0:
-        return _result(plan)
+        return _result(plan, namespace)
     tree, allocator = target.tree, target.allocator
-    locks = [tree.lock(old.node), tree.lock(new.node)]
+    nodes = [found.old.node, found.own.node] + ([found.plain.node] if plan.num_copy else [])
+    locks = [tree.lock(n) for n in nodes]
     dst: torch.Tensor | None = None
     try:
         room = allocator.available_size() + tree.evictable_size()  # unlocked = evictable
@@ -100,8 +166,9 @@ def splice_amortize(
                 f"KV pool full: the splice needs {plan.num_new} slots, {room} free or evictable"
             )
         dst = _alloc(tree, allocator, plan.num_new)
-        write_tail(target.kv_pool, target.spec, plan.src_slots, dst, plan.delta)
-        _insert(tree, allocator, plan, dst)
+        copy_rows(target.kv_pool, plan.copy_slots, dst[: plan.num_copy])
+        write_tail(target.kv_pool, target.spec, plan.src_slots, dst[plan.num_copy :], plan.delta)
+        _insert(tree, allocator, plan, dst, namespace)
         dst = None  # owned by the tree now
     finally:
         if dst is not None:
@@ -110,12 +177,14 @@ def splice_amortize(
             tree.unlock(lock)
     log.info(
         "leyline_splice",
+        namespace=namespace,
         reused=plan.reuse_len,
-        rotated=plan.num_new,
+        copied=plan.num_copy,
+        rotated=plan.num_rotate,
         delta=plan.delta,
         cached_base=plan.cached_base_len,
     )
-    return _result(plan)
+    return _result(plan, namespace)
 
 
 def _alloc(tree: Any, allocator: Any, n: int) -> torch.Tensor:
@@ -133,20 +202,23 @@ def _alloc(tree: Any, allocator: Any, n: int) -> torch.Tensor:
     return slots
 
 
-def _insert(tree: Any, allocator: Any, plan: SplicePlan, dst: torch.Tensor) -> None:
+def _insert(tree: Any, allocator: Any, plan: SplicePlan, dst: torch.Tensor, namespace: str) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
     value = torch.cat([plan.reuse_slots.to(dst.device), dst]).to(torch.int64)
-    result = tree.insert(InsertParams(key=radix_key(plan.new_token_ids), value=value))
+    key = radix_key(plan.new_token_ids[: plan.reuse_len + plan.num_new], namespace)
+    result = tree.insert(InsertParams(key=key, value=value))
     dup = result.prefix_len - plan.reuse_len
     if dup > 0:  # someone cached part of the tail in between: ours are duplicates
         allocator.free(dst[:dup])
 
 
-def _result(plan: SplicePlan) -> SpliceResult:
+def _result(plan: SplicePlan, namespace: str) -> SpliceResult:
     return SpliceResult(
         new_token_ids=plan.new_token_ids[: plan.reuse_len + plan.num_new],
         reused_tokens=plan.reuse_len,
-        rotated_tokens=plan.num_new,
+        copied_tokens=plan.num_copy,
+        rotated_tokens=plan.num_rotate,
         delta=plan.delta,
+        namespace=namespace,
     )

@@ -6,6 +6,9 @@ with a walk that only reads ``children`` / ``key`` / ``value`` of the real nodes
 same fields ``match_prefix`` reads). The node it returns is the deepest one the match
 touches; locking it protects every slot of the match (a lock covers the whole path to
 the root, and a later split copies ``lock_ref`` into the new parent).
+
+Every lookup names the radix namespace it reads: ``extra_key=None`` is SGLang's plain tree,
+a string is one of SGLang's ``extra_key`` namespaces (``routing.py`` says which is whose).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from leyline_agent.errors import RuntimeUnavailableError
 
-__all__ = ["PrefixPeek", "check_tree", "peek_prefix", "radix_key"]
+__all__ = ["PrefixPeek", "check_tree", "node_at", "peek_prefix", "radix_key"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,10 +34,10 @@ class PrefixPeek:
     slots: torch.Tensor  # int64 [length], the pool slots of the matched tokens
 
 
-def radix_key(token_ids: Sequence[int]) -> Any:
+def radix_key(token_ids: Sequence[int], extra_key: str | None = None) -> Any:
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    return RadixKey(array("q", token_ids))
+    return RadixKey(array("q", token_ids), extra_key)
 
 
 def check_tree(tree: Any) -> None:
@@ -56,9 +59,10 @@ def check_tree(tree: Any) -> None:
         raise RuntimeUnavailableError("EAGLE (bigram) radix keys are not supported by the splice")
 
 
-def peek_prefix(tree: Any, token_ids: Sequence[int]) -> PrefixPeek:
-    """Longest cached prefix of ``token_ids`` in ``tree`` (page_size 1), without mutating it."""
-    key = radix_key(token_ids)
+def peek_prefix(tree: Any, token_ids: Sequence[int], extra_key: str | None = None) -> PrefixPeek:
+    """Longest prefix of ``token_ids`` cached in ``tree``'s namespace ``extra_key`` (page
+    size 1), without mutating anything."""
+    key = radix_key(token_ids, extra_key)
     node = tree.root_node
     matched = 0
     pieces: list[torch.Tensor] = []
@@ -76,3 +80,26 @@ def peek_prefix(tree: Any, token_ids: Sequence[int]) -> PrefixPeek:
             break
     slots = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
     return PrefixPeek(length=matched, node=node, slots=slots.to(torch.int64))
+
+
+def node_at(
+    tree: Any, token_ids: Sequence[int], pos: int, extra_key: str | None = None
+) -> tuple[Any, int] | None:
+    """``(node, offset)``: the node of namespace ``extra_key`` holding the row of
+    ``token_ids[pos]`` (the cached path must cover ``token_ids[: pos + 1]``), and where
+    in ``node.key`` that row sits; ``None`` when the row is not cached. Read-only."""
+    key = radix_key(token_ids[: pos + 1], extra_key)
+    node = tree.root_node
+    matched = 0
+    while matched <= pos:
+        child = node.children.get(key.child_key_at(matched, 1))
+        if child is None or child.value is None:
+            return None
+        n = child.key.match_at(key, offset=matched)
+        if matched + n > pos:
+            return child, pos - matched
+        if n < len(child.key):
+            return None
+        matched += n
+        node = child
+    return None
