@@ -40,8 +40,9 @@ CHAINS = int(os.environ.get("LEYLINE_FUZZ_CHAINS", "800"))
 EVICTION_CHAINS = int(os.environ.get("LEYLINE_FUZZ_EVICTION_CHAINS", "240"))
 TENANTS = ["", "tenant-b"]
 SESSIONS = [None, "a", "b", "c", "d"]
-SYSTEM = [random.Random(7).randrange(3, 1900) for _ in range(12)]
-BODIES = [[random.Random(100 + k).randrange(3, 1900) for _ in range(18)] for k in range(3)]
+_R = random.Random(7)
+SYSTEM = [_R.randrange(3, 1900) for _ in range(12)]
+BODIES = [[_R.randrange(3, 1900) for _ in range(18)] for _ in range(3)]
 STUB = [1901, 1902]  # every session stubs with the same placeholder
 
 

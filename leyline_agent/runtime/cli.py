@@ -24,6 +24,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
     p.add_argument(
+        "--pin-ttl-s",
+        type=float,
+        default=300.0,
+        help="keep each session's latest splice result from eviction until its next request "
+        "or this many seconds (0: no pinning; pins hold at most half the cache; default 300)",
+    )
+    p.add_argument(
         "--served-model-name", default=None, help="model id in /v1/models (default: folder name)"
     )
     p.add_argument(

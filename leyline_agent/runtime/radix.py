@@ -20,7 +20,9 @@ Public API (above the line):
   equal), and detaches ``ns``'s spliced branches along them (an exact write supersedes the
   session's spliced state: a FORGET really forgets). Rows from ``exact_len`` on go under
   ``ns``'s tag and the latest write wins: where the given slots differ from the tree's, the
-  tree's old branch is detached and the new rows are adopted. Detached rows that nobody
+  tree's old branch is detached and the new rows are adopted; where ``ns`` enters its own
+  rows at an exact node, its older own branches deeper down that exact path (which a
+  lookup can no longer reach) are detached too. Detached rows that nobody
   has locked come back in ``InsertResult.freed``; locked ones wait in a graveyard until
   ``collect()`` finds them unlocked.
 - ``lock(node)`` / ``unlock(node)``: reference counts along the path to the root; locked
@@ -154,6 +156,8 @@ class RadixCache:
                 n += 1
             if n == 0:  # nothing there, or the same token with other rows: superseded
                 freed += self._detach_child(node, key)
+                if not node.spliced:  # ns enters its own rows here: older own rows deeper
+                    freed += self._detach_own_below(node, ns, tokens[pos])  # are shadowed
                 self._attach(node, ns.spliced, tokens, slots, pos, len(tokens), stamp)
                 break
             if n < len(child.key):
@@ -269,6 +273,22 @@ class RadixCache:
             self._graveyard.append(child)
             return []
         return [s for n in sub for s in n.slots]
+
+    def _detach_own_below(self, node: Node, ns: Namespace, token: int) -> list[int]:
+        """Detach ``ns``'s spliced branches hanging off the exact subtree ``node`` continues
+        into with ``token``: once ``ns`` has its own row at this position, a lookup never
+        walks that exact path again, so those rows (older histories) are unreachable."""
+        exact = node.children.get((ns.exact, token))
+        if exact is None:
+            return []
+        freed: list[int] = []
+        stack = [exact]
+        while stack:
+            n = stack.pop()
+            for key in [k for k in n.children if k[0] == ns.spliced]:
+                freed += self._detach_child(n, key)
+            stack.extend(c for c in n.children.values() if not c.spliced)
+        return freed
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut ``child``'s edge after ``n`` tokens; return the new upper node."""

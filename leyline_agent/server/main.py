@@ -46,6 +46,11 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     cache_tokens = getattr(args, "cache_tokens", None)
     if cache_tokens is not None:
         kwargs["cache_budget_tokens"] = cache_tokens
+    pin_ttl = getattr(args, "pin_ttl_s", None)
+    if pin_ttl is not None:
+        if not pin_ttl >= 0:
+            raise ArgumentError(f"--pin-ttl-s: {pin_ttl} must be >= 0")
+        kwargs["pin_ttl_s"] = pin_ttl
     keys = api_keys(args)
     limits = {
         "max_body_bytes": getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,

@@ -78,7 +78,11 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 
 
 def _usage(result: Any) -> dict[str, Any]:
-    return usage(result.prompt_tokens, len(result.output_ids), result.cached_tokens)
+    """OpenAI's usage, plus ``leyline.splice_evicted``: the session's last splice result was
+    evicted before this request could use it (so it was prefilled again)."""
+    out = usage(result.prompt_tokens, len(result.output_ids), result.cached_tokens)
+    out["leyline"] = {"splice_evicted": bool(getattr(result, "splice_evicted", False))}
+    return out
 
 
 def _finish(result: Any, called_tools: bool = False) -> str:

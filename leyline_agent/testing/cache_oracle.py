@@ -135,9 +135,10 @@ class CacheOracle:
             k = tuple(tokens[: i + 1])
             if own.get(k) is rows[i]:
                 continue
-            if k in own:
-                _drop_from(own, k)
-            own[k] = rows[i]
+            _drop_from(own, k)  # the first new row: every own row from here on is older
+            for j in range(i, len(tokens)):
+                own[tuple(tokens[: j + 1])] = rows[j]
+            break
 
 
 def _drop_from(own: dict[tuple[int, ...], Row], k: tuple[int, ...]) -> None:
