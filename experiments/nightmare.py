@@ -187,6 +187,7 @@ def _make_llm(
         llm_config,
         policies=policies,
         runtime=runtime,
+        session_id=session_id,
         logger=logger,
         timeout_s=config.request_timeout_s,
     )

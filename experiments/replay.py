@@ -28,6 +28,7 @@ from typing import Any
 
 from leyline_agent.directives import Mode
 from leyline_agent.errors import LeylineError
+from leyline_agent.namespaces import Namespace
 
 from .trajectories import TrajectoryRecord
 
@@ -121,10 +122,12 @@ def _session(
     if arm != "full":
         runtime = out.runtime if arm in _MODES else None
         session = ContextSession(
-            policies, runtime, mode=_MODES.get(arm, Mode.AMORTIZE), session_id=f"s{sid}"
+            policies, runtime, mode=_MODES.get(arm, Mode.AMORTIZE), session_id=f"{arm}-s{sid}"
         )
         out.session_stats.append(session.stats)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    # every arm names its session, as a wrapped client does: spliced rows are the session's
+    ns = Namespace(session=f"{arm}-s{sid}")
     for turn, a in enumerate(_requests(traj, max_turns)):
         history = traj.messages[:a]
         directive_s = 0.0
@@ -136,7 +139,7 @@ def _session(
             done = yield (lambda h=history: session.prepare(h, traj.tools))
             to_send, directive_s = done.value, done.service
         ids = engine.render(to_send, traj.tools)
-        done = yield (lambda ids=ids: engine.generate(ids, params))
+        done = yield (lambda ids=ids: engine.generate(ids, params, namespace=ns))
         res = done.value
         if session is not None:
             session.observe_reply({"role": "assistant", "content": res.text})
