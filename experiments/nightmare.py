@@ -170,7 +170,7 @@ def _make_llm(
     policies: list[Any] = []
     runtime = None
     if arm.policies:
-        from leyline_agent.http_runtime import HTTPRuntime
+        from leyline_agent.agent.http_runtime import HTTPRuntime
         from leyline_agent.policies import load_policies
 
         policies = load_policies(list(arm.policies))

@@ -115,8 +115,8 @@ def _session(
     max_tokens: int,
     out: ReplayResult,
 ) -> SessionGen:
+    from leyline_agent.agent.session import ContextSession
     from leyline_agent.runtime.engine import SamplingParams
-    from leyline_agent.session import ContextSession
 
     session = None
     if arm != "full":

@@ -1,10 +1,29 @@
 """Leyline: KV-cache directives for agentic inference.
 
-The agent-side API (directives, policies, wrappers) imports no torch.
+The agent-side API (directives, policies, wrappers) imports no torch. The package is one
+folder per layer, the contracts at the bottom (see the README's layout table)::
+
+    errors, namespaces, families, wire, protocols, trajectory, directives.core   contracts
+    directives (compile, checks)     message edits -> token directives, torch-free
+    policies                         trajectory -> message edits (PolicyPipeline)
+    agent                            ContextSession, wrap_openai, HTTPRuntime
+    kernels                          the delta-rotation of cached RoPE keys
+    engine                           the embedded inference engine (torch)
+    sglang_plugin                    the same directives inside SGLang
+    server                           ``leyline serve``: the engine over HTTP
+    reference                        ground-truth oracles (tests, ``leyline check``)
+
+Deprecated names: ``PolicyEngine`` and ``EngineResult`` are ``PolicyPipeline`` and
+``PipelineResult`` (a ``DeprecationWarning`` says so).
 """
 
+import warnings
+from typing import Any
+
+from leyline_agent.agent.http_runtime import AsyncHTTPRuntime, HTTPRuntime
+from leyline_agent.agent.session import ContextSession, Plan
+from leyline_agent.agent.wrappers import wrap_openai
 from leyline_agent.directives import Directive, MessageEdit, Mode, apply_directives, plan_batch
-from leyline_agent.engine import EngineResult, PolicyEngine
 from leyline_agent.errors import (
     CacheMissError,
     DirectiveError,
@@ -15,18 +34,16 @@ from leyline_agent.errors import (
     TrajectoryError,
     UnsupportedModeError,
 )
-from leyline_agent.http_runtime import AsyncHTTPRuntime, HTTPRuntime
-from leyline_agent.session import ContextSession, Plan
+from leyline_agent.policies.pipeline import PipelineResult, PolicyPipeline
 from leyline_agent.trajectory import Trajectory
-from leyline_agent.wrappers import wrap_openai
 
 __all__ = [
     "AsyncHTTPRuntime",
     "ContextSession",
-    "EngineResult",
     "HTTPRuntime",
+    "PipelineResult",
     "Plan",
-    "PolicyEngine",
+    "PolicyPipeline",
     "Trajectory",
     "wrap_openai",
     "CacheMissError",
@@ -43,3 +60,17 @@ __all__ = [
     "apply_directives",
     "plan_batch",
 ]
+
+_DEPRECATED = {"PolicyEngine": "PolicyPipeline", "EngineResult": "PipelineResult"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        new = _DEPRECATED[name]
+        warnings.warn(
+            f"leyline_agent.{name} is deprecated; use leyline_agent.{new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module 'leyline_agent' has no attribute {name!r}")

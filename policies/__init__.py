@@ -1,7 +1,7 @@
 """Context policies: read a trajectory, emit message edits.
 
 from leyline_agent.policies import Policy, StaleToolTruncation, FailedCallDetector
-from leyline_agent.policies import load_policy, load_policies
+from leyline_agent.policies import load_policy, load_policies, PolicyPipeline
 
 A custom policy subclasses ``Policy`` (``name`` + ``edits(trajectory) -> list[MessageEdit]``)
 and loads by ``module:Class``; ``Trajectory`` and ``MessageEdit`` are re-exported for it. One
@@ -14,6 +14,7 @@ from leyline_agent.trajectory import Trajectory
 
 from .base import Policy, PolicyConfig
 from .failed_call import FailedCallDetector
+from .pipeline import PipelineResult, PolicyPipeline
 from .registry import BUILTIN_POLICIES, load_policies, load_policy
 from .stale_tool import StaleToolTruncation
 
@@ -21,7 +22,9 @@ __all__ = [
     "BUILTIN_POLICIES",
     "FailedCallDetector",
     "MessageEdit",
+    "PipelineResult",
     "Policy",
+    "PolicyPipeline",
     "PolicyConfig",
     "StaleToolTruncation",
     "Trajectory",

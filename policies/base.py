@@ -1,15 +1,15 @@
 """The ``Policy`` base class: read a trajectory, return message edits.
 
-A policy never mutates the trajectory; it returns ``MessageEdit``s and the ``PolicyEngine``
+A policy never mutates the trajectory; it returns ``MessageEdit``s and the ``PolicyPipeline``
 applies them. Policies compose in order: each one sees the trajectory with the edits of
 the policies before it applied (so a later policy sees earlier stubs). A policy must be
 idempotent on its own output: run on a trajectory it already edited, it returns edits that
-change nothing (the engine drops no-op edits).
+change nothing (the pipeline drops no-op edits).
 
 A stub is final. A tool result whose content is a stub of any policy in the pipeline
 (``is_stub``) is *elided*: no policy stubs it again, and none reads it as evidence (a
 stubbed result is neither a success nor a failure, and its size is not the output's).
-``elided(trajectory)`` gives those indices; the ``PolicyEngine`` computes them for the
+``elided(trajectory)`` gives those indices; the ``PolicyPipeline`` computes them for the
 whole pipeline (a ``PipelineView``) and drops content edits of elided results. Without
 that rule two policies that are each idempotent are not idempotent together: ``stale-tool``
 with ``min_tokens`` leaves a small failed output alone, ``failed-call`` replaces it by a
@@ -60,7 +60,7 @@ class Policy(ABC):
 
     def elided(self, trajectory: Trajectory) -> frozenset[int]:
         """Indices of the tool results that are stubs: of any policy of the pipeline when
-        ``trajectory`` is the engine's ``PipelineView``, of this policy's own otherwise."""
+        ``trajectory`` is the pipeline's ``PipelineView``, of this policy's own otherwise."""
         if isinstance(trajectory, PipelineView):
             return trajectory.elided
         return PipelineView.of(trajectory, (self,)).elided

@@ -104,11 +104,11 @@ def _read_messages(args: argparse.Namespace) -> Any:
 
 
 def _apply(args: argparse.Namespace) -> int:
-    from leyline_agent.engine import PolicyEngine
+    from leyline_agent.policies.pipeline import PolicyPipeline
     from leyline_agent.policies.registry import load_policy
 
     policies = [load_policy(s, where=f"policy {s['name']!r}") for s in _specs(args)]
-    result = PolicyEngine(policies).apply(_read_messages(args))
+    result = PolicyPipeline(policies).apply(_read_messages(args))
     out = {
         "messages": result.messages,
         "edits": [e.model_dump(mode="json", exclude_none=True) for e in result.edits],

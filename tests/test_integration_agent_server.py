@@ -20,10 +20,10 @@ import httpx
 import openai
 import pytest
 
+from leyline_agent.agent.wrappers import wrap_openai
 from leyline_agent.runtime.engine import Engine
 from leyline_agent.testing.models import tiny_model_dir
 from leyline_agent.testing.server import serve_in_thread
-from leyline_agent.wrappers import wrap_openai
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "trajectory_10turn.json"
 SLACK = 8  # tokens: the server's cache also holds the model's own reply, which the

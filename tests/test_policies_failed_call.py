@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from leyline_agent.engine import PolicyEngine
 from leyline_agent.errors import PolicyError
 from leyline_agent.policies import FailedCallDetector
+from leyline_agent.policies.pipeline import PolicyPipeline
 from leyline_agent.testing.trajectories import TrajectoryBuilder
 
 TRACEBACK = (
@@ -24,9 +24,9 @@ TRACEBACK = (
 
 def run(policy, messages):
     before = copy.deepcopy(messages)
-    res = PolicyEngine([policy]).apply(messages)
+    res = PolicyPipeline([policy]).apply(messages)
     assert messages == before
-    again = PolicyEngine([policy]).apply(res.messages)
+    again = PolicyPipeline([policy]).apply(res.messages)
     assert again.edits == [] and again.messages == res.messages
     return res
 

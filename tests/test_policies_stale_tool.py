@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from leyline_agent.engine import PolicyEngine
 from leyline_agent.errors import PolicyError
 from leyline_agent.policies import StaleToolTruncation
+from leyline_agent.policies.pipeline import PolicyPipeline
 from leyline_agent.testing.trajectories import TrajectoryBuilder
 
 TOOLS = ["bash", "view", "bash", "pytest", "view", "bash"]
@@ -31,9 +31,9 @@ def stale_results(t: TrajectoryBuilder, keep: int) -> list[int]:
 
 def run(policy, messages):
     before = copy.deepcopy(messages)
-    res = PolicyEngine([policy]).apply(messages)
+    res = PolicyPipeline([policy]).apply(messages)
     assert messages == before  # never modified in place
-    again = PolicyEngine([policy]).apply(res.messages)  # idempotent
+    again = PolicyPipeline([policy]).apply(res.messages)  # idempotent
     assert again.edits == [] and again.messages == res.messages
     return res
 
@@ -205,4 +205,4 @@ def test_serialize_round_trips_through_json():
     assert data["name"] == "stale-tool"
     q = StaleToolTruncation(**{k: v for k, v in data.items() if k != "name"})
     t = build()
-    assert PolicyEngine([q]).apply(t.messages) == PolicyEngine([p]).apply(t.messages)
+    assert PolicyPipeline([q]).apply(t.messages) == PolicyPipeline([p]).apply(t.messages)

@@ -265,8 +265,8 @@ def test_leyline_serve_binds_loopback_by_default(model_dir):
 
 def test_the_agent_side_http_runtime_talks_to_the_server(client, name, server):
     """``HTTPRuntime`` (agent side) gets answers and the same error classes back."""
+    from leyline_agent.agent.http_runtime import HTTPRuntime, NoLeylineRoutesError
     from leyline_agent.errors import CacheMissError, DirectiveError
-    from leyline_agent.http_runtime import HTTPRuntime, NoLeylineRoutesError
 
     T = random_ids(31, 30)
     _complete(client, name, T, 1)

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from leyline_agent.agent.http_runtime import HTTPRuntime
 from leyline_agent.directives import Directive, Mode, apply_directives
 from leyline_agent.errors import CacheMissError
-from leyline_agent.http_runtime import HTTPRuntime
 from leyline_agent.namespaces import Namespace
 from leyline_agent.runtime.engine import Engine
 from leyline_agent.sglang_plugin import scheduler_hook as hook

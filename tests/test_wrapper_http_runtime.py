@@ -11,8 +11,7 @@ import time
 import httpx
 import pytest
 
-from leyline_agent.errors import DirectiveError, RuntimeUnavailableError
-from leyline_agent.http_runtime import (
+from leyline_agent.agent.http_runtime import (
     AsyncHTTPRuntime,
     AuthenticationError,
     HTTPRuntime,
@@ -20,6 +19,7 @@ from leyline_agent.http_runtime import (
     retry_after_s,
     server_root,
 )
+from leyline_agent.errors import DirectiveError, RuntimeUnavailableError
 from leyline_agent.protocols import AsyncRuntime, Runtime
 from leyline_agent.testing.scripted import ScriptedModel
 from leyline_agent.testing.stub_server import StubServer

@@ -14,11 +14,11 @@ import json
 import openai
 import pytest
 
+from leyline_agent.agent.wrappers import wrap_openai
 from leyline_agent.errors import LeylineError, TrajectoryError
 from leyline_agent.policies import StaleToolTruncation
 from leyline_agent.testing.scripted import ScriptedModel, text_turn, tool_turn
 from leyline_agent.testing.stub_server import StubServer
-from leyline_agent.wrappers import wrap_openai
 
 TOOLS = [
     {

@@ -19,13 +19,13 @@ import httpx
 import openai
 import pytest
 
-from leyline_agent.http_runtime import AuthenticationError, HTTPRuntime
+from leyline_agent.agent.http_runtime import AuthenticationError, HTTPRuntime
+from leyline_agent.agent.wrappers import wrap_openai
 from leyline_agent.runtime.engine import Engine
 from leyline_agent.testing.models import tiny_model_dir
 from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.trajectory import apply_edits
 from leyline_agent.wire import DirectivesRequest
-from leyline_agent.wrappers import wrap_openai
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "trajectory_10turn.json"
 KEY = "tenant-key-1"

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from leyline_agent.agent.session import ContextSession, normalize_reply
 from leyline_agent.directives import MessageEdit, Mode
 from leyline_agent.errors import RuntimeUnavailableError, TrajectoryError
 from leyline_agent.policies import FailedCallDetector, Policy, StaleToolTruncation
-from leyline_agent.session import ContextSession, normalize_reply
 from leyline_agent.testing.scripted import ScriptedModel, text_turn, tool_turn
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 

@@ -177,7 +177,7 @@ class LeylineHuggingFaceLLM(HuggingFaceLLM):
 
 
 def _default_wrapper(policies: list[Any], runtime: Any, session_id: str | None) -> ClientWrapper:
-    from leyline_agent.wrappers import wrap_openai
+    from leyline_agent.agent.wrappers import wrap_openai
 
     def wrap(client: openai.OpenAI) -> openai.OpenAI:
         return wrap_openai(client, policies=policies, runtime=runtime, session_id=session_id)

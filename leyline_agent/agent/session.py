@@ -38,8 +38,8 @@ from typing import Any
 import structlog
 
 from leyline_agent.directives import MessageEdit, Mode
-from leyline_agent.engine import PolicyEngine
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.policies.pipeline import PolicyPipeline
 from leyline_agent.protocols import AsyncRuntime, Runtime
 from leyline_agent.trajectory import apply_edits
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse
@@ -119,7 +119,7 @@ class ContextSession:
         session_id: str | None = None,
         fallback: bool = True,
     ) -> None:
-        self.engine = PolicyEngine(policies)
+        self.pipeline = PolicyPipeline(policies)
         self.runtime = runtime
         self.mode = Mode(mode)
         self.session_id = session_id or f"leyline-{uuid.uuid4().hex[:12]}"
@@ -141,7 +141,7 @@ class ContextSession:
         tools: Sequence[dict[str, Any]] | None = None,
         model: str | None = None,
     ) -> Plan:
-        result = self.engine.apply(messages)  # validates; raises before any state changes
+        result = self.pipeline.apply(messages)  # validates; raises before any state changes
         raw = [copy.deepcopy(dict(m)) for m in messages]
         st = self._state
         cached = self._cached_messages(raw)

@@ -1,4 +1,4 @@
-"""``PolicyEngine``: run policies in order over a message list; pure and idempotent.
+"""``PolicyPipeline``: run policies in order over a message list; pure and idempotent.
 
 ``apply(messages)`` validates the list (``Trajectory.parse``), then gives each policy the
 trajectory with the previous policies' edits applied (a ``PipelineView``: it also names the
@@ -27,21 +27,22 @@ import structlog
 
 from leyline_agent.directives import MessageEdit
 from leyline_agent.errors import PolicyError
-from leyline_agent.policies.base import PipelineView, Policy
 from leyline_agent.trajectory import Trajectory, apply_edit
 
-__all__ = ["EngineResult", "PolicyEngine"]
+from .base import PipelineView, Policy
+
+__all__ = ["PipelineResult", "PolicyPipeline"]
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
-class EngineResult:
+class PipelineResult:
     messages: list[dict[str, Any]]
     edits: list[MessageEdit] = field(default_factory=list)
 
 
-class PolicyEngine:
+class PolicyPipeline:
     def __init__(self, policies: Sequence[Any]) -> None:
         if isinstance(policies, (str, bytes)) or not isinstance(policies, Sequence):
             raise PolicyError(
@@ -55,7 +56,7 @@ class PolicyEngine:
                 )
         self.policies = tuple(policies)
 
-    def apply(self, messages: Sequence[dict[str, Any]]) -> EngineResult:
+    def apply(self, messages: Sequence[dict[str, Any]]) -> PipelineResult:
         trajectory = Trajectory.parse(messages)
         original = trajectory.messages
         current = [dict(m) for m in original]
@@ -100,8 +101,8 @@ class PolicyEngine:
                 )
             )
         if edits:
-            log.debug("policy_engine.edits", count=len(edits), indices=[e.index for e in edits])
-        return EngineResult(messages=[dict(m) for m in current], edits=edits)
+            log.debug("policy_pipeline.edits", count=len(edits), indices=[e.index for e in edits])
+        return PipelineResult(messages=[dict(m) for m in current], edits=edits)
 
     @staticmethod
     def _check(policy: str, k: int, edit: Any, view: Trajectory) -> None:

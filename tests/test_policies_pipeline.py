@@ -1,4 +1,4 @@
-"""PolicyEngine: composition order, determinism, idempotence, and bad edits from policies."""
+"""PolicyPipeline: composition order, determinism, idempotence, and bad edits from policies."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from leyline_agent.directives import MessageEdit
-from leyline_agent.engine import PolicyEngine
 from leyline_agent.errors import PolicyError
 from leyline_agent.policies import FailedCallDetector, Policy, StaleToolTruncation
+from leyline_agent.policies.pipeline import PolicyPipeline
 from leyline_agent.testing.trajectories import TrajectoryBuilder
 from leyline_agent.trajectory import Trajectory
 
@@ -33,7 +33,7 @@ def test_composition_order_later_policy_sees_earlier_stubs_and_leaves_them():
     (r0,), (r1,), (r2,) = t.result_indices(0), t.result_indices(1), t.result_indices(2)
     stale = "[stale output of bash elided]"
 
-    res = PolicyEngine([FailedCallDetector(), StaleToolTruncation(keep=2)]).apply(msgs)
+    res = PolicyPipeline([FailedCallDetector(), StaleToolTruncation(keep=2)]).apply(msgs)
     # a stub is final: failed-call stubbed r0 first, stale-tool (stale r0) leaves it alone
     assert res.messages[r0]["content"] == "[failed call elided] bash: Error: old failure"
     assert res.messages[a0]["tool_calls"][0]["function"]["arguments"] == "{}"  # failed-call's
@@ -43,7 +43,7 @@ def test_composition_order_later_policy_sees_earlier_stubs_and_leaves_them():
     assert by_index[r0].policy == "failed-call"
     assert sorted(by_index) == sorted([a0, r0, r1, a2, r2])
 
-    res = PolicyEngine([StaleToolTruncation(keep=2), FailedCallDetector()]).apply(msgs)
+    res = PolicyPipeline([StaleToolTruncation(keep=2), FailedCallDetector()]).apply(msgs)
     assert res.messages[r0]["content"] == stale  # failed-call sees the stub: no failure left
     assert res.messages[a0] == msgs[a0]
     assert res.messages[r2]["content"] == "[failed call elided] bash: Error: recent failure"
@@ -53,7 +53,7 @@ def test_composition_order_later_policy_sees_earlier_stubs_and_leaves_them():
 def test_net_edits_reproduce_the_output_from_the_input():
     t = old_and_recent_failures()
     msgs = t.messages
-    res = PolicyEngine(
+    res = PolicyPipeline(
         [FailedCallDetector(), StaleToolTruncation(keep=2, clear_inputs=True)]
     ).apply(msgs)
     rebuilt = copy.deepcopy(msgs)
@@ -149,13 +149,13 @@ NEGATIVE_SAVINGS = bash_turns("Error: nope", "x" * 272, "ok")
 )
 def test_engine_is_deterministic_idempotent_and_pure(msgs, policies):
     before = copy.deepcopy(msgs)
-    engine = PolicyEngine(policies)
+    engine = PolicyPipeline(policies)
     res = engine.apply(msgs)
     assert msgs == before
     assert len(res.messages) == len(msgs)
     assert [m["role"] for m in res.messages] == [m["role"] for m in msgs]
     Trajectory.parse(res.messages)  # still well formed, pairing intact
-    assert PolicyEngine(policies).apply(copy.deepcopy(msgs)) == res  # deterministic
+    assert PolicyPipeline(policies).apply(copy.deepcopy(msgs)) == res  # deterministic
     again = engine.apply(res.messages)
     assert again.edits == [] and again.messages == res.messages  # idempotent
     changed = [i for i, (a, b) in enumerate(zip(msgs, res.messages, strict=True)) if a != b]
@@ -196,15 +196,15 @@ def test_bad_edits_raise_naming_the_policy_and_nothing_is_returned(edit, needle)
     msgs = t.messages
     before = copy.deepcopy(msgs)
     with pytest.raises(PolicyError, match=r"policy 'returns' edits\[0\].*" + needle):
-        PolicyEngine([StaleToolTruncation(keep=1), Returns([edit])]).apply(msgs)
+        PolicyPipeline([StaleToolTruncation(keep=1), Returns([edit])]).apply(msgs)
     assert msgs == before
 
 
 def test_engine_rejects_things_that_are_not_policies():
     with pytest.raises(PolicyError, match=r"policies\[1\]"):
-        PolicyEngine([StaleToolTruncation(), "failed-call"])
+        PolicyPipeline([StaleToolTruncation(), "failed-call"])
     with pytest.raises(PolicyError, match="policies"):
-        PolicyEngine("stale-tool")
+        PolicyPipeline("stale-tool")
 
 
 def test_a_policy_cannot_modify_the_callers_messages():
@@ -216,7 +216,7 @@ def test_a_policy_cannot_modify_the_callers_messages():
             return []
 
     msgs = TrajectoryBuilder().user("u").messages
-    res = PolicyEngine([Vandal()]).apply(msgs)
+    res = PolicyPipeline([Vandal()]).apply(msgs)
     assert msgs[0]["content"] != "vandalised"
     assert res.edits == []
 
@@ -239,10 +239,20 @@ def test_a_stub_is_final_for_every_policy_of_the_pipeline():
     t.tool_turn(("bash", {}, "secret " * 40)).tool_turn(("bash", {}, "ok"))
     (r0,) = t.result_indices(0)
     rewrite = Returns([MessageEdit(index=r0, content="rewritten", policy="returns")])
-    engine = PolicyEngine([Redact(), StaleToolTruncation(keep=1), rewrite])
+    engine = PolicyPipeline([Redact(), StaleToolTruncation(keep=1), rewrite])
     res = engine.apply(t.messages)
     # r0 is stale and big, but stale-tool leaves the redaction alone, and the engine drops
     # the rewrite of a stubbed result
     assert res.messages[r0]["content"] == "[redacted]"
     assert [(e.index, e.policy) for e in res.edits] == [(r0, "redact")]
     assert engine.apply(res.messages).edits == []
+
+
+def test_policy_engine_is_a_deprecated_alias_of_policy_pipeline():
+    import leyline_agent
+
+    with pytest.warns(DeprecationWarning, match="PolicyPipeline"):
+        old = leyline_agent.PolicyEngine
+    with pytest.warns(DeprecationWarning, match="PipelineResult"):
+        from leyline_agent import EngineResult
+    assert old is PolicyPipeline and EngineResult is leyline_agent.PipelineResult

@@ -47,13 +47,13 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import structlog
 
+from leyline_agent.agent.http_runtime import AsyncHTTPRuntime, AuthenticationError, HTTPRuntime
+from leyline_agent.agent.session import ContextSession
+from leyline_agent.agent.stream_observer import AsyncObservedStream, ObservedStream
 from leyline_agent.directives import Mode
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
-from leyline_agent.http_runtime import AsyncHTTPRuntime, AuthenticationError, HTTPRuntime
 from leyline_agent.namespaces import SESSION_HEADER, check_session_id
 from leyline_agent.protocols import AsyncRuntime, Runtime
-from leyline_agent.session import ContextSession
-from leyline_agent.stream_observer import AsyncObservedStream, ObservedStream
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI, OpenAI

@@ -1,0 +1,11 @@
+"""The agent side: what runs inside the user's agent loop (no torch, no serving code).
+
+- ``session.ContextSession``: runs a ``PolicyPipeline`` on the agent's history, keeps its
+  edits sticky, and says which cached messages changed (a message-form directive request).
+- ``wrappers.wrap_openai``: the same, around an OpenAI / AsyncOpenAI client.
+- ``stream_observer``: a streamed reply passed through and assembled for the session.
+- ``http_runtime.HTTPRuntime`` / ``AsyncHTTPRuntime``: the ``Runtime`` protocol over HTTP;
+  the one place that turns an OpenAI base URL (``.../v1``) into the server root.
+
+Imports go down only: this package uses the contracts and ``leyline_agent.policies``.
+"""
