@@ -44,7 +44,7 @@ WIDTH = LATENT + ROPE
 
 
 def _spec() -> RopeSpec:
-    from leyline_agent.testing.rope_configs import deepseek_v2_lite_yarn
+    from leyline_agent.reference.rope_configs import deepseek_v2_lite_yarn
 
     config = deepseek_v2_lite_yarn()
     assert (config.kv_lora_rank, config.qk_rope_head_dim) == (LATENT, ROPE)

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from leyline_agent.runtime.engine import Engine, SamplingParams
+    from leyline_agent.engine.engine import Engine, SamplingParams
     from leyline_agent.wire import DirectivesRequest
 
     if args.threads:
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         path = args.model
     else:
-        from leyline_agent.testing.models import model_dir
+        from leyline_agent.engine.checkpoints.store import model_dir
 
         path = model_dir("deepseek_v2", "mini", 0)
     tails = [int(x) for x in args.tails.split(",")]

@@ -8,7 +8,7 @@ first-token argmax after the next user turn ``Q``:
 - splice: ``T`` cached in the engine, AMORTIZE directive, ``engine.logits_for(T' + Q)``;
 - re-prefill: ``T`` cached, no directive, ``engine.logits_for(T' + Q)`` (the prefix cache
   reuses ``T[:start]`` and prefills the rest: what a radix cache does after an edit);
-- splice ground truth: ``RefState`` (``leyline_agent.testing.kv_reference``), AMORTIZE
+- splice ground truth: ``RefState`` (``leyline_agent.reference.kv_reference``), AMORTIZE
   built from the model's own modules and RoPE, never from ``rotate_band``.
 
 splice vs ground truth must agree exactly (fp32); splice vs full context measures the
@@ -80,8 +80,8 @@ def _prompts(engine: Any, n: int, max_tokens: int, seed: int) -> list[tuple[list
 def agreement(model_dir: Path, n: int, max_tokens: int = 2048, seed: int = 0) -> dict[str, Any]:
     import torch
 
-    from leyline_agent.runtime.engine import Engine, SamplingParams
-    from leyline_agent.testing.kv_reference import RefState, logits_from_kv
+    from leyline_agent.engine.engine import Engine, SamplingParams
+    from leyline_agent.reference.kv_reference import RefState, logits_from_kv
     from leyline_agent.wire import DirectivesRequest
 
     probe = Engine.from_pretrained(model_dir)
@@ -178,7 +178,7 @@ def _rel(x: Any, ref: Any) -> float:
 def drift(model_dir: Path, max_chain: int = 64, seed: int = 0) -> dict[str, Any]:
     import torch
 
-    from leyline_agent.runtime.engine import Engine, SamplingParams
+    from leyline_agent.engine.engine import Engine, SamplingParams
     from leyline_agent.wire import DirectivesRequest
 
     eng = Engine.from_pretrained(model_dir, dtype="bfloat16")

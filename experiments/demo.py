@@ -18,7 +18,7 @@ DEMO_CONCURRENCY = [1, 4]
 
 
 def ensure_model(models_dir: Path, arch: str, size: str = "mini") -> Path:
-    from leyline_agent.runtime.modelgen import make_model
+    from leyline_agent.engine.checkpoints.modelgen import make_model
 
     path = models_dir / f"{arch}-{size}"
     if not (path / "config.json").is_file():

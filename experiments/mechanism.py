@@ -122,8 +122,8 @@ def _pct(xs: list[float], q: float) -> float:
 def _run_row(
     loaded: Any, arm: str, c: int, rep: int, trajs: list[TrajectoryRecord], st: BenchSettings
 ) -> dict[str, Any]:
+    from leyline_agent.engine.engine import Engine
     from leyline_agent.policies import load_policies
-    from leyline_agent.runtime.engine import Engine
 
     engine = Engine(
         loaded.model,
@@ -226,7 +226,7 @@ def run_mechanism(
 ) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
-    from leyline_agent.runtime.loader import load
+    from leyline_agent.engine.model.loader import load
 
     from .mechanism_report import write_reports
 

@@ -116,7 +116,7 @@ def _session(
     out: ReplayResult,
 ) -> SessionGen:
     from leyline_agent.agent.session import ContextSession
-    from leyline_agent.runtime.engine import SamplingParams
+    from leyline_agent.engine.engine import SamplingParams
 
     session = None
     if arm != "full":

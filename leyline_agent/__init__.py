@@ -23,7 +23,7 @@ from typing import Any
 from leyline_agent.agent.http_runtime import AsyncHTTPRuntime, HTTPRuntime
 from leyline_agent.agent.session import ContextSession, Plan
 from leyline_agent.agent.wrappers import wrap_openai
-from leyline_agent.directives import Directive, MessageEdit, Mode, apply_directives, plan_batch
+from leyline_agent.directives import Directive, MessageEdit, Mode, plan_batch, splice_tokens
 from leyline_agent.errors import (
     CacheMissError,
     DirectiveError,
@@ -59,7 +59,12 @@ __all__ = [
     "UnsupportedModeError",
     "apply_directives",
     "plan_batch",
+    "splice_tokens",
 ]
+
+# The pure T' function under the name users know (``Engine.apply_directives``, which executes
+# a request on a KV cache, is another thing): an alias here, at the top level only.
+apply_directives = splice_tokens
 
 _DEPRECATED = {"PolicyEngine": "PolicyPipeline", "EngineResult": "PipelineResult"}
 

@@ -18,7 +18,8 @@ from leyline_agent.errors import LeylineError
 
 _COMMAND_MODULES = (
     "leyline_agent.policies.cli",  # leyline policies apply|list
-    "leyline_agent.runtime.cli",  # leyline serve, leyline make-model
+    "leyline_agent.engine.checkpoints.cli",  # leyline make-model
+    "leyline_agent.server.cli",  # leyline serve
     "leyline_agent.experiments.cli",  # leyline bench|check|eval|demo
 )
 

@@ -29,11 +29,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from leyline_agent.directives import plan_batch
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine, SamplingParams
 from leyline_agent.errors import CacheMissError
 from leyline_agent.namespaces import Namespace
-from leyline_agent.runtime.engine import Engine, SamplingParams
-from leyline_agent.testing.cache_oracle import CacheOracle
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.reference.cache_oracle import CacheOracle
 from leyline_agent.wire import DirectivesRequest
 
 CHAINS = int(os.environ.get("LEYLINE_FUZZ_CHAINS", "600"))

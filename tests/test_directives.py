@@ -8,7 +8,7 @@ import random
 import pytest
 
 from leyline_agent import Directive, DirectiveError, MessageEdit, Mode, UnsupportedModeError
-from leyline_agent.directives import apply_directives, plan_batch
+from leyline_agent.directives import plan_batch, splice_tokens
 from leyline_agent.wire import DirectivesRequest
 
 
@@ -58,7 +58,7 @@ def test_text_replacement_needs_compiling():
     with pytest.raises(DirectiveError, match="replacement"):
         _ = d.delta
     with pytest.raises(DirectiveError, match="compiled"):
-        apply_directives([1, 2, 3], [d])
+        splice_tokens([1, 2, 3], [d])
 
 
 def test_plan_batch_is_right_to_left_and_rejects_overlap():
@@ -78,7 +78,7 @@ def test_plan_batch_is_right_to_left_and_rejects_overlap():
         plan_batch([Directive(start=1, end=9)], seq_len=8)
 
 
-def test_apply_directives_matches_left_to_right_construction():
+def test_splice_tokens_matches_left_to_right_construction():
     rng = random.Random(7)
     for _ in range(300):
         n = rng.randrange(0, 40)
@@ -90,7 +90,7 @@ def test_apply_directives_matches_left_to_right_construction():
         ds = [Directive(start=a, end=b, replacement=r) for a, b, r in spans]
         rng.shuffle(ds)
         before = list(tokens)
-        assert apply_directives(tokens, ds) == _splice_left_to_right(tokens, spans)
+        assert splice_tokens(tokens, ds) == _splice_left_to_right(tokens, spans)
         assert tokens == before  # input never modified
 
 

@@ -47,7 +47,7 @@ FIX_TURNS = [
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from leyline_agent.runtime.modelgen import make_model
+    from leyline_agent.engine.checkpoints.modelgen import make_model
 
     return make_model("llama", "tiny", tmp_path_factory.mktemp("tiny") / "model", seed=0)
 

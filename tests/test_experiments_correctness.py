@@ -12,8 +12,8 @@ import json
 import math
 from pathlib import Path
 
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.experiments.correctness import run_correctness, summary_lines
-from leyline_agent.testing.models import tiny_model_dir
 
 
 def test_report(tmp_path: Path) -> None:

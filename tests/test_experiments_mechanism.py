@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.errors import LeylineError
 from leyline_agent.experiments.mechanism import BenchSettings, run_mechanism
 from leyline_agent.experiments.replay import ARMS
-from leyline_agent.testing.models import tiny_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from leyline_agent.agent.wrappers import wrap_openai
-from leyline_agent.runtime.engine import Engine
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine
 from leyline_agent.testing.server import serve_in_thread
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "trajectory_10turn.json"

@@ -13,7 +13,7 @@ import torch
 from leyline_agent.kernels import RopeSpec, rotate_band
 from leyline_agent.kernels.reference import rope_float64
 from leyline_agent.kernels.rotate_band import pair_views
-from leyline_agent.testing.rope_configs import deepseek_v2_yarn
+from leyline_agent.reference.rope_configs import deepseek_v2_yarn
 
 # Bound for n rotations. bf16 keeps 8 significant bits: one round-to-nearest has relative
 # error <= u = 2**-8, so each rotation (one rounding per element at the end, the fp32 math

@@ -24,7 +24,7 @@ from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
 from leyline_agent.kernels import RopeSpec, band_offset_for, rotate_band
 from leyline_agent.kernels.reference import rope_float64
-from leyline_agent.testing.rope_configs import (
+from leyline_agent.reference.rope_configs import (
     deepseek_v2_yarn,
     deepseek_v3_interleaved_yarn,
     gqa_dims,

@@ -24,7 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from leyline_agent.errors import RopeSpecError
 from leyline_agent.kernels import RopeSpec, band_offset_for
 from leyline_agent.kernels.reference import rope_float64
-from leyline_agent.testing.rope_configs import deepseek_v2_yarn, gqa_dims, llama3_rope, mla_dims
+from leyline_agent.reference.rope_configs import deepseek_v2_yarn, gqa_dims, llama3_rope, mla_dims
 
 
 def test_linear_scaling_matches_llama_module():

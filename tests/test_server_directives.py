@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from leyline_agent.testing.hf_reference import hf_greedy
+from leyline_agent.reference.hf_reference import hf_greedy
 from leyline_agent.testing.served_fixtures import random_ids, served_model_fixtures
 from leyline_agent.testing.server import wait_ready
 from leyline_agent.wire import DirectivesRequest
@@ -29,7 +29,7 @@ model_dir, tok, stop_ids, server, client, name = served_model_fixtures(ARCH)
 @pytest.fixture(scope="module")
 def ref(model_dir):
     """An independent engine instance (same weights) fed the same calls in-process."""
-    from leyline_agent.runtime.engine import Engine
+    from leyline_agent.engine.engine import Engine
 
     return Engine.from_pretrained(model_dir)
 
@@ -41,7 +41,7 @@ def http(server):
 
 
 def _params(max_tokens: int, logprobs: bool = False):
-    from leyline_agent.runtime.sampling import SamplingParams
+    from leyline_agent.engine.params import SamplingParams
 
     return SamplingParams(
         max_tokens=max_tokens, logprobs=logprobs, top_logprobs=K if logprobs else 0

@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from leyline_agent.testing.hf_reference import hf_greedy
+from leyline_agent.reference.hf_reference import hf_greedy
 from leyline_agent.testing.served_fixtures import random_ids, served_model_fixtures
 from leyline_agent.testing.server import serve_in_thread
 

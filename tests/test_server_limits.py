@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.served_fixtures import random_ids
 from leyline_agent.testing.server import serve_in_thread
 
@@ -42,7 +42,7 @@ def tok(model_dir):
 @pytest.fixture(scope="module")
 def served(model_dir):
     """(client, scheduler, model name) of a server with small limits and its own scheduler."""
-    from leyline_agent.runtime.engine import Engine
+    from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
     from leyline_agent.server.scheduler import Scheduler
 
@@ -170,7 +170,7 @@ def test_max_tokens_cap(served):
 
 
 def test_queue_timeout_gives_503_with_retry_after_and_runs_nothing(model_dir):
-    from leyline_agent.runtime.engine import Engine
+    from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
     from leyline_agent.server.scheduler import Scheduler
 
@@ -235,7 +235,7 @@ def test_an_abandoned_queued_request_never_runs(served):
 
 def test_an_abandoned_running_generation_stops_and_is_not_cached(model_dir):
     """Without the cap: a long answer, on a server of its own."""
-    from leyline_agent.runtime.engine import Engine
+    from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
     from leyline_agent.server.scheduler import Scheduler
 

@@ -1,7 +1,7 @@
 """OpenAI-compatible routes over real HTTP with the real ``openai`` client.
 
 Ground truth is independent of the server and of the engine: the tokenizer's own chat
-template and plain Hugging Face forwards (``leyline_agent.testing.hf_reference``).
+template and plain Hugging Face forwards (``leyline_agent.reference.hf_reference``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 
-from leyline_agent.testing.hf_reference import hf_greedy
+from leyline_agent.reference.hf_reference import hf_greedy
 from leyline_agent.testing.served_fixtures import random_ids, served_model_fixtures
 from leyline_agent.testing.server import serve_in_thread
 
@@ -209,7 +209,7 @@ class ScriptedEngine:
         return getattr(self._engine, name)
 
     def generate(self, prompt_ids, params, on_token=None, *, namespace=None):
-        from leyline_agent.runtime.sampling import GenerationResult
+        from leyline_agent.engine.params import GenerationResult
 
         tok = self._engine.tokenizer
         out = [
@@ -228,7 +228,7 @@ class ScriptedEngine:
 
 @pytest.fixture(scope="module")
 def scripted(model_dir):
-    from leyline_agent.runtime.engine import Engine
+    from leyline_agent.engine.engine import Engine
 
     engine = ScriptedEngine(Engine.from_pretrained(model_dir), "Let me look.\n" + CALL)
     with serve_in_thread(engine) as srv:

@@ -61,7 +61,7 @@ def test_a_malformed_block_next_to_a_good_one_is_kept_verbatim():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from leyline_agent.runtime.tokenizer import train_tokenizer
+    from leyline_agent.engine.checkpoints.toy_tokenizer import train_tokenizer
 
     return train_tokenizer(vocab_size=400, max_bytes=100_000)
 
@@ -110,7 +110,7 @@ def test_field_paths_name_the_field_like_the_request_writes_it():
 
 
 def _params(body: dict, prompt_len: int = 10, context: int | None = 100, default: int = 50):
-    from leyline_agent.runtime.sampling import SamplingParams
+    from leyline_agent.engine.params import SamplingParams
     from leyline_agent.server.completions import ModelLimits, ServedModel, sampling_params
     from leyline_agent.server.openai_api import ChatCompletionRequest, CompletionRequest
 
@@ -166,7 +166,7 @@ def test_sampling_fields_reach_the_engine_params():
 
 
 def test_logprobs_formats_and_minus_infinity():
-    from leyline_agent.runtime.sampling import TokenLogprob
+    from leyline_agent.engine.params import TokenLogprob
     from leyline_agent.server import logprobs
 
     entries = [

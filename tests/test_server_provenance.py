@@ -23,9 +23,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.namespaces import SESSION_HEADER
-from leyline_agent.testing.kv_reference import RefState, logits_from_kv
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.reference.kv_reference import RefState, logits_from_kv
 from leyline_agent.testing.server import serve_in_thread
 
 ARCH = "deepseek_v2"
@@ -42,7 +42,7 @@ def hf(model_dir):
 
 
 def _serve(model_dir, **kw):
-    from leyline_agent.runtime.engine import Engine
+    from leyline_agent.engine.engine import Engine
 
     return serve_in_thread(Engine.from_pretrained(model_dir, **kw))
 

@@ -15,7 +15,7 @@ import sys
 import httpx
 import pytest
 
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.served_fixtures import random_ids
 from leyline_agent.testing.server import serve_in_process, serve_in_thread
 
@@ -29,7 +29,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def keyed(model_dir):
-    from leyline_agent.runtime.engine import Engine
+    from leyline_agent.engine.engine import Engine
 
     engine = Engine.from_pretrained(model_dir)
     with serve_in_thread(engine, api_keys=list(KEYS.items()), allowed_hosts=[]) as srv:
@@ -104,7 +104,7 @@ def test_two_tenants_caches_are_independent_and_a_shared_tenant_shares(keyed):
 
 
 def test_host_allowlist_answers_loopback_names_and_the_names_given(model_dir):
-    from leyline_agent.runtime.engine import Engine
+    from leyline_agent.engine.engine import Engine
 
     engine = Engine.from_pretrained(model_dir)
     with serve_in_thread(engine, allowed_hosts=["agents.internal", "box.lan:8443"]) as srv:

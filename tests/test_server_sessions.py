@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.server import serve_in_thread
 
 ARCH = "deepseek_v2"
@@ -101,7 +101,7 @@ def model_dir():
 
 
 def _serve(model_dir):
-    from leyline_agent.runtime.engine import Engine
+    from leyline_agent.engine.engine import Engine
 
     return serve_in_thread(Engine.from_pretrained(model_dir))
 

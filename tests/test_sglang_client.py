@@ -17,18 +17,18 @@ import pytest
 import torch
 
 from leyline_agent.agent.http_runtime import HTTPRuntime
-from leyline_agent.directives import Directive, Mode, apply_directives
+from leyline_agent.directives import Directive, Mode, splice_tokens
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine
 from leyline_agent.errors import CacheMissError
 from leyline_agent.namespaces import Namespace
-from leyline_agent.runtime.engine import Engine
+from leyline_agent.reference.kv_reference import RefState
 from leyline_agent.sglang_plugin import scheduler_hook as hook
 from leyline_agent.sglang_plugin.client import SGLangRuntime
 from leyline_agent.sglang_plugin.http_route import LeylineRoute, before_http_server
 from leyline_agent.sglang_plugin.routing import route_key
 from leyline_agent.sglang_plugin.treeview import peek_prefix
 from leyline_agent.testing import sglang_pools as sp
-from leyline_agent.testing.kv_reference import RefState
-from leyline_agent.testing.models import tiny_model_dir
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
 MESSAGES = [
@@ -79,7 +79,7 @@ def test_sglang_runtime_batch_matches_reference(engine: Engine, loop: Loopback) 
 
     resp = rt.apply_directives(DirectivesRequest(tokens=tokens, directives=ds))
 
-    final = apply_directives(tokens, ds)
+    final = splice_tokens(tokens, ds)
     assert resp.tokens == final and resp.splices == {"amortize": 2, "forget": 0}
     ref = RefState.prefill(engine.model, tokens).amortize(30, 44, r2).amortize(8, 14, r1).kv()
     for layer, kpe in enumerate(_kpe(loop.cache, final)):
@@ -164,7 +164,7 @@ def test_sglang_http_route_on_sglang_app(engine: Engine, loop: Loopback, monkeyp
     assert rt.has_leyline()
     d = Directive(start=8, end=14, replacement=[5, 6])
     resp = rt.apply_directives(DirectivesRequest(tokens=out.tokens, directives=[d]))
-    assert resp.tokens == apply_directives(out.tokens, [d])
+    assert resp.tokens == splice_tokens(out.tokens, [d])
     assert _served(loop.cache, resp.tokens).length == len(resp.tokens)
     with pytest.raises(CacheMissError):
         rt.apply_directives(DirectivesRequest(**miss))

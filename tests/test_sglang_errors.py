@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from leyline_agent.directives import Directive, Mode
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine
 from leyline_agent.errors import CacheMissError, DirectiveError, RuntimeUnavailableError
 from leyline_agent.namespaces import Namespace
-from leyline_agent.runtime.engine import Engine
 from leyline_agent.sglang_plugin.forget import forget_rows
 from leyline_agent.sglang_plugin.plan import plan_amortize
 from leyline_agent.sglang_plugin.splice import splice_amortize
 from leyline_agent.testing import sglang_pools as sp
-from leyline_agent.testing.models import tiny_model_dir
 
 MESSAGES = [
     {"role": "user", "content": "Open the file and show me the failing test output."},

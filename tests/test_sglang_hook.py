@@ -25,13 +25,13 @@ from types import SimpleNamespace
 import pytest
 
 from leyline_agent.directives import Directive
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine
 from leyline_agent.errors import CacheMissError, DirectiveError, RuntimeUnavailableError
 from leyline_agent.namespaces import Namespace
-from leyline_agent.runtime.engine import Engine
 from leyline_agent.sglang_plugin import scheduler_hook as hook
 from leyline_agent.sglang_plugin.treeview import peek_prefix
 from leyline_agent.testing import sglang_pools as sp
-from leyline_agent.testing.models import tiny_model_dir
 
 ANON = Namespace().key
 MESSAGES = [

@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from leyline_agent.directives import Directive, Mode
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine
 from leyline_agent.namespaces import Namespace
-from leyline_agent.runtime.engine import Engine
+from leyline_agent.reference.kv_reference import RefState
 from leyline_agent.sglang_plugin.client import SGLangRuntime
 from leyline_agent.sglang_plugin.routing import route_key
 from leyline_agent.sglang_plugin.treeview import peek_prefix
 from leyline_agent.testing import sglang_pools as sp
-from leyline_agent.testing.kv_reference import RefState
-from leyline_agent.testing.models import tiny_model_dir
 from leyline_agent.wire import DirectivesRequest
 
 ONE = {"max_new_tokens": 1, "temperature": 0.0}

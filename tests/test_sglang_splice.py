@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from leyline_agent.directives import Directive
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine
 from leyline_agent.namespaces import Namespace
-from leyline_agent.runtime.engine import Engine
+from leyline_agent.reference.kv_reference import RefState
 from leyline_agent.sglang_plugin.splice import splice_amortize
 from leyline_agent.sglang_plugin.treeview import radix_key
 from leyline_agent.testing import sglang_pools as sp
-from leyline_agent.testing.kv_reference import RefState
-from leyline_agent.testing.models import tiny_model_dir
 
 ANON = Namespace().key
 

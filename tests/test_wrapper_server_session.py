@@ -21,8 +21,8 @@ import pytest
 
 from leyline_agent.agent.http_runtime import AuthenticationError, HTTPRuntime
 from leyline_agent.agent.wrappers import wrap_openai
-from leyline_agent.runtime.engine import Engine
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine
 from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.trajectory import apply_edits
 from leyline_agent.wire import DirectivesRequest

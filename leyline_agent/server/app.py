@@ -49,7 +49,7 @@ def model_limits(engine: Engine) -> ModelLimits:
 
 
 def _default_params_cls() -> type:
-    from leyline_agent.runtime.sampling import SamplingParams
+    from leyline_agent.engine.params import SamplingParams
 
     return SamplingParams
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from leyline_agent.engine.params import GREEDY_BELOW, SEED_MAX
 from leyline_agent.server.errors import ModelNotFoundError, RequestError, field_path
 from leyline_agent.server.openai_api import (
     ChatCompletionRequest,
@@ -37,10 +38,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions API
 # session, so an unbounded answer (a random-weight model rarely stops) would stall them
 # all; the default is capped (``create_app(default_max_tokens=...)``).
 CHAT_DEFAULT_MAX_TOKENS = 1024
-# A temperature this small is greedy decoding: logits / 5e-324 overflow to inf and the
-# softmax to NaN, and below 1e-5 sampling already picks the argmax for any real logits.
-GREEDY_BELOW = 1e-5
-SEED_MAX = 2**63 - 1  # seeds are in [0, SEED_MAX]
 
 
 @dataclass(frozen=True, slots=True)

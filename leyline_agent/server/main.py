@@ -1,6 +1,6 @@
 """``leyline serve``: load the engine, build the app, run uvicorn (loopback by default).
 
-The arguments are registered by ``leyline_agent.runtime.cli``; this module only runs them.
+The arguments are registered by ``leyline_agent.server.cli``; this module only runs them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
             f"--engine {engine_kind}: `leyline serve` runs the embedded engine; for SGLang, "
             "launch SGLang's own server with the Leyline plugin installed"
         )
-    from leyline_agent.runtime.engine import Engine
+    from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
     from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES
     from leyline_agent.server.scheduler import DEFAULT_QUEUE_TIMEOUT_S

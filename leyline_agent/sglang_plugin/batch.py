@@ -93,13 +93,13 @@ def plan_steps(
 
 def compile_request(req: DirectivesRequest, tokenizer: Any) -> tuple[list[int], list[Directive]]:
     """Token form as is (text replacements encoded); message form rendered with the model's
-    chat template and diffed per message (``runtime.compile.diff_spans``).
+    chat template and diffed per message (``directives.compile.diff_spans``).
 
     SGLang caches a finished request's prompt and reply but not the reply's last token, so
     message-form spans are clipped to ``len(old) - 1`` tokens (a span past it is dropped:
     the next request prefills it anyway).
     """
-    from leyline_agent.runtime.compile import clip_to_cached, diff_spans
+    from leyline_agent.directives.compile import clip_to_cached, diff_spans
 
     if req.tokens is not None and req.directives is not None:
         out = []

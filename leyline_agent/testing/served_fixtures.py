@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.server import serve_in_thread
 
 __all__ = ["random_ids", "served_model_fixtures"]
@@ -48,7 +48,7 @@ def served_model_fixtures(arch: str) -> tuple[Any, ...]:
 
     @pytest.fixture(scope="module")
     def server(model_dir):
-        from leyline_agent.runtime.engine import Engine
+        from leyline_agent.engine.engine import Engine
 
         with serve_in_thread(Engine.from_pretrained(model_dir)) as srv:
             yield srv

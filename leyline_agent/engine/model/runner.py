@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from leyline_agent.runtime.allocator import SlotAllocator
-from leyline_agent.runtime.kv_pool import KVPool
+from leyline_agent.engine.cache.allocator import SlotAllocator
+from leyline_agent.engine.cache.kv_pool import KVPool
 
 __all__ = ["ModelRunner", "Forward"]
 

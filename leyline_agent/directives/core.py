@@ -10,7 +10,7 @@ replaces its content (or its tool calls). Compiling edits into directives needs 
 template and the tokenizer, so it happens on the serving side.
 
 Both are frozen pydantic models because they cross a process boundary. Nothing here
-imports torch or the runtime.
+imports torch or the engine.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ __all__ = [
     "MessageEdit",
     "Mode",
     "RESERVED_MODES",
-    "apply_directives",
     "check_mode",
     "plan_batch",
+    "splice_tokens",
 ]
 
 
@@ -162,8 +162,11 @@ def plan_batch(
     return [parsed[i] for i in reversed(order)]
 
 
-def apply_directives(tokens: Sequence[int], directives: Sequence[Directive | dict]) -> list[int]:
-    """The token sequence T' that a batch of compiled directives produces (pure)."""
+def splice_tokens(tokens: Sequence[int], directives: Sequence[Directive | dict]) -> list[int]:
+    """The token sequence T' that a batch of compiled directives produces (pure).
+
+    ``leyline_agent.apply_directives`` is this function under its first name; the engine's
+    ``Engine.apply_directives`` is another thing: it executes a request on a KV cache."""
     out = list(tokens)
     for d in plan_batch(directives, seq_len=len(out)):
         if not isinstance(d.replacement, list):

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from leyline_agent.engine.cache.radix import Node, RadixCache
 from leyline_agent.namespaces import Namespace
-from leyline_agent.runtime.radix import Node, RadixCache
 
 __all__ = ["Pin", "PinTable"]
 

@@ -123,7 +123,7 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0, tokenizer: 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from leyline_agent.runtime.tokenizer import EOS, IM_END, train_tokenizer
+    from leyline_agent.engine.checkpoints.toy_tokenizer import EOS, IM_END, train_tokenizer
 
     out = Path(out)
     tok = tokenizer if tokenizer is not None else train_tokenizer()

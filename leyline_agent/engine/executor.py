@@ -24,16 +24,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from leyline_agent.directives import Directive, apply_directives, plan_batch
+from leyline_agent.directives import Directive, plan_batch, splice_tokens
+from leyline_agent.directives.compile import clip_to_cached, diff_spans
+from leyline_agent.engine.cache.radix import Match
+from leyline_agent.engine.splice import SplicePlan, execute_splice, plan_splice
 from leyline_agent.errors import CacheMissError, DirectiveError
 from leyline_agent.namespaces import Namespace
-from leyline_agent.runtime.compile import clip_to_cached, diff_spans
-from leyline_agent.runtime.radix import Match
-from leyline_agent.runtime.splice import SplicePlan, execute_splice, plan_splice
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
 if TYPE_CHECKING:
-    from leyline_agent.runtime.engine import Engine
+    from leyline_agent.engine.engine import Engine
 
 __all__ = ["apply_request"]
 
@@ -81,7 +81,7 @@ def apply_request(engine: Engine, req: DirectivesRequest, ns: Namespace) -> Dire
     if req.tokens is not None:
         tokens, compiled = _compile_token_form(engine, req)
         order = plan_batch(compiled, seq_len=len(tokens))
-        new_tokens = apply_directives(tokens, order)
+        new_tokens = splice_tokens(tokens, order)
         m = cache.match(tokens, ns)
         for i, d in enumerate(compiled):
             if d.end > m.length or m.length == 0:

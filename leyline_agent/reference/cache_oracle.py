@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from leyline_agent.testing.kv_reference import RefState, Row, logits_from_kv
+from leyline_agent.reference.kv_reference import RefState, Row, logits_from_kv
 
 __all__ = ["CacheOracle", "OracleMatch"]
 

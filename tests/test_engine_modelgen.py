@@ -8,9 +8,9 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from leyline_agent.cli import build_parser
+from leyline_agent.engine.checkpoints.modelgen import model_config
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.errors import LeylineError
-from leyline_agent.runtime.modelgen import model_config
-from leyline_agent.testing.models import tiny_model_dir
 
 
 @pytest.fixture(scope="module")

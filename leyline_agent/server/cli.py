@@ -1,6 +1,9 @@
-"""CLI verbs of the runtime: ``leyline make-model`` and ``leyline serve``.
+"""``leyline serve``: its arguments and its handler.
 
-Registration imports no torch; handlers import the heavy modules when they run.
+``--engine embedded`` (the default) runs ``server.main.serve``; ``--engine sglang`` hands
+over to SGLang's own server with the plugin (``sglang_plugin.launch``), refusing the flags
+only the embedded server has. Registration imports no torch; the handler imports the heavy
+modules when it runs.
 """
 
 from __future__ import annotations
@@ -109,26 +112,9 @@ def _add_limits_and_keys(p: argparse.ArgumentParser) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this layer's verbs to the ``leyline`` parser."""
-    mk = sub.add_parser("make-model", help="write a seeded random-weight checkpoint + tokenizer")
-    mk.add_argument(
-        "--arch", required=True, choices=["deepseek_v2", "deepseek_v3", "llama", "qwen3"]
-    )
-    mk.add_argument("--size", default="tiny", choices=["tiny", "mini"])
-    mk.add_argument("--out", required=True, help="output directory")
-    mk.add_argument("--seed", type=int, default=0)
-    mk.set_defaults(func=_make_model)
-
     sv = sub.add_parser("serve", help="OpenAI-compatible server with the Leyline routes")
     add_serve_arguments(sv)
     sv.set_defaults(func=_serve)
-
-
-def _make_model(args: argparse.Namespace) -> int:
-    from leyline_agent.runtime.modelgen import make_model
-
-    out = make_model(args.arch, args.size, args.out, seed=args.seed)
-    print(out)
-    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -14,15 +14,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from leyline_agent.runtime.engine import Engine, SamplingParams
-from leyline_agent.testing.kv_reference import (
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine, SamplingParams
+from leyline_agent.reference.kv_reference import (
     RefState,
     apply_model_rope,
     greedy_from_kv,
     logits_from_kv,
     plain_kv,
 )
-from leyline_agent.testing.models import tiny_model_dir
 from leyline_agent.wire import DirectivesRequest
 
 ARCHS = ["deepseek_v2", "deepseek_v3", "llama", "qwen3"]

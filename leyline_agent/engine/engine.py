@@ -6,7 +6,7 @@ Engine facade, one request at a time (not thread-safe: the server's scheduler se
   token is always recomputed for its logits), prefill the rest, decode, then cache
   ``prompt + output`` (the last output token is forwarded once more so the whole sequence,
   which the agent's next turn repeats, is in the cache).
-- ``apply_directives``: token form or message form (``directives_exec.py``).
+- ``apply_directives``: execute a token-form or message-form request (``executor.py``).
 - ``stats``: cumulative counters (``leyline_agent.wire.StatsResponse``).
 """
 
@@ -21,21 +21,16 @@ from typing import Any
 import structlog
 import torch
 
+from leyline_agent.engine.cache.allocator import SlotAllocator
+from leyline_agent.engine.cache.kv_pool import KVLayout, KVPool
+from leyline_agent.engine.cache.prefix_cache import PrefixCache
+from leyline_agent.engine.checkpoints.toy_tokenizer import EOS, IM_END, IM_START
+from leyline_agent.engine.model.loader import load
+from leyline_agent.engine.model.runner import ModelRunner
+from leyline_agent.engine.params import GenerationResult, InvalidRequestError, SamplingParams
+from leyline_agent.engine.sampler import Sampler, StopMatcher
 from leyline_agent.errors import TrajectoryError
 from leyline_agent.namespaces import ANONYMOUS, DEFAULT_TENANT, Namespace
-from leyline_agent.runtime.allocator import SlotAllocator
-from leyline_agent.runtime.kv_pool import KVLayout, KVPool
-from leyline_agent.runtime.loader import load
-from leyline_agent.runtime.prefix_cache import PrefixCache
-from leyline_agent.runtime.runner import ModelRunner
-from leyline_agent.runtime.sampling import (
-    GenerationResult,
-    InvalidRequestError,
-    Sampler,
-    SamplingParams,
-    StopMatcher,
-)
-from leyline_agent.runtime.tokenizer import EOS, IM_END, IM_START
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
 __all__ = ["Engine", "EngineStats", "GenerationResult", "InvalidRequestError", "SamplingParams"]
@@ -272,7 +267,7 @@ class Engine:
         self, req: DirectivesRequest, *, namespace: Namespace | None = None
     ) -> DirectivesResponse:
         """``namespace`` defaults to the default tenant and ``req.session``."""
-        from leyline_agent.runtime.directives_exec import apply_request
+        from leyline_agent.engine.executor import apply_request
 
         ns = namespace if namespace is not None else Namespace(DEFAULT_TENANT, req.session)
         return apply_request(self, req, ns)

@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
+from leyline_agent.directives.compile import Span, apply_spans, clip_to_cached, diff_spans
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine, SamplingParams
 from leyline_agent.errors import CacheMissError
-from leyline_agent.runtime.compile import Span, apply_spans, clip_to_cached, diff_spans
-from leyline_agent.runtime.engine import Engine, SamplingParams
-from leyline_agent.testing.kv_reference import RefState, logits_from_kv
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.reference.kv_reference import RefState, logits_from_kv
 from leyline_agent.wire import DirectivesRequest
 
 B = 0  # message boundary id in the pure tests

@@ -1,6 +1,8 @@
-"""Tiny models for tests, built once per machine with the runtime's own factory.
+"""Seeded checkpoints built once per machine with the model factory (``modelgen``).
 
-``tiny_model_dir(arch)`` returns a checkpoint directory under a cache folder
+Tests, benchmarks and the demo need the same few random-weight models; building one takes
+seconds (the tokenizer longer), so they are cached. ``model_dir(arch, size, seed)`` /
+``tiny_model_dir(arch)`` return a checkpoint directory under a cache folder
 (``$LEYLINE_TEST_MODELS`` or ``<tmp>/leyline-test-models``), keyed by the arch, size, seed
 and a fingerprint of the model factory's sources, so a change to the factory rebuilds it.
 Builds are atomic (temp dir + rename) and serialized with a lock file, so parallel pytest
@@ -19,7 +21,7 @@ from pathlib import Path
 
 __all__ = ["cache_root", "tiny_model_dir", "model_dir"]
 
-_FACTORY_FILES = ("modelgen.py", "tokenizer.py")
+_FACTORY_FILES = ("modelgen.py", "toy_tokenizer.py")
 
 
 def cache_root() -> Path:
@@ -31,11 +33,9 @@ def cache_root() -> Path:
 
 @cache
 def _fingerprint() -> str:
-    import leyline_agent.runtime as rt
-
     h = hashlib.sha256()
     for name in _FACTORY_FILES:
-        h.update((Path(rt.__file__).parent / name).read_bytes())
+        h.update((Path(__file__).parent / name).read_bytes())
     return h.hexdigest()[:12]
 
 
@@ -55,7 +55,7 @@ def _tokenizer_dir() -> Path:
     out = root / f"tokenizer-{_fingerprint()}"
     with _locked(root):
         if not (out / "tokenizer.json").is_file():
-            from leyline_agent.runtime.tokenizer import train_tokenizer
+            from leyline_agent.engine.checkpoints.toy_tokenizer import train_tokenizer
 
             tmp = Path(tempfile.mkdtemp(prefix=".tok.", dir=root))
             train_tokenizer().save_pretrained(tmp)
@@ -75,7 +75,7 @@ def model_dir(arch: str, size: str = "tiny", seed: int = 0) -> Path:
         if not (out / "config.json").is_file():
             from transformers import AutoTokenizer
 
-            from leyline_agent.runtime.modelgen import make_model
+            from leyline_agent.engine.checkpoints.modelgen import make_model
 
             make_model(arch, size, out, seed=seed, tokenizer=AutoTokenizer.from_pretrained(tok_dir))
     return out

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from leyline_agent.runtime.engine import Engine, SamplingParams
-from leyline_agent.testing.kv_reference import RefState, logits_from_kv
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine, SamplingParams
+from leyline_agent.reference.kv_reference import RefState, logits_from_kv
 from leyline_agent.wire import DirectivesRequest
 
 _models: dict[str, tuple] = {}

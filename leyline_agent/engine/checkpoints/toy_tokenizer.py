@@ -9,7 +9,7 @@ The chat template is ChatML with Hermes/Qwen-style tool calls:
     <|im_start|>tool\\n{result}<|im_end|>\\n
 
 Every message starts with ``<|im_start|>`` (a special token), so token sequences split
-into messages at that id; ``compile.py`` relies on it.
+into messages at that id; ``directives.compile`` relies on it.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine, SamplingParams
 from leyline_agent.errors import CacheMissError, LeylineError, TrajectoryError
-from leyline_agent.runtime.engine import Engine, SamplingParams
-from leyline_agent.testing.models import tiny_model_dir
 from leyline_agent.wire import DirectivesRequest
 
 ARCH = "deepseek_v2"

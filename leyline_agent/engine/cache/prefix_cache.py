@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from leyline_agent.engine.cache.allocator import SlotAllocator
+from leyline_agent.engine.cache.pins import PinTable
+from leyline_agent.engine.cache.radix import Match, RadixCache
 from leyline_agent.namespaces import Namespace
-from leyline_agent.runtime.allocator import SlotAllocator
-from leyline_agent.runtime.pins import PinTable
-from leyline_agent.runtime.radix import Match, RadixCache
 
 __all__ = ["EvictionReport", "PrefixCache"]
 

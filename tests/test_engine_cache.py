@@ -7,10 +7,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leyline_agent.runtime.allocator import SlotAllocator
-from leyline_agent.runtime.engine import Engine, SamplingParams
-from leyline_agent.runtime.radix import RadixCache
-from leyline_agent.testing.models import tiny_model_dir
+from leyline_agent.engine.cache.allocator import SlotAllocator
+from leyline_agent.engine.cache.radix import RadixCache
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.engine import Engine, SamplingParams
 
 
 def _state(tree: RadixCache):

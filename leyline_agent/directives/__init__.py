@@ -1,0 +1,31 @@
+"""Directives: the paper's ``D = (start, end, replacement, mode)`` and how edits become them.
+
+- ``core``: ``Directive``, ``Mode``, ``MessageEdit``, ``plan_batch`` (validate a batch, right
+  to left) and ``splice_tokens`` (the pure ``T' = T[:start] + R + T[end:]``). These are wire
+  contracts: ``wire``, ``trajectory`` and the policies build on them.
+- ``compile``: message edits -> token directives (render with the chat template, diff the
+  token ids per message, clip to the cached prefix; text replacements -> token ids). Shared
+  by the embedded engine and the SGLang plugin.
+
+Torch-free. This package's own namespace re-exports ``core`` only.
+"""
+
+from leyline_agent.directives.core import (
+    RESERVED_MODES,
+    Directive,
+    MessageEdit,
+    Mode,
+    check_mode,
+    plan_batch,
+    splice_tokens,
+)
+
+__all__ = [
+    "RESERVED_MODES",
+    "Directive",
+    "MessageEdit",
+    "Mode",
+    "check_mode",
+    "plan_batch",
+    "splice_tokens",
+]

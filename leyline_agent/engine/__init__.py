@@ -1,0 +1,21 @@
+"""The embedded inference engine: transformers models, a prefix cache with provenance, splices.
+
+One job per module, top to bottom (importing this package imports no torch):
+
+- ``engine.Engine``       the facade: ``generate``, ``apply_directives`` (execute a request
+                          on the cache), ``stats``, ``render``
+- ``executor``            a ``DirectivesRequest``: compile (``directives.compile``), match,
+                          plan, then mutate
+- ``splice``              ``SplicePlan`` (pure) and its execution on slots
+- ``params``              ``SamplingParams``, ``GenerationResult`` (torch-free)
+- ``sampler``             token choice, logprobs (torch), stop strings
+- ``cache/``              ``PrefixCache`` = radix tree (indices) + slot allocator + KV pool
+                          (bytes) + budget + pins
+- ``model/``              ``loader`` (a checkpoint in) and ``runner`` (transformers forwards
+                          over prefixes gathered from the pool)
+- ``checkpoints/``        ``leyline make-model``: seeded checkpoints and the toy tokenizer
+
+What a model family is (MLA or not, stop tokens, message boundary, tool-call format) is read
+from ``leyline_agent.families``. The engine imports the contracts, ``directives`` and
+``kernels``; nothing here imports the server, the SGLang plugin or the policies.
+"""

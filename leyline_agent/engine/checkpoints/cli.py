@@ -1,0 +1,30 @@
+"""``leyline make-model``: write a seeded random-weight checkpoint and the toy tokenizer.
+
+Registration imports no torch; the handler imports the model factory when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from leyline_agent.engine.checkpoints.modelgen import ARCHS, SIZES
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``make-model`` to the ``leyline`` parser."""
+    mk = sub.add_parser("make-model", help="write a seeded random-weight checkpoint + tokenizer")
+    mk.add_argument("--arch", required=True, choices=list(ARCHS))
+    mk.add_argument("--size", default="tiny", choices=list(SIZES))
+    mk.add_argument("--out", required=True, help="output directory")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=_make_model)
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from leyline_agent.engine.checkpoints.modelgen import make_model
+
+    out = make_model(args.arch, args.size, args.out, seed=args.seed)
+    print(out)
+    return 0
