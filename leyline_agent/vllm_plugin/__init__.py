@@ -1,0 +1,99 @@
+"""Leyline as a vLLM 0.32 plugin: AMORTIZE splices inside vLLM's own prefix cache.
+
+Three levels, as vLLM has them: the ``BlockPool`` (block hash -> ``KVCacheBlock``, full
+blocks only, hashes chained over the tokens and the request's ``cache_salt``), the
+scheduler that hands blocks to requests, and the workers' KV tensors.
+
+- ``namespace``: which salt a request is served under (spliced blocks live in their
+  session's namespace; unsalted blocks are exact prefills only).
+- ``plan``: pure, from a directive and two block lists to a ``SplicePlan`` of rows.
+- ``scheduler``: ``LeylineScheduler`` (routing, holding a directive's head, counters).
+- ``engine_ops``: ``EngineCore.leyline_rpc``, the ops that run between two engine steps.
+- ``worker`` / ``kv_rows``: ``LeylineWorkerExtension`` (rows copied, keys rotated with
+  ``leyline_agent.kernels``), the CPU cache layout probed with the backend's write op.
+- ``compile``, ``route``, ``errors``: the HTTP side, same wire contract as ``leyline serve``.
+
+Entry points (``pyproject.toml``): ``vllm.general_plugins: leyline = register`` (loaded by
+vLLM in the API server, the EngineCore and the workers) and ``vllm.endpoint_plugins:
+leyline = LeylineEndpoints`` (the routes). Both are opt-in: vLLM loads an endpoint plugin
+only when ``VLLM_PLUGINS`` names it, and ``register`` does nothing unless it does::
+
+    VLLM_PLUGINS=leyline vllm serve MODEL --enable-prefix-caching
+
+With ``VLLM_PLUGINS`` naming ``leyline``, ``register`` makes the engine's defaults the
+plugin's scheduler and worker extension (``--scheduler-cls`` / ``--worker-extension-cls``
+given explicitly are kept; the routes then refuse with a message naming the setting).
+Importing this package imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["SCHEDULER_CLS", "WORKER_EXTENSION_CLS", "LeylineEndpoints", "enabled", "register"]
+
+PLUGIN_NAME = "leyline"
+SCHEDULER_CLS = "leyline_agent.vllm_plugin.scheduler.LeylineScheduler"
+WORKER_EXTENSION_CLS = "leyline_agent.vllm_plugin.worker.LeylineWorkerExtension"
+
+
+def enabled() -> bool:
+    """``VLLM_PLUGINS`` names this plugin (vLLM's allow-list, comma-separated)."""
+    names = os.environ.get("VLLM_PLUGINS")
+    return names is not None and PLUGIN_NAME in [n.strip() for n in names.split(",")]
+
+
+def register() -> None:
+    """Entry point of ``vllm.general_plugins``; idempotent (vLLM may call it per process)."""
+    if not enabled():
+        return
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.core import EngineCore
+
+    from leyline_agent.vllm_plugin.engine_ops import leyline_rpc
+
+    if getattr(EngineCore, "leyline_rpc", None) is not leyline_rpc:
+        EngineCore.leyline_rpc = leyline_rpc  # a new utility method; nothing of vLLM's changes
+    create = EngineArgs.create_engine_config
+    if not getattr(create, "_leyline", False):
+
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.scheduler_cls is None:
+                self.scheduler_cls = SCHEDULER_CLS
+            if not self.worker_extension_cls:
+                self.worker_extension_cls = WORKER_EXTENSION_CLS
+            return create(self, *args, **kwargs)
+
+        create_engine_config._leyline = True  # type: ignore[attr-defined]
+        EngineArgs.create_engine_config = create_engine_config
+
+
+class LeylineEndpoints:
+    """The ``vllm.endpoint_plugins`` factory: routes, the session middleware, their state."""
+
+    name = PLUGIN_NAME
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: Any) -> None:
+        from leyline_agent.vllm_plugin.route import SessionSaltMiddleware, add_routes
+
+        add_routes(app)
+        app.add_middleware(SessionSaltMiddleware)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        import structlog
+
+        from leyline_agent.vllm_plugin.route import LeylineRoute
+
+        if engine_client is None:
+            return
+        names = list(getattr(args, "served_model_name", None) or []) or [str(args.model)]
+        route = LeylineRoute(engine_client, names)
+        state.leyline = route
+        info = await route.info()
+        log = structlog.get_logger(__name__)
+        if info.get("problem"):
+            log.warning("leyline directives off", problem=info["problem"])
+        else:
+            log.info("leyline directives on", block_size=info.get("block_size"), tp=info.get("tp"))

@@ -1,0 +1,253 @@
+"""EngineCore side: ``EngineCore.leyline_rpc(request_json) -> answer_json``.
+
+The API server reaches the EngineCore process with vLLM's utility calls
+(``engine_client.engine_core.call_utility_async(name, *args)`` -> ``getattr(engine_core,
+name)(*args)``), which vLLM runs in its busy loop between two steps: no forward pass runs
+while an op does. The general plugin adds this one method to ``EngineCore``. Ops:
+
+- ``describe``: the checks of what the plugin supports, and the facts the route needs.
+- ``lock``: ``T``'s cached full blocks in its routed namespace, held with a reference so no
+  eviction can take them before the splice (a miss holds nothing).
+- ``splice``: the plan (``plan.py``) from the locked ``T`` and the held head, fresh blocks,
+  ``collective_rpc("leyline_copy_rows")`` on every worker, ``T'`` registered under its hash
+  chain in the session's namespace (a block already registered there under the same hash
+  is dropped: the latest directive wins), references released.
+- ``forget``: drop the session's cached blocks of ``T'`` from the block holding ``start``
+  on, so that the FORGET's normal request re-prefills them.
+- ``release``: give back a lock or a hold (a failed directive).
+- ``stats``: counters and cache occupancy.
+
+Errors travel back as ``{"error": {"type", "message", "field"}}`` with the Leyline class
+name, never as an exception through vLLM's utility machinery.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from leyline_agent.errors import (
+    CacheMissError,
+    DirectiveError,
+    LeylineError,
+    RuntimeUnavailableError,
+)
+from leyline_agent.vllm_plugin.namespace import is_leyline_salt
+from leyline_agent.vllm_plugin.plan import plan_splice, row_copies
+
+__all__ = ["leyline_rpc"]
+
+
+def leyline_rpc(engine: Any, request_json: str) -> str:
+    """The method the general plugin installs on ``EngineCore`` (``self`` = the engine)."""
+    try:
+        req = json.loads(request_json)
+        op = req.pop("op")
+        fn = _OPS.get(op)
+        if fn is None:
+            raise DirectiveError(f"op: unknown Leyline op {op!r}")
+        return json.dumps({"ok": fn(engine, **req)})
+    except LeylineError as e:
+        return json.dumps({"error": {"type": type(e).__name__, "message": str(e)}})
+    except Exception as e:  # noqa: BLE001 - reported to the route, which answers 500
+        return json.dumps(
+            {"error": {"type": "InternalError", "message": f"{type(e).__name__}: {e}"}}
+        )
+
+
+def _scheduler(engine: Any) -> Any:
+    from leyline_agent.vllm_plugin.scheduler import LeylineScheduler
+
+    sched = engine.scheduler
+    if not isinstance(sched, LeylineScheduler):
+        raise RuntimeUnavailableError(
+            f"scheduler_cls: the engine runs {type(sched).__name__}; start vLLM with "
+            "VLLM_PLUGINS=leyline (or --scheduler-cls "
+            "leyline_agent.vllm_plugin.scheduler.LeylineScheduler)"
+        )
+    return sched
+
+
+def _describe(engine: Any) -> dict[str, Any]:
+    cfg = engine.vllm_config
+    out: dict[str, Any] = {"problem": None, "field": None}
+    try:
+        sched = _scheduler(engine)
+        out["block_size"] = sched.block_size
+        if cfg.model_config.use_mla and not cfg.cache_config.enable_prefix_caching:
+            raise RuntimeUnavailableError(
+                "enable_prefix_caching: this MLA model runs with prefix caching off (vLLM turns "
+                "it off for MLA on CPUs without AMX): nothing to splice"
+            )
+        if not cfg.cache_config.enable_prefix_caching:
+            raise RuntimeUnavailableError("enable_prefix_caching: prefix caching is off")
+        groups = sched.kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise RuntimeUnavailableError(
+                f"kv_cache_groups: {len(groups)} KV cache groups (hybrid model); one supported"
+            )
+        spec = groups[0].kv_cache_spec
+        if type(spec).__name__ != "FullAttentionSpec":
+            raise RuntimeUnavailableError(
+                f"kv_cache_spec: {type(spec).__name__}; only full attention is supported"
+            )
+        hash_bs = engine.vllm_config.cache_config.block_size
+        if spec.block_size != sched.block_size or hash_bs != sched.block_size:
+            raise RuntimeUnavailableError(
+                f"block_size: scheduler {sched.block_size}, KV spec {spec.block_size}, "
+                f"cache config {hash_bs}: the block size must be one"
+            )
+        workers = engine.collective_rpc("leyline_describe")
+        for w in workers:
+            if w.get("problem"):
+                raise RuntimeUnavailableError(w["problem"])
+            if w.get("block_size") != sched.block_size:
+                raise RuntimeUnavailableError(
+                    f"block_size: the workers' cache blocks hold {w.get('block_size')} rows, "
+                    f"the scheduler's {sched.block_size}"
+                )
+        out["workers"] = workers
+        out["tp"] = len(workers)
+    except RuntimeUnavailableError as e:
+        out["problem"] = str(e)
+        out["field"] = str(e).split(":", 1)[0]
+    except AttributeError as e:  # a worker without the extension
+        out["problem"] = (
+            "worker_extension_cls: the workers lack the Leyline extension "
+            f"(leyline_agent.vllm_plugin.worker.LeylineWorkerExtension): {e}"
+        )
+        out["field"] = "worker_extension_cls"
+    out["max_model_len"] = cfg.model_config.max_model_len
+    out["vocab_size"] = cfg.model_config.get_vocab_size()
+    return out
+
+
+def _lock(engine: Any, tokens: list[int], salt: str | None) -> dict[str, Any]:
+    sched = _scheduler(engine)
+    hasher = engine.request_block_hasher
+    routed = sched.leyline_route(tokens, salt, hasher)
+    blocks = sched.leyline_cached_blocks(tokens, routed, hasher)
+    lock_id = None
+    if blocks:
+        lock_id = "lock-" + uuid.uuid4().hex
+        sched.leyline_hold(lock_id, blocks, routed)
+    return {"lock_id": lock_id, "cached_tokens": len(blocks) * sched.block_size, "salt": routed}
+
+
+def _release(engine: Any, ids: list[str]) -> int:
+    sched = _scheduler(engine)
+    return sum(bool(sched.leyline_release(i)) for i in ids if i)
+
+
+def _splice(
+    engine: Any,
+    lock_id: str | None,
+    hold_id: str,
+    tokens: list[int],
+    start: int,
+    end: int,
+    replacement: list[int],
+    salt: str,
+) -> dict[str, Any]:
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    t0 = time.perf_counter()
+    sched = _scheduler(engine)
+    pool, bs = sched.block_pool, sched.block_size
+    try:
+        head = sched.leyline_held.get(hold_id)
+        if head is None:
+            raise CacheMissError("head: the directive's head request left no blocks (evicted?)")
+        base = sched.leyline_held.get(lock_id) if lock_id else None
+        t_blocks = base.blocks if base is not None else []
+        t_salt = base.salt if base is not None else None
+        plan = plan_splice(
+            bs, tokens, start, end, replacement,
+            [b.block_id for b in t_blocks], [b.block_id for b in head.blocks],
+            t_in_target=t_salt == salt, head_in_target=head.salt == salt,
+        )  # fmt: skip
+        hashes = sched.leyline_hashes(plan.tokens, salt, engine.request_block_hasher)
+        for j, src in enumerate(plan.blocks):  # a reused block must already be T''s block j
+            if src.reuse is not None:
+                have = pool.blocks[src.reuse].block_hash
+                if have != make_block_hash_with_group_id(hashes[j], 0):
+                    raise RuntimeUnavailableError(f"block {j}: reused block has another hash")
+        if plan.num_new_blocks > pool.get_num_free_blocks():
+            raise RuntimeUnavailableError(
+                f"kv_cache: {plan.num_new_blocks} free blocks needed, "
+                f"{pool.get_num_free_blocks()} free"
+            )
+        new = pool.get_new_blocks(plan.num_new_blocks)
+        try:
+            src, dst, delta = row_copies(plan, [b.block_id for b in new], bs)
+            engine.collective_rpc("leyline_copy_rows", args=(src, dst, delta))
+        except Exception:
+            pool.free_blocks(new)
+            raise
+        it = iter(new)
+        blocks = [pool.blocks[b.reuse] if b.reuse is not None else next(it) for b in plan.blocks]
+        for j, b in enumerate(plan.blocks):
+            if b.reuse is None:
+                sched.leyline_drop(hashes[j])  # latest wins in the namespace
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        owner = Request(
+            request_id="leyline-splice",
+            prompt_token_ids=plan.tokens,
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            cache_salt=salt,
+            block_hasher=engine.request_block_hasher,
+        )
+        pool.cache_full_blocks(owner, blocks, 0, len(blocks), bs, 0)
+        pool.free_blocks(reversed(new))
+        head_cached = head.num_cached_tokens
+    finally:
+        sched.leyline_release(hold_id)
+        if lock_id:
+            sched.leyline_release(lock_id)
+    return {
+        "cached_tokens": len(plan.blocks) * bs,
+        "new_blocks": plan.num_new_blocks,
+        "rotated_tokens": plan.rotated_tokens,
+        "head_cached_tokens": head_cached,
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def _forget(engine: Any, tokens: list[int], start: int, salt: str | None) -> dict[str, Any]:
+    sched = _scheduler(engine)
+    hasher = engine.request_block_hasher
+    routed = sched.leyline_route(tokens, salt, hasher)
+    dropped = 0
+    if is_leyline_salt(routed):  # exact blocks (no salt) hold no spliced rows
+        for h in sched.leyline_hashes(tokens, routed, hasher)[start // sched.block_size :]:
+            dropped += sched.leyline_drop(h)
+    return {"dropped_blocks": dropped, "salt": routed}
+
+
+def _stats(engine: Any) -> dict[str, Any]:
+    sched = _scheduler(engine)
+    pool, c = sched.block_pool, sched.leyline_served
+    return {
+        "requests": c.requests,
+        "prompt_tokens": c.prompt_tokens,
+        "cached_tokens": c.cached_tokens,
+        "generated_tokens": c.generated_tokens,
+        "cache_tokens": len(pool.cached_block_hash_to_block) * sched.block_size,
+        "cache_capacity_tokens": (pool.num_gpu_blocks - 1) * sched.block_size,
+        "held": len(sched.leyline_held),
+    }
+
+
+_OPS = {
+    "describe": _describe,
+    "lock": _lock,
+    "release": _release,
+    "splice": _splice,
+    "forget": _forget,
+    "stats": _stats,
+}

@@ -1,0 +1,131 @@
+"""Pure: one AMORTIZE directive on vLLM's block-granular prefix cache, as a plan of rows.
+
+vLLM caches full blocks of ``B`` tokens only, and a block's hash chains over every token
+before it (and the namespace's salt). So ``T' = T[:s] + R + T[e:]`` is registered block by
+block under its own hash chain, in the session's namespace, and each block of ``T'`` is
+either a block that already holds exactly its rows under that hash (reused), or a fresh
+block whose ``B`` rows are copied from cached rows (the rotated ones moved by ``delta``):
+
+- rows ``p < s`` (the prefix): ``T``'s own rows (the prefix stays bitwise);
+- rows ``s <= p < s + |R|`` (``R``): the head request's rows (``T[:s] + R`` prefilled by
+  vLLM's own request path, which leaves them in ``head_blocks``);
+- rows ``p >= s + |R|`` (the tail): ``T``'s row ``p - delta``, its key rotated by ``delta``.
+
+A block made only of prefix rows is reused when ``T`` was found in the target namespace
+(same salt, same tokens: same hash), and one made only of ``R`` rows when the head was;
+every other block is fresh. Only ``T``'s cached full blocks can give tail rows: the plan
+covers ``T'`` up to ``s + |R| + (cached(T) - e)``, and its last partial block is left to
+the next request's prefill. Slots are ``block_id * B + offset``, as vLLM's slot mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from leyline_agent.errors import CacheMissError, DirectiveError
+
+__all__ = ["BlockSource", "SplicePlan", "plan_splice", "row_copies"]
+
+
+@dataclass(slots=True, frozen=True)
+class BlockSource:
+    """One block of ``T'``: ``reuse`` (an existing block id) or ``rows`` (``B`` pairs
+    ``(src_slot, delta)`` for a fresh block)."""
+
+    reuse: int | None = None
+    rows: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class SplicePlan:
+    tokens: list[int]  # T'[: len(blocks) * B]: what is registered
+    blocks: list[BlockSource]
+    rotated_tokens: int  # tail rows moved by delta (those that made it into full blocks)
+    delta: int
+
+    @property
+    def num_new_blocks(self) -> int:
+        return sum(1 for b in self.blocks if b.reuse is None)
+
+
+def plan_splice(
+    block_size: int,
+    tokens: Sequence[int],
+    start: int,
+    end: int,
+    replacement: Sequence[int],
+    t_blocks: Sequence[int],
+    head_blocks: Sequence[int],
+    *,
+    t_in_target: bool,
+    head_in_target: bool,
+) -> SplicePlan:
+    """The plan of ``AMORTIZE(start, end, replacement)`` on ``tokens`` (see the module doc).
+
+    ``t_blocks``: ``T``'s cached full blocks, in order; ``head_blocks``: the head request's
+    blocks, covering at least ``start + len(replacement)`` rows. ``CacheMissError`` if ``T``
+    is not cached through ``end``.
+    """
+    b = block_size
+    s, e, r = start, end, list(replacement)
+    if not 0 <= s <= e <= len(tokens):
+        raise DirectiveError(f"directives[0]: span [{s}, {e}) does not fit {len(tokens)} tokens")
+    cached = len(t_blocks) * b
+    if e > cached:
+        raise CacheMissError(
+            f"tokens: the sequence is cached through {cached} tokens, the span ends at {e}"
+        )
+    h = s + len(r)
+    if len(head_blocks) * b < h:
+        raise DirectiveError(f"head: {len(head_blocks)} blocks do not hold {h} rows")
+    delta = len(r) - (e - s)
+    known = h + (cached - e)
+    n_full = known // b
+    new_tokens = (list(tokens[:s]) + r + list(tokens[e:cached]))[: n_full * b]
+
+    def t_slot(p: int) -> int:
+        return t_blocks[p // b] * b + p % b
+
+    def head_slot(p: int) -> int:
+        return head_blocks[p // b] * b + p % b
+
+    out: list[BlockSource] = []
+    for j in range(n_full):
+        lo, hi = j * b, (j + 1) * b
+        if hi <= s and t_in_target:
+            out.append(BlockSource(reuse=t_blocks[j]))
+            continue
+        if lo >= s and hi <= h and head_in_target:
+            out.append(BlockSource(reuse=head_blocks[j]))
+            continue
+        rows = []
+        for p in range(lo, hi):
+            if p < s:  # the prefix: T's row where T has it cached, else the head's copy
+                rows.append((t_slot(p) if p // b < len(t_blocks) else head_slot(p), 0))
+            elif p < h:
+                rows.append((head_slot(p), 0))
+            else:
+                rows.append((t_slot(p - delta), delta))
+        out.append(BlockSource(rows=tuple(rows)))
+    rotated = max(0, n_full * b - h)
+    return SplicePlan(tokens=new_tokens, blocks=out, rotated_tokens=rotated, delta=delta)
+
+
+def row_copies(
+    plan: SplicePlan, new_block_ids: Sequence[int], block_size: int
+) -> tuple[list[int], list[int], list[int]]:
+    """``(src_slots, dst_slots, deltas)`` of the plan's fresh blocks, given their ids."""
+    if len(new_block_ids) != plan.num_new_blocks:
+        raise ValueError(f"{len(new_block_ids)} block ids for {plan.num_new_blocks} new blocks")
+    src, dst, deltas = [], [], []
+    ids = iter(new_block_ids)
+    for blk in plan.blocks:
+        if blk.reuse is not None:
+            continue
+        bid = next(ids)
+        for off, (slot, d) in enumerate(blk.rows):
+            src.append(slot)
+            dst.append(bid * block_size + off)
+            deltas.append(d)
+    return src, dst, deltas

@@ -1,0 +1,179 @@
+"""Scheduler side: ``LeylineScheduler``, vLLM 0.32's ``Scheduler`` with three additions.
+
+1. **Routing** (``add_request``): every request without a salt of its own is served under
+   its Leyline namespace's salt or under none (``namespace.route_salt``); its block hashes
+   are recomputed when the salt changes. This is what keeps spliced blocks to their
+   session.
+2. **Holding a head** (``_free_request``): a request whose ``sampling_params.extra_args``
+   names ``leyline_hold`` is a directive's head (``T[:s] + R`` prefilled by vLLM's own
+   request path). When it finishes its blocks (the last, partial one too, which vLLM would
+   not cache) are kept with one reference until the splice reads them.
+3. **Counters** of the requests it served, for ``/leyline/v1/stats``.
+
+The splice itself (``engine_ops``) runs inside the EngineCore between two steps, as a
+utility call: it reads this scheduler's ``BlockPool`` and asks the workers to copy rows.
+Only ``BlockPool``'s own methods touch blocks: ``touch`` (a reference), ``get_new_blocks``,
+``cache_full_blocks`` (register under a hash chain), ``evict_blocks`` (drop a hash),
+``free_blocks``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from leyline_agent.namespaces import ANONYMOUS
+from leyline_agent.vllm_plugin.namespace import route_salt, salt_for
+
+__all__ = ["HOLD_KEY", "Held", "LeylineScheduler", "ServedCounters"]
+
+HOLD_KEY = "leyline_hold"
+ANONYMOUS_SALT = salt_for(ANONYMOUS)
+HOLD_TTL_S = 120.0
+
+
+@dataclass(slots=True)
+class Held:
+    """Blocks kept with one reference each (a head's, or a directive's base ``T``)."""
+
+    blocks: list[Any]
+    salt: str | None
+    num_cached_tokens: int = 0
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class ServedCounters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class LeylineScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.leyline_held: dict[str, Held] = {}
+        self.leyline_served = ServedCounters()
+        self._leyline_cached: dict[str, int] = {}
+        self._leyline_heads: dict[str, str] = {}  # request id -> hold id
+
+    # -- lookups (read-only) ---------------------------------------------------------------
+    @property
+    def block_pool(self) -> Any:
+        return self.kv_cache_manager.block_pool
+
+    def leyline_hashes(self, tokens: list[int], salt: str | None, hasher: Any) -> list[Any]:
+        """Block hashes of ``tokens``' full blocks under ``salt`` (vLLM's own hasher)."""
+        probe = Request(
+            request_id="leyline-probe",
+            prompt_token_ids=list(tokens),
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            cache_salt=salt,
+            block_hasher=hasher,
+        )
+        return list(probe.block_hashes)
+
+    def leyline_cached_block(self, block_hash: Any) -> Any:
+        found = self.block_pool.get_cached_block(block_hash, [0])
+        return found[0] if found else None
+
+    def leyline_route(self, tokens: list[int], salt: str | None, hasher: Any) -> str | None:
+        """The salt a request of ``tokens`` with ``salt`` is served under (``route_salt``)."""
+        first = list(tokens[: self.block_size])
+
+        def holds(s: str) -> bool:
+            if len(first) < self.block_size:
+                return False
+            hashes = self.leyline_hashes(first, s, hasher)
+            return self.leyline_cached_block(hashes[0]) is not None
+
+        return route_salt(salt, ANONYMOUS_SALT, holds)
+
+    def leyline_cached_blocks(self, tokens: list[int], salt: str | None, hasher: Any) -> list[Any]:
+        """The cached full blocks of ``tokens`` under ``salt``, from the first, up to a miss."""
+        out = []
+        for h in self.leyline_hashes(tokens, salt, hasher):
+            blk = self.leyline_cached_block(h)
+            if blk is None:
+                break
+            out.append(blk)
+        return out
+
+    # -- vLLM overrides ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        hasher = getattr(request, "_block_hasher", None)
+        if self.cache_config.enable_prefix_caching and hasher is not None:
+            ids = request.prompt_token_ids
+            if ids is not None:
+                routed = self.leyline_route(list(ids), request.cache_salt, hasher)
+                if routed != request.cache_salt:
+                    request.cache_salt = routed
+                    request.block_hashes = []
+                    request.update_block_hashes()
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        if extra and extra.get(HOLD_KEY):
+            self._leyline_heads[request.request_id] = str(extra[HOLD_KEY])
+        super().add_request(request)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().schedule(*args, **kwargs)
+        for new in out.scheduled_new_reqs:
+            self._leyline_cached.setdefault(new.req_id, int(new.num_computed_tokens))
+        self._leyline_expire()
+        return out
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        rid = request.request_id
+        cached = self._leyline_cached.pop(rid, 0)
+        hold_id = self._leyline_heads.pop(rid, None)
+        if hold_id is not None:
+            blocks = list(self.kv_cache_manager.get_blocks(rid).blocks[0])
+            self.block_pool.touch(blocks)
+            self.leyline_held[hold_id] = Held(blocks, request.cache_salt, cached)
+        else:
+            c = self.leyline_served
+            c.requests += 1
+            c.prompt_tokens += request.num_prompt_tokens
+            c.cached_tokens += cached
+            c.generated_tokens += request.num_output_tokens
+        return super()._free_request(request, delay_free_blocks)
+
+    # -- holds ----------------------------------------------------------------------------
+    def leyline_hold(self, hold_id: str, blocks: list[Any], salt: str | None) -> None:
+        self.block_pool.touch(blocks)
+        self.leyline_held[hold_id] = Held(list(blocks), salt)
+
+    def leyline_release(self, hold_id: str) -> bool:
+        held = self.leyline_held.pop(hold_id, None)
+        if held is None:
+            return False
+        self.block_pool.free_blocks(reversed(held.blocks))  # the tail is evicted first
+        return True
+
+    def _leyline_expire(self) -> None:
+        """Holds whose directive never came back (client gone, crash) are released."""
+        if not self.leyline_held:
+            return
+        now = time.monotonic()
+        for hid in [h for h, v in self.leyline_held.items() if now - v.since > HOLD_TTL_S]:
+            self.leyline_release(hid)
+
+    def leyline_drop(self, block_hash: Any) -> int:
+        """Drop every cached block registered under ``block_hash`` (hash only: a block in
+        use stays readable by its request)."""
+        key = make_block_hash_with_group_id(block_hash, 0)
+        n = 0
+        while (blk := self.block_pool.cached_block_hash_to_block.get_one_block(key)) is not None:
+            self.block_pool.evict_blocks({blk.block_id})
+            n += 1
+            if n > 64:  # a hash maps to few blocks; never loop on a bug
+                break
+        return n
