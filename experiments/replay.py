@@ -1,6 +1,6 @@
 """Replay of agent trajectories against the embedded engine, C sessions in flight.
 
-In-process, on purpose. ``leyline serve`` serializes engine work on one scheduler thread
+In-process, on purpose. ``leyline serve`` serializes engine work on one worker thread
 (FIFO, one request at a time), so C sessions in flight means: C agents whose requests queue
 in front of one engine. The replay reproduces exactly that scheduling in virtual time: each
 job (a directive request or a chat request) runs for real on the engine, its measured

@@ -2,7 +2,7 @@
 abandoned requests, idempotent directive retries.
 
 The worker is held busy by a job of the test's own (a ``threading.Event`` it waits on),
-submitted to the server's real ``Scheduler``; that is how "queued", "waited too long" and
+submitted to the server's real ``Worker``; that is how "queued", "waited too long" and
 "refused before the tokenizer ran" are observed from outside. Expected token counts come
 from the tokenizer itself; "not cached" and "executed once" are read from the server's
 counters and from the next request's ``cached_tokens``.
@@ -41,21 +41,21 @@ def tok(model_dir):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    """(client, scheduler, model name) of a server with small limits and its own scheduler."""
+    """(client, worker, model name) of a server with small limits and its own worker."""
     from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
-    from leyline_agent.server.scheduler import Scheduler
+    from leyline_agent.server.worker import Worker
 
-    scheduler = Scheduler(Engine.from_pretrained(model_dir), queue_timeout_s=None)
-    app = create_app(scheduler, max_prompt_tokens=PROMPT_LIMIT, max_tokens_cap=CAP)
+    worker = Worker(Engine.from_pretrained(model_dir), queue_timeout_s=None)
+    app = create_app(worker, max_prompt_tokens=PROMPT_LIMIT, max_tokens_cap=CAP)
     with serve_in_thread(app) as srv:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
-            yield c, scheduler, model_dir.name, srv
-    scheduler.close(cancel_pending=True)
+            yield c, worker, model_dir.name, srv
+    worker.close(cancel_pending=True)
 
 
 @contextmanager
-def busy(scheduler) -> Iterator[threading.Event]:
+def busy(worker) -> Iterator[threading.Event]:
     """Hold the worker until the block ends (or the event is set)."""
     release, running = threading.Event(), threading.Event()
 
@@ -63,7 +63,7 @@ def busy(scheduler) -> Iterator[threading.Event]:
         running.set()
         release.wait(30)
 
-    done = scheduler.submit(hold)
+    done = worker.submit(hold)
     assert running.wait(10)
     try:
         yield release
@@ -72,9 +72,9 @@ def busy(scheduler) -> Iterator[threading.Event]:
         done.result(30)
 
 
-def idle(scheduler) -> None:
+def idle(worker) -> None:
     """Wait until everything queued before this call has run."""
-    scheduler.call(lambda _engine: None, timeout=60)
+    worker.call(lambda _engine: None, timeout=60)
 
 
 def _stats(c) -> dict:
@@ -115,7 +115,7 @@ def test_a_40_mb_body_gets_413_within_seconds(served):
 
 
 def test_prompt_token_limit_exact_and_before_the_tokenizer(served, tok):
-    c, scheduler, name, _ = served
+    c, worker, name, _ = served
     ok = random_ids(201, PROMPT_LIMIT)
     assert (
         c.post("/v1/completions", json={"model": name, "prompt": ok, "max_tokens": 1}).status_code
@@ -138,7 +138,7 @@ def test_prompt_token_limit_exact_and_before_the_tokenizer(served, tok):
 
     # obviously too long: refused while the worker (where the tokenizer runs) is busy
     huge = "abc " * 250_000
-    with busy(scheduler):
+    with busy(worker):
         t = time.monotonic()
         r1 = c.post("/v1/completions", json={"model": name, "prompt": huge, "max_tokens": 1})
         msgs = [
@@ -172,11 +172,11 @@ def test_max_tokens_cap(served):
 def test_queue_timeout_gives_503_with_retry_after_and_runs_nothing(model_dir):
     from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
-    from leyline_agent.server.scheduler import Scheduler
+    from leyline_agent.server.worker import Worker
 
-    scheduler = Scheduler(Engine.from_pretrained(model_dir), queue_timeout_s=0.3)
+    worker = Worker(Engine.from_pretrained(model_dir), queue_timeout_s=0.3)
     with (
-        serve_in_thread(create_app(scheduler)) as srv,
+        serve_in_thread(create_app(worker)) as srv,
         httpx.Client(base_url=srv.url, timeout=30) as c,
     ):
         name = model_dir.name
@@ -189,7 +189,7 @@ def test_queue_timeout_gives_503_with_retry_after_and_runs_nothing(model_dir):
                 f"{srv.url}/v1/completions", json={**body, **extra}, timeout=30
             )
 
-        with busy(scheduler):
+        with busy(worker):
             threads = [
                 threading.Thread(target=send, args=("plain",)),
                 threading.Thread(target=send, args=("stream",), kwargs={"stream": True}),
@@ -210,7 +210,7 @@ def test_queue_timeout_gives_503_with_retry_after_and_runs_nothing(model_dir):
             r.status_code == 200
             and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         )
-    scheduler.close()
+    worker.close()
 
 
 def _abandon(url: str, path: str, body: dict, after: float = 0.5) -> None:
@@ -219,29 +219,49 @@ def _abandon(url: str, path: str, body: dict, after: float = 0.5) -> None:
 
 
 def test_an_abandoned_queued_request_never_runs(served):
-    c, scheduler, name, srv = served
+    c, worker, name, srv = served
     P = random_ids(204, 20)
     before = _stats(c)
-    with busy(scheduler):
+    with busy(worker):
         _abandon(srv.url, "/v1/completions", {"model": name, "prompt": P, "max_tokens": 2})
         chat = {"model": name, "messages": [{"role": "user", "content": "queued"}], "max_tokens": 2}
         _abandon(srv.url, "/v1/chat/completions", chat)
         time.sleep(0.2)  # the server sees the disconnects while the jobs are queued
-    idle(scheduler)
+    idle(worker)
     assert _stats(c) == before
     r = c.post("/v1/completions", json={"model": name, "prompt": P, "max_tokens": 1})
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+class _SlowEngine:
+    """The real engine, 10 ms slower per generated token: its answer to the prompt below
+    (about 470 tokens, then a stop token) takes seconds on any machine, so the request is
+    surely still running when its client leaves after one second."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, prompt_ids, params, on_token=None, **kw):
+        def slow(*args):
+            time.sleep(0.01)
+            if on_token is not None:
+                on_token(*args)
+
+        return self._engine.generate(prompt_ids, params, on_token=slow, **kw)
 
 
 def test_an_abandoned_running_generation_stops_and_is_not_cached(model_dir):
     """Without the cap: a long answer, on a server of its own."""
     from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
-    from leyline_agent.server.scheduler import Scheduler
+    from leyline_agent.server.worker import Worker
 
-    scheduler = Scheduler(Engine.from_pretrained(model_dir))
+    worker = Worker(_SlowEngine(Engine.from_pretrained(model_dir)))
     with (
-        serve_in_thread(create_app(scheduler)) as srv,
+        serve_in_thread(create_app(worker)) as srv,
         httpx.Client(base_url=srv.url, timeout=60) as c,
     ):
         name = model_dir.name
@@ -250,24 +270,24 @@ def test_an_abandoned_running_generation_stops_and_is_not_cached(model_dir):
         body = {"model": name, "prompt": P, "max_tokens": 4000, "temperature": 0}
         _abandon(srv.url, "/v1/completions", body, after=1.0)  # running for a while by then
         t = time.monotonic()
-        idle(scheduler)
+        idle(worker)
         assert time.monotonic() - t < 10  # stopped at its next token, not run to 4000
         assert _stats(c) == before  # not counted
         r = c.post("/v1/completions", json={**body, "max_tokens": 1})
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # not cached
-    scheduler.close()
+    worker.close()
 
 
 def test_an_abandoned_queued_directive_is_not_executed(served):
-    c, scheduler, name, srv = served
+    c, worker, name, srv = served
     T = random_ids(206, 30)
     c.post("/v1/completions", json={"model": name, "prompt": T, "max_tokens": 1})
     d = {"tokens": T, "directives": [{"start": 4, "end": 9, "replacement": [11, 12]}]}
     before = _stats(c)
-    with busy(scheduler):
+    with busy(worker):
         _abandon(srv.url, "/leyline/v1/directives", d)
         time.sleep(0.2)
-    idle(scheduler)
+    idle(worker)
     assert _stats(c) == before
     r = c.post("/leyline/v1/directives", json=d)  # T is still cached: the splice was never made
     assert r.status_code == 200 and r.json()["splices"]["amortize"] == 1

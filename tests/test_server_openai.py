@@ -314,7 +314,7 @@ def test_tool_history_from_an_openai_client_renders_like_the_template(client, na
     assert r.usage.prompt_tokens == len(_template_ids(tok, flat, TOOLS))
 
 
-def test_a_stream_whose_client_leaves_is_stopped_and_frees_the_scheduler(
+def test_a_stream_whose_client_leaves_is_stopped_and_frees_the_worker(
     server, client, name, model_dir, stop_ids
 ):
     ids = random_ids(4, 24)

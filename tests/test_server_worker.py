@@ -1,6 +1,6 @@
-"""The scheduler: one worker, FIFO, never two jobs at once, errors delivered, clean close.
+"""The worker: one worker, FIFO, never two jobs at once, errors delivered, clean close.
 
-The "engine" here is a recorder object: the thing under test is the scheduler itself.
+The "engine" here is a recorder object: the thing under test is the worker itself.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from concurrent.futures import wait
 import pytest
 
 from leyline_agent.errors import RuntimeUnavailableError
-from leyline_agent.server.scheduler import Scheduler, StreamEnd
+from leyline_agent.server.worker import StreamEnd, Worker
 
 
 class Recorder:
@@ -39,7 +39,7 @@ class Recorder:
 
 def test_jobs_run_one_at_a_time_in_submission_order_on_one_thread():
     rec = Recorder()
-    sched = Scheduler(rec)
+    sched = Worker(rec)
     futures = []
     lock = threading.Lock()
 
@@ -64,7 +64,7 @@ def test_jobs_run_one_at_a_time_in_submission_order_on_one_thread():
 
 
 def test_an_exception_reaches_its_caller_and_the_worker_keeps_going():
-    sched = Scheduler(Recorder())
+    sched = Worker(Recorder())
 
     def boom(engine):
         raise ValueError("bad thing")
@@ -78,7 +78,7 @@ def test_an_exception_reaches_its_caller_and_the_worker_keeps_going():
 
 
 def test_stream_yields_events_then_result_and_raises_job_errors():
-    sched = Scheduler(Recorder())
+    sched = Worker(Recorder())
 
     def job(engine, emit):
         for k in range(4):
@@ -109,7 +109,7 @@ def test_stream_yields_events_then_result_and_raises_job_errors():
 
 def test_close_finishes_queued_work_then_refuses_new_work():
     rec = Recorder()
-    sched = Scheduler(rec)
+    sched = Worker(rec)
     futures = [sched.submit(lambda e, k=k: e.work(k, steps=2)) for k in range(5)]
     sched.close()
     assert [f.result(0) for f in futures] == [0, 10, 20, 30, 40]
@@ -119,7 +119,7 @@ def test_close_finishes_queued_work_then_refuses_new_work():
 
 def test_close_can_cancel_what_is_still_queued():
     rec = Recorder()
-    sched = Scheduler(rec)
+    sched = Worker(rec)
     started, gate = threading.Event(), threading.Event()
 
     def blocker(engine):

@@ -2,7 +2,8 @@
 
 Layers, one job each:
 
-- ``scheduler``: one worker thread runs every piece of engine work, FIFO.
+- ``worker``: ``Worker``, one thread that runs every piece of engine work, FIFO;
+  ``ServedEngine``, the protocol an engine serves through.
 - ``openai_api`` (wire models) -> ``completions`` (checks, sampling parameters) ->
   ``openai_routes`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``),
   with ``streaming`` (SSE, incremental text), ``tool_calls`` and ``logprobs``.
@@ -12,7 +13,8 @@ Layers, one job each:
   size, prompt tokens before tokenizing), ``inputs`` (text that is not Unicode),
   ``disconnect`` (work for a client that left is cancelled or stopped).
 - ``errors``: every failure -> ``{"error": ErrorBody}`` with a 4xx/5xx status.
-- ``app.create_app(engine_or_scheduler, ...)``; ``main.serve(args)`` runs uvicorn.
+- ``app.create_app(engine_or_worker, ...)``; ``main.serve(args)`` runs uvicorn;
+  ``cli`` registers ``leyline serve`` (``--engine sglang`` hands over to the SGLang plugin).
 
 Nothing is imported here: ``leyline_agent.server.app`` pulls in FastAPI, and the engine
 pulls in torch.

@@ -1,9 +1,9 @@
-"""``create_app(engine_or_scheduler, ...)``: the FastAPI application of ``leyline serve``.
+"""``create_app(engine_or_worker, ...)``: the FastAPI application of ``leyline serve``.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (``openai_routes``),
 ``/leyline/v1/directives``, ``/leyline/v1/stats`` (``leyline_routes``), ``/health``.
-Every engine call goes through one ``Scheduler``; an app built from an engine owns its
-scheduler and closes it when the app shuts down.
+Every engine call goes through one ``Worker``; an app built from an engine owns its
+worker and closes it when the app shuts down.
 
 Pure ASGI middleware, outermost first: ``HostAllowlist`` (only with ``allowed_hosts``),
 ``BearerAuth`` (only with ``api_keys``), ``BodyLimit``, ``ErrorGuard``. So a request from a
@@ -29,14 +29,14 @@ from leyline_agent.server.inputs import check_json_body
 from leyline_agent.server.leyline_routes import router as leyline_router
 from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, longest_token_bytes
 from leyline_agent.server.openai_routes import router as openai_router
-from leyline_agent.server.scheduler import DEFAULT_QUEUE_TIMEOUT_S, Engine, Scheduler
 from leyline_agent.server.state import ServerState
 from leyline_agent.server.tenants import ApiKeys, BearerAuth, HostAllowlist, session_header
+from leyline_agent.server.worker import DEFAULT_QUEUE_TIMEOUT_S, ServedEngine, Worker
 
 __all__ = ["create_app", "model_limits"]
 
 
-def model_limits(engine: Engine) -> ModelLimits:
+def model_limits(engine: ServedEngine) -> ModelLimits:
     """Vocabulary size, context length and the longest token's bytes (once, at start-up)."""
     config = getattr(getattr(engine, "model", None), "config", None)
     vocab = getattr(config, "vocab_size", None) or len(engine.tokenizer)
@@ -55,7 +55,7 @@ def _default_params_cls() -> type:
 
 
 def create_app(
-    engine_or_scheduler: Engine | Scheduler,
+    engine_or_worker: ServedEngine | Worker,
     *,
     served_model_name: str | None = None,
     aliases: Iterable[str] = (),
@@ -76,12 +76,12 @@ def create_app(
     pairs); none means no authentication and one tenant. ``allowed_hosts``: None turns the
     ``Host`` check off; a collection turns it on (loopback names plus these).
     ``max_prompt_tokens`` defaults to the model's context; ``max_tokens_cap`` to none.
-    ``queue_timeout_s`` applies to the scheduler the app builds from an engine.
+    ``queue_timeout_s`` applies to the worker the app builds from an engine.
     """
-    if isinstance(engine_or_scheduler, Scheduler):
-        scheduler, owned = engine_or_scheduler, False
+    if isinstance(engine_or_worker, Worker):
+        worker, owned = engine_or_worker, False
     else:
-        scheduler = Scheduler(engine_or_scheduler, queue_timeout_s=queue_timeout_s)
+        worker = Worker(engine_or_worker, queue_timeout_s=queue_timeout_s)
         owned = True
     for name, value in (
         ("max_prompt_tokens", max_prompt_tokens),
@@ -90,9 +90,9 @@ def create_app(
         if value is not None and value < 1:
             raise ValueError(f"{name}: {value} must be >= 1")
     keys = api_keys if isinstance(api_keys, ApiKeys) else ApiKeys.build(api_keys)
-    engine = scheduler.engine
+    engine = worker.engine
     engine_name = str(engine.model_name)
-    limits = scheduler.call(model_limits)
+    limits = worker.call(model_limits)
     model = ServedModel(
         id=served_model_name or Path(engine_name).name or engine_name,
         aliases=frozenset({engine_name, *aliases}),
@@ -107,11 +107,11 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         if owned:
-            scheduler.close(cancel_pending=True)
+            worker.close(cancel_pending=True)
 
     app = FastAPI(title="Leyline", version="0.1.0", lifespan=lifespan)
     app.state.leyline = ServerState(
-        scheduler=scheduler,
+        worker=worker,
         model=model,
         params_cls=params_cls or _default_params_cls(),
         directive_memory=DirectiveMemory(remembered_request_ids),

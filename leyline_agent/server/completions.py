@@ -34,7 +34,7 @@ __all__ = [
 
 MAX_STOP = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions API
-# Chat without max_tokens: OpenAI runs to the context's end. One scheduler serves every
+# Chat without max_tokens: OpenAI runs to the context's end. One worker serves every
 # session, so an unbounded answer (a random-weight model rarely stops) would stall them
 # all; the default is capped (``create_app(default_max_tokens=...)``).
 CHAT_DEFAULT_MAX_TOKENS = 1024

@@ -7,7 +7,7 @@ answer without executing anything. A retry whose body differs (another directive
 old id) is refused with 400 naming ``request_id``. Failed requests are not remembered: a
 failed directive changed nothing, so running its retry is safe.
 
-``DirectiveMemory.run`` is called on the scheduler's worker, inside the job that executes
+``DirectiveMemory.run`` is called on the worker thread, inside the job that executes
 the directive, so looking up, executing and remembering are one step: two concurrent
 retries cannot both execute. Bounded: at most ``per_tenant`` ids per tenant (LRU).
 """

@@ -5,7 +5,7 @@ connection (the next ASGI message after the body is ``http.disconnect`` when the
 goes away). If the client leaves first, ``on_gone()`` runs (the route cancels its queued
 job and sets the event its ``on_token`` checks) and ``ClientDisconnected`` is raised.
 
-``run_connected(request, scheduler, fn)`` is that around one scheduler job: a job still in
+``run_connected(request, worker, fn)`` is that around one worker job: a job still in
 the queue is cancelled and never runs. A running generation is stopped at its next token by
 ``on_token`` raising ``GenerationCancelled`` (before the engine caches or counts
 anything); a running directive finishes (it is atomic) and its answer is dropped.
@@ -21,7 +21,7 @@ from typing import Any
 from starlette.requests import Request
 
 from leyline_agent.server.errors import ClientDisconnected
-from leyline_agent.server.scheduler import Scheduler
+from leyline_agent.server.worker import Worker
 
 __all__ = [
     "ClientDisconnected",
@@ -75,12 +75,12 @@ async def while_connected[T](
 
 async def run_connected[T](
     request: Request,
-    scheduler: Scheduler,
+    worker: Worker,
     fn: Callable[[Any], T],
     gone: threading.Event | None = None,
 ) -> T:
-    """Run ``fn(engine)`` on the scheduler unless the client leaves first (see module doc)."""
-    future = scheduler.submit(fn)
+    """Run ``fn(engine)`` on the worker unless the client leaves first (see module doc)."""
+    future = worker.submit(fn)
 
     def on_gone() -> None:
         if gone is not None:

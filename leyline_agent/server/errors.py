@@ -168,7 +168,7 @@ def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
         return 409, "CacheMissError", str(exc), _lift_field(str(exc)) or "tokens"
     if isinstance(exc, RuntimeUnavailableError):
         return 503, type(exc).__name__, str(exc), None
-    if isinstance(exc, concurrent.futures.CancelledError):  # the scheduler shut down
+    if isinstance(exc, concurrent.futures.CancelledError):  # the worker shut down
         return 503, "RuntimeUnavailableError", "the request was cancelled (shutting down)", None
     if isinstance(exc, StarletteHTTPException):
         return _http_error(exc)

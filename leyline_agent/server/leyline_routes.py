@@ -91,10 +91,10 @@ async def directives(req: DirectivesRequest, request: Request) -> DirectivesResp
     def job(engine: Any) -> DirectivesResponse:  # on the worker: lookup + execute, atomic
         return memory.run(req, ns, lambda: engine.apply_directives(ready, namespace=ns))
 
-    return await run_connected(request, st.scheduler, job)
+    return await run_connected(request, st.worker, job)
 
 
 @router.get("/leyline/v1/stats", response_model=StatsResponse)
 async def stats(request: Request) -> StatsResponse:
     tenant = namespace(request).tenant
-    return await run_connected(request, state(request).scheduler, lambda e: e.stats(tenant=tenant))
+    return await run_connected(request, state(request).worker, lambda e: e.stats(tenant=tenant))

@@ -36,7 +36,7 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
     from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES
-    from leyline_agent.server.scheduler import DEFAULT_QUEUE_TIMEOUT_S
+    from leyline_agent.server.worker import DEFAULT_QUEUE_TIMEOUT_S
 
     kwargs = {
         "dtype": getattr(args, "dtype", "float32") or "float32",
@@ -110,7 +110,7 @@ def build_server(args: argparse.Namespace):  # -> uvicorn.Server
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGINT/SIGTERM; the app then closes its scheduler."""
+    """Run the server until SIGINT/SIGTERM; the app then closes its worker."""
     server = build_server(args)
     host, port = server.config.host, server.config.port
     if not _is_loopback(host):

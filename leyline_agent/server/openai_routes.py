@@ -1,7 +1,7 @@
 """``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``: OpenAI-compatible routes.
 
 A request is checked (``completions.py``), its prompt rendered or tokenized on the
-scheduler, its sampling parameters built, and then generated on the scheduler: in one
+worker, its sampling parameters built, and then generated on the worker: in one
 job (JSON answer) or streamed as server-sent events, ``data: {chunk}`` per delta and
 ``data: [DONE]`` at the end; with ``stream_options.include_usage`` a last chunk with empty
 ``choices`` carries ``usage``. The response starts once the generation job runs, so what
@@ -51,11 +51,11 @@ from leyline_agent.server.openai_api import (
     now,
     usage,
 )
-from leyline_agent.server.scheduler import StreamEnd
 from leyline_agent.server.state import ServerState, state
 from leyline_agent.server.streaming import DONE, IncrementalText, sse
 from leyline_agent.server.tenants import namespace
 from leyline_agent.server.tool_calls import OPEN_TAG, parse_tool_calls
+from leyline_agent.server.worker import StreamEnd
 from leyline_agent.wire import ErrorBody
 
 __all__ = ["router"]
@@ -102,7 +102,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     check_text_bound(message_text_bytes(messages), longest, limit, "messages")
     ids = await run_connected(
         request,
-        st.scheduler,
+        st.worker,
         lambda e: e.render(messages, tools=tools, add_generation_prompt=True),
     )
     check_prompt_ids(ids, st.model.limits, "messages")
@@ -197,7 +197,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         check_text_bound(
             size, st.model.limits.longest_token_bytes, st.model.max_prompt_tokens, "prompt"
         )
-        ids = await run_connected(request, st.scheduler, lambda e: list(e.tokenizer.encode(prompt)))
+        ids = await run_connected(request, st.worker, lambda e: list(e.tokenizer.encode(prompt)))
     else:
         check_prompt_length(len(prompt), st.model, "prompt")
         ids = prompt  # token ids are used as given: no BOS, no template
@@ -266,7 +266,7 @@ async def _completion_events(
 
 # ---- shared ----------------------------------------------------------------------------
 def _decoder(st: ServerState) -> Callable[[list[int]], str]:
-    tok = st.scheduler.engine.tokenizer  # used on the worker thread only (in on_token)
+    tok = st.worker.engine.tokenizer  # used on the worker thread only (in on_token)
     return lambda ids: tok.decode(ids, skip_special_tokens=True)
 
 
@@ -278,7 +278,7 @@ async def _generate_once(
     on_token = stop_when_gone(gone)
     return await run_connected(
         request,
-        st.scheduler,
+        st.worker,
         lambda e: e.generate(ids, params, on_token=on_token, namespace=ns),
         gone,
     )
@@ -305,7 +305,7 @@ async def _generate(
         return engine.generate(ids, params, on_token=partial(on_token, emit), namespace=ns)
 
     try:
-        async with aclosing(st.scheduler.stream(job)) as events:
+        async with aclosing(st.worker.stream(job)) as events:
             async for event in events:
                 yield event if isinstance(event, StreamEnd) else event[0]
     finally:

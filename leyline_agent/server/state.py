@@ -1,4 +1,4 @@
-"""What every route reads: the scheduler, the served model, the engine's parameter class,
+"""What every route reads: the worker, the served model, the engine's parameter class,
 and the memory of directive request ids (used on the worker thread only)."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from fastapi import Request
 
 from leyline_agent.server.completions import ServedModel
 from leyline_agent.server.directive_memory import DirectiveMemory
-from leyline_agent.server.scheduler import Scheduler
+from leyline_agent.server.worker import Worker
 
 __all__ = ["ServerState", "state"]
 
 
 @dataclass(frozen=True, slots=True)
 class ServerState:
-    scheduler: Scheduler
+    worker: Worker
     model: ServedModel
     params_cls: type  # the engine's SamplingParams
     directive_memory: DirectiveMemory = field(default_factory=DirectiveMemory)

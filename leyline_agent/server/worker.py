@@ -40,14 +40,16 @@ from leyline_agent.namespaces import ANONYMOUS, Namespace
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["DEFAULT_QUEUE_TIMEOUT_S", "Engine", "QueueTimeoutError", "Scheduler", "StreamEnd"]
+__all__ = ["DEFAULT_QUEUE_TIMEOUT_S", "ServedEngine", "QueueTimeoutError", "Worker", "StreamEnd"]
 
 T = TypeVar("T")
 DEFAULT_QUEUE_TIMEOUT_S = 300.0
 
 
-class Engine(Protocol):
-    """What the server needs from the embedded engine (``leyline_agent.runtime``)."""
+class ServedEngine(Protocol):
+    """What the server needs from an inference engine (``leyline_agent.engine.engine.Engine``
+    is one; tests serve doubles). ``generate``'s ``on_token(token_id, text_delta)`` gets the
+    text each token adds, stop-safe: the deltas add up to the result's ``text``."""
 
     model_name: str
 
@@ -76,7 +78,7 @@ class Engine(Protocol):
 
 
 class QueueTimeoutError(RuntimeUnavailableError):
-    """A job waited in the queue longer than the scheduler's ``queue_timeout_s``.
+    """A job waited in the queue longer than the worker's ``queue_timeout_s``.
 
     ``retry_after_s`` (the ``Retry-After`` header): a tenth of the timeout, 1 to 60 s.
     """
@@ -98,19 +100,19 @@ class _Job:
 
 @dataclass(slots=True)
 class StreamEnd[R]:
-    """Last item of ``Scheduler.stream``: the job's return value."""
+    """Last item of ``Worker.stream``: the job's return value."""
 
     result: R
 
 
-class Scheduler:
+class Worker:
     """Serializes all work on one engine in one worker thread (FIFO)."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: ServedEngine,
         *,
-        name: str = "leyline-scheduler",
+        name: str = "leyline-worker",
         queue_timeout_s: float | None = None,
     ) -> None:
         if queue_timeout_s is not None and not queue_timeout_s > 0:
@@ -124,7 +126,7 @@ class Scheduler:
         self._thread.start()
 
     # ---- public API --------------------------------------------------------------------
-    def submit(self, fn: Callable[[Engine], T]) -> Future[T]:
+    def submit(self, fn: Callable[[ServedEngine], T]) -> Future[T]:
         """Queue ``fn(engine)``; its result or exception arrives in the returned future."""
         future: Future[T] = Future()
         with self._lock:
@@ -133,16 +135,16 @@ class Scheduler:
             self._queue.put(_Job(fn, future, time.monotonic()))
         return future
 
-    async def run(self, fn: Callable[[Engine], T]) -> T:
+    async def run(self, fn: Callable[[ServedEngine], T]) -> T:
         """``submit`` and await the result from the event loop."""
         return await asyncio.wrap_future(self.submit(fn))
 
-    def call(self, fn: Callable[[Engine], T], timeout: float | None = None) -> T:
+    def call(self, fn: Callable[[ServedEngine], T], timeout: float | None = None) -> T:
         """``submit`` and block (for synchronous callers, never from the event loop)."""
         return self.submit(fn).result(timeout)
 
     async def stream(
-        self, fn: Callable[[Engine, Callable[..., None]], T]
+        self, fn: Callable[[ServedEngine, Callable[..., None]], T]
     ) -> AsyncIterator[tuple[Any, ...] | StreamEnd[T]]:
         """Run ``fn(engine, emit)``; yield each ``emit(*args)`` as a tuple, then ``StreamEnd``.
 
@@ -182,7 +184,7 @@ class Scheduler:
             self._queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("scheduler worker still busy after close", timeout=timeout)
+            log.warning("worker still busy after close", timeout=timeout)
 
     @property
     def closed(self) -> bool:

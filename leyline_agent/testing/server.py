@@ -4,7 +4,7 @@
 socket bound before the server starts (no port race); returns once it answers.
 ``serve_in_process(model_dir, *args)``: ``python -m leyline_agent.cli serve`` in a child
 process (the real command line); waits for ``/health``. Both are context managers whose
-``stop()`` shuts the server down cleanly (and the app closes its scheduler).
+``stop()`` shuts the server down cleanly (and the app closes its worker).
 """
 
 from __future__ import annotations
