@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from leyline_agent.chat_input import canonical_messages, canonical_tools
 from leyline_agent.engine.params import GREEDY_BELOW, SEED_MAX
 from leyline_agent.server.errors import ModelNotFoundError, RequestError, field_path
 from leyline_agent.server.openai_api import (
@@ -170,22 +171,15 @@ def check_messages(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         raise RequestError("only 'auto' and 'none' are supported", "tool_choice")
     if not req.tools or choice == "none":
         return None
-    return [t.model_dump(exclude_none=True) for t in req.tools]
+    return canonical_tools([t.model_dump(exclude_none=True) for t in req.tools])
 
 
 def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What the chat template renders: text parts joined into one string, and OpenAI's
-    ``developer`` role (the newer name of ``system``) as ``system``. Both the chat route and
-    message-form directives go through this, so they render a conversation identically."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            m = {**m, "content": "".join(p["text"] for p in content)}
-        if m.get("role") == "developer":
-            m = {**m, "role": "system"}
-        out.append(m)
-    return out
+    """What the chat template renders (``leyline_agent.chat_input``): text parts joined,
+    ``developer`` as ``system``, keys the template does not need dropped. Both the chat route
+    and message-form directives go through this and ``canonical_tools``, so they render a
+    conversation identically."""
+    return canonical_messages(messages)
 
 
 def check_prompt_length(n_tokens: int, model: ServedModel, field: str) -> None:

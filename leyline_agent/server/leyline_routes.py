@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from leyline_agent.chat_input import canonical_tools
 from leyline_agent.directives import plan_batch
 from leyline_agent.server.completions import (
     check_prompt_ids,
@@ -76,6 +77,7 @@ def checked(req: DirectivesRequest, request: Request) -> DirectivesRequest:
         update={
             "old_messages": messages_for_template(req.old_messages),
             "new_messages": messages_for_template(req.new_messages),
+            "tools": canonical_tools(req.tools),  # as the chat route renders them
         }
     )
 
