@@ -120,10 +120,26 @@ class StatsResponse(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """Body of every 4xx/5xx answer: ``{"error": {"type", "message", "field"}}``."""
+    """Body of every 4xx/5xx answer, shaped as OpenAI's: ``{"error": {"message", "type",
+    "param", "code", "field"}}``.
+
+    ``type`` is the Leyline error class name (clients raise the same class); ``param`` is the
+    request field at fault, as a path (``messages[2].role``), where the OpenAI SDK reads it,
+    and ``field`` the same value under its older name; ``code`` a short snake_case reason
+    (``invalid_value``, ``model_not_found``, ``cache_miss``, pydantic's ``missing``...)."""
 
     model_config = _FROZEN
 
-    type: str
     message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
     field: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _param_is_field(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            param = data.get("param", data.get("field"))
+            data = {**data, "param": param, "field": data.get("field", param)}
+        return data

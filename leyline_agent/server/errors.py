@@ -5,7 +5,7 @@ raised                                  status  ``error.type``
 =====================================  ======  =============================================
 ``RequestError`` (bad value, server)    400     ``RequestError``
 ``ModelNotFoundError``                  404     ``ModelNotFoundError``
-FastAPI ``RequestValidationError``      422     ``ValidationError`` (``UnsupportedModeError``
+FastAPI ``RequestValidationError``      400     ``ValidationError`` (``UnsupportedModeError``
                                                 for a reserved directive mode)
 ``CacheMissError``                      409     ``CacheMissError``
 other ``LeylineError``                  400     its class name (``DirectiveError``,
@@ -25,8 +25,12 @@ middleware) turns any exception a route lets through into the JSON error and ret
 normally, so the keep-alive connection stays usable (uvicorn closes a connection whose
 application raised).
 
-``type`` is the name of the Leyline error class, so that a client (``HTTPRuntime``) can
-raise the same class on its side.
+The body has OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` (plus
+``field``, the same as ``param``), and bad requests are 400 as OpenAI answers them
+(FastAPI's default for a validation error would be 422). ``type`` is the name of the
+Leyline error class, so that a client (``HTTPRuntime``) can raise the same class on its
+side; ``code`` is a snake_case reason (``error_code``; pydantic's error type for a
+validation error: ``missing``, ``int_type``).
 ``field`` names the request field at fault, as a path: ``messages[2].role``,
 ``directives[0].end``, ``prompt[7]``. Errors raised by the layers below carry it as the
 prefix of their message (``"directives[0].end: ..."``); it is lifted from there.
@@ -58,7 +62,10 @@ __all__ = [
     "ModelNotFoundError",
     "RequestError",
     "classify",
+    "error_body",
+    "error_code",
     "error_response",
+    "exception_code",
     "field_path",
     "install",
 ]
@@ -124,9 +131,50 @@ def error_response(
     message: str,
     field: str | None = None,
     headers: dict[str, str] | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
-    body = ErrorBody(type=type_, message=_printable(message), field=field and _printable(field))
+    body = error_body(type_, message, field, code)
     return JSONResponse({"error": body.model_dump()}, status_code=status, headers=headers)
+
+
+def error_body(
+    type_: str, message: str, field: str | None = None, code: str | None = None
+) -> ErrorBody:
+    """OpenAI's error shape; ``code`` defaults to the type's (``error_code``)."""
+    return ErrorBody(
+        type=type_,
+        message=_printable(message),
+        field=field and _printable(field),
+        code=code or error_code(type_),
+    )
+
+
+_CODES = {
+    "RequestError": "invalid_value",
+    "ValidationError": "invalid_value",
+    "ValueError": "invalid_value",
+    "DirectiveError": "invalid_directive",
+    "TrajectoryError": "invalid_messages",
+    "AuthenticationError": "invalid_api_key",
+    "NotFound": "not_found",
+    "MethodNotAllowed": "method_not_allowed",
+    "InternalError": "internal_error",
+}
+
+
+def error_code(type_: str) -> str:
+    """``CacheMissError`` -> ``cache_miss``, ``ModelNotFoundError`` -> ``model_not_found``."""
+    if type_ in _CODES:
+        return _CODES[type_]
+    stem = type_.removesuffix("Error") or type_
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", stem).lower()
+
+
+def exception_code(exc: BaseException, type_: str) -> str:
+    """A validation error's code is pydantic's own (``missing``, ``int_type``...)."""
+    if isinstance(exc, RequestValidationError) and exc.errors():
+        return str(exc.errors()[0].get("type", "invalid_value")).replace(".", "_")
+    return error_code(type_)
 
 
 def _printable(text: str) -> str:
@@ -138,9 +186,8 @@ def exception_response(exc: BaseException) -> JSONResponse:
     """The JSON error answer of ``exc`` (with ``Retry-After`` where the error has one)."""
     status, type_, message, field = classify(exc)
     retry = getattr(exc, "retry_after_s", None)
-    return error_response(
-        status, type_, message, field, {"Retry-After": str(retry)} if retry else None
-    )
+    headers = {"Retry-After": str(retry)} if retry else None
+    return error_response(status, type_, message, field, headers, exception_code(exc, type_))
 
 
 def _validation(errors: Sequence[dict[str, Any]]) -> tuple[str, str | None, bool]:
@@ -163,7 +210,7 @@ def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
         return exc.status, type(exc).__name__, str(exc), exc.field
     if isinstance(exc, RequestValidationError):
         message, field, reserved = _validation(exc.errors())
-        return 422, "UnsupportedModeError" if reserved else "ValidationError", message, field
+        return 400, "UnsupportedModeError" if reserved else "ValidationError", message, field
     if isinstance(exc, CacheMissError):
         return 409, "CacheMissError", str(exc), _lift_field(str(exc)) or "tokens"
     if isinstance(exc, RuntimeUnavailableError):

@@ -41,7 +41,12 @@ from leyline_agent.server.disconnect import (
     stop_when_gone,
     while_connected,
 )
-from leyline_agent.server.errors import ModelNotFoundError, classify
+from leyline_agent.server.errors import (
+    ModelNotFoundError,
+    classify,
+    error_body,
+    exception_code,
+)
 from leyline_agent.server.limits import check_text_bound, message_text_bytes
 from leyline_agent.server.openai_api import (
     ChatCompletionRequest,
@@ -56,7 +61,6 @@ from leyline_agent.server.streaming import DONE, IncrementalText, sse
 from leyline_agent.server.tenants import namespace
 from leyline_agent.server.tool_calls import OPEN_TAG, parse_tool_calls
 from leyline_agent.server.worker import StreamEnd
-from leyline_agent.wire import ErrorBody
 
 __all__ = ["router"]
 
@@ -333,7 +337,8 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
                     yield item
         except Exception as exc:  # headers are gone: report in-band, as OpenAI does
             _, type_, message, field = classify(exc)
-            yield sse({"error": ErrorBody(type=type_, message=message, field=field).model_dump()})
+            body = error_body(type_, message, field, exception_code(exc, type_))
+            yield sse({"error": body.model_dump()})
         yield DONE
 
     return StreamingResponse(

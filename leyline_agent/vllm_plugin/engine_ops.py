@@ -24,6 +24,7 @@ name, never as an exception through vLLM's utility machinery.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -52,6 +53,7 @@ def leyline_rpc(engine: Any, request_json: str) -> str:
     except LeylineError as e:
         return json.dumps({"error": {"type": type(e).__name__, "message": str(e)}})
     except Exception as e:  # noqa: BLE001 - reported to the route, which answers 500
+        logging.getLogger(__name__).exception("leyline op failed")
         return json.dumps(
             {"error": {"type": "InternalError", "message": f"{type(e).__name__}: {e}"}}
         )
@@ -202,7 +204,8 @@ def _splice(
             cache_salt=salt,
             block_hasher=engine.request_block_hasher,
         )
-        pool.cache_full_blocks(owner, blocks, 0, len(blocks), bs, 0)
+        fresh = [b.reuse is None for b in plan.blocks]  # reused blocks hold their hash already
+        pool.cache_full_blocks(owner, blocks, 0, len(blocks), bs, 0, block_mask=fresh)
         pool.free_blocks(reversed(new))
         head_cached = head.num_cached_tokens
     finally:
