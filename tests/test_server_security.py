@@ -126,6 +126,8 @@ def test_host_allowlist_answers_loopback_names_and_the_names_given(model_dir):
                 assert r.json()["error"] == {
                     "type": "HostNotAllowedError",
                     "message": r.json()["error"]["message"],
+                    "param": "host",
+                    "code": "host_not_allowed",
                     "field": "host",
                 }
                 assert c.get("/health", headers={"Host": host}).status_code == 400

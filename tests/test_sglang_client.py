@@ -148,7 +148,7 @@ def test_sglang_http_route_on_sglang_app(engine: Engine, loop: Loopback, monkeyp
     assert out.splices == {"amortize": 1, "forget": 0}
 
     r = client.post("/leyline/v1/directives", json={"tokens": tokens})
-    assert r.status_code == 422 and "directives" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "directives" in r.json()["error"]["message"]
     body["directives"][0]["end"] = len(tokens) + 9
     r = client.post("/leyline/v1/directives", json=body)
     assert r.status_code == 400 and r.json()["error"]["type"] == "DirectiveError"

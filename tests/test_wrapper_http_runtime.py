@@ -78,9 +78,9 @@ def test_plain_endpoint_is_detected_not_raised():
 def test_server_errors_map_to_leyline_errors():
     with StubServer(ScriptedModel([])) as server:
         rt = HTTPRuntime(server.base_url)
-        bad = {"old_messages": OLD}  # message form missing new_messages: the server says 422
+        bad = {"old_messages": OLD}  # message form missing new_messages: the server says 400
         resp = rt._client.post(server.base_url + "/leyline/v1/directives", json=bad)
-        assert resp.status_code == 422
+        assert resp.status_code == 400
         with pytest.raises(DirectiveError, match="new_messages"):
             rt._parse("/leyline/v1/directives", resp, DirectivesRequest)
     with StubServer(ScriptedModel([]), directives_status=500) as server:

@@ -12,7 +12,7 @@ random port. Routes:
 - ``POST /v1/chat/completions``: the scripted model's next turn, as JSON or (``stream``)
   as server-sent events (content in small pieces, tool-call arguments in pieces).
 - ``GET /v1/models``.
-- ``POST /leyline/v1/directives``: validated as a ``DirectivesRequest`` (422 with an
+- ``POST /leyline/v1/directives``: validated as a ``DirectivesRequest`` (400 with an
   ``ErrorBody`` if not), recorded, answered with a ``DirectivesResponse`` (no tokens: the
   stub has no tokenizer; ``splices[mode]`` counts the messages that differ).
 - ``GET /leyline/v1/stats``: a ``StatsResponse`` of what the stub saw.
@@ -267,7 +267,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ValidationError as e:
             err = e.errors()[0]
             field = ".".join(str(x) for x in err.get("loc", ())) or None
-            return self._error(422, "DirectiveError", err.get("msg", str(e)), field)
+            return self._error(400, "DirectiveError", err.get("msg", str(e)), field)
         changed = 0
         if req.old_messages is not None and req.new_messages is not None:
             changed = sum(

@@ -1,0 +1,61 @@
+"""Errors read by the real OpenAI SDK: ``param`` and ``code`` set, 400 for a bad request.
+
+The SDK takes ``body["error"]`` apart into ``.type``, ``.param``, ``.code``; these tests
+read them there, as an application would.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from leyline_agent.testing.served_fixtures import served_model_fixtures
+
+model_dir, tok, stop_ids, server, client, name = served_model_fixtures("deepseek_v2")
+
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "type_", "param", "code"),
+    [
+        ({"messages": HELLO, "n": 2}, "RequestError", "n", "invalid_value"),
+        ({"messages": HELLO, "max_tokens": 0}, "ValidationError", "max_tokens", "greater_than_equal"),
+        ({"messages": HELLO, "temperature": "hot"}, "ValidationError", "temperature", "float_type"),
+        ({"messages": []}, "ValidationError", "messages", "too_short"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "RequestError", "messages[0].role", "invalid_value"),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_400_with_param_and_code(client, name, kwargs, type_, param, code):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=name, **kwargs)
+    assert e.value.status_code == 400
+    assert (e.value.type, e.value.param, e.value.code) == (type_, param, code)
+    assert param in e.value.message
+
+
+def test_unknown_model_is_404_model_not_found(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=HELLO)
+    assert (e.value.param, e.value.code) == ("model", "model_not_found")
+
+
+def test_error_body_has_openai_keys_and_the_leyline_field(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "x"}, timeout=30)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert {"message", "type", "param", "code"} <= set(err)
+    assert err["param"] == err["field"] == "messages" and err["code"] == "missing"
+
+
+def test_a_missing_directive_base_is_409_cache_miss(server, name):
+    body = {"tokens": [5, 6, 7, 8], "directives": [{"start": 1, "end": 2, "replacement": [9]}]}
+    r = httpx.post(
+        f"{server.url}/leyline/v1/directives", json={**body, "fallback": False}, timeout=30
+    )
+    assert r.status_code == 409
+    assert (r.json()["error"]["type"], r.json()["error"]["code"]) == (
+        "CacheMissError",
+        "cache_miss",
+    )
