@@ -155,7 +155,9 @@ def sampling_params(
 
 
 def check_messages(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """Validate each message's shape and the tools; return the tools to render (or None)."""
+    """Validate each message's shape and the tools; return the tools to render (or None).
+
+    ``tool_choice`` is checked by ``tool_choice.parse_tool_choice``."""
     for i, raw in enumerate(req.messages):
         try:
             ChatMessage.model_validate(raw)
@@ -166,11 +168,8 @@ def check_messages(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
             ) from e
         if raw["role"] == "tool" and not isinstance(raw.get("content"), str | list):
             raise RequestError("a tool message needs content", f"messages[{i}].content")
-    choice = req.tool_choice
-    if choice not in (None, "auto", "none"):
-        raise RequestError("only 'auto' and 'none' are supported", "tool_choice")
-    if not req.tools or choice == "none":
-        return None
+    if not req.tools:
+        return None  # rendered even with tool_choice "none": the prompt is the same either way
     return canonical_tools([t.model_dump(exclude_none=True) for t in req.tools])
 
 

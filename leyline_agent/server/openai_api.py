@@ -4,7 +4,7 @@ Requests: unknown top-level fields are ignored (clients send extras such as
 ``parallel_tool_calls`` or ``extra_body`` keys); known fields are validated strictly (no
 string-to-number coercion) and a bad one is named in the error. Options the embedded
 engine cannot honour (``n`` > 1, penalties, ``logit_bias``, ``echo``, ``best_of``,
-``tool_choice`` other than auto/none) are refused with a 400 naming the field, never
+a ``tool_choice`` that is not auto, none, required or one of the tools) are refused with a 400 naming the field, never
 silently dropped.
 
 Answers are built as plain dicts in exactly OpenAI's shape (``usage`` with

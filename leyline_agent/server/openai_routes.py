@@ -59,7 +59,8 @@ from leyline_agent.server.openai_api import (
 from leyline_agent.server.state import ServerState, state
 from leyline_agent.server.streaming import DONE, IncrementalText, sse
 from leyline_agent.server.tenants import namespace
-from leyline_agent.server.tool_calls import OPEN_TAG, parse_tool_calls
+from leyline_agent.server.tool_calls import OPEN_TAG
+from leyline_agent.server.tool_choice import ToolChoice, parse_answer, parse_tool_choice
 from leyline_agent.server.worker import StreamEnd
 
 __all__ = ["router"]
@@ -101,24 +102,28 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     ns = namespace(request)
     st.model.check(req.model)
     tools = check_messages(req)
+    choice = parse_tool_choice(req.tool_choice, tools)  # see tool_choice.py
+    forced = choice.forced_prefix() if tools is not None else ""
     messages = messages_for_template(req.messages)
     longest, limit = st.model.limits.longest_token_bytes, st.model.max_prompt_tokens
     check_text_bound(message_text_bytes(messages), longest, limit, "messages")
     ids = await run_connected(
         request,
         st.worker,
-        lambda e: e.render(messages, tools=tools, add_generation_prompt=True),
+        lambda e: e.render(messages, tools=tools, add_generation_prompt=True)
+        + (list(e.tokenizer.encode(forced, add_special_tokens=False)) if forced else []),
     )
     check_prompt_ids(ids, st.model.limits, "messages")
     params = sampling_params(req, len(ids), st.model, st.params_cls)
     if req.stream:
-        tools_on = tools is not None
+        tools_on = choice if tools is not None and choice.parses_calls else None
         tag = OPEN_TAG if tools_on else None
-        text = IncrementalText(_decoder(st), stop=params.stop, tool_tag=tag)
+        text = IncrementalText(_decoder(st, forced), stop=params.stop, tool_tag=tag)
         events = await _started(request, _generate(st, ids, params, text, ns))
         return _event_stream(_chat_events(st, req, events, params, text, tools_on))
     result = await _generate_once(request, st, ids, params, ns)
-    parsed = parse_tool_calls(result.text) if tools is not None else None
+    parses = tools is not None and choice.parses_calls
+    parsed = parse_answer(choice, result.text) if parses else None
     message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
     if parsed is not None and parsed.tool_calls:
         message.update(content=parsed.content, tool_calls=parsed.tool_calls)
@@ -147,7 +152,7 @@ async def _chat_events(
     events: AsyncIterator[str | StreamEnd],
     params: Any,
     text: IncrementalText,
-    tools_on: bool,
+    tools_on: ToolChoice | None,
 ) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = {
@@ -176,7 +181,7 @@ async def _chat_events(
             elif event:
                 yield chunk({"content": event})
     assert result is not None  # _generate always ends with StreamEnd or raises
-    parsed = parse_tool_calls(result.text) if tools_on else None
+    parsed = parse_answer(tools_on, result.text) if tools_on else None
     calls = parsed.tool_calls if parsed else []
     rest = text.finish((parsed.content or "") if parsed and calls else result.text)
     logprobs = lp.chat(result.logprobs) if params.logprobs else None
@@ -269,9 +274,10 @@ async def _completion_events(
 
 
 # ---- shared ----------------------------------------------------------------------------
-def _decoder(st: ServerState) -> Callable[[list[int]], str]:
+def _decoder(st: ServerState, forced: str = "") -> Callable[[list[int]], str]:
+    """Decodes the answer so far; ``forced`` is the text tool_choice forced it to open with."""
     tok = st.worker.engine.tokenizer  # used on the worker thread only (in on_token)
-    return lambda ids: tok.decode(ids, skip_special_tokens=True)
+    return lambda ids: forced + tok.decode(ids, skip_special_tokens=True)
 
 
 async def _generate_once(

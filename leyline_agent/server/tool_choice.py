@@ -1,0 +1,116 @@
+"""``tool_choice``: ``auto``, ``none``, ``required`` and a named function.
+
+How it is enforced (the embedded engine has no grammar-constrained sampler): by the prompt,
+then checked.
+
+- ``auto``: the model decides; a well-formed call in its answer becomes ``tool_calls``.
+- ``none``: the tools are still rendered into the prompt (so the prompt, and its cache, is
+  the same whatever the choice: an agent that alternates choices keeps its cache hits), but
+  the answer is never parsed for calls: it is all ``content``.
+- ``required``: the answer is forced to open with the family's tool-call tag (the tokens of
+  ``<tool_call>\\n`` are appended after the generation prompt, as if the model had written
+  them); the model writes the rest.
+- ``{"type": "function", "function": {"name": F}}``: the answer is forced to open with
+  ``<tool_call>\\n{"name": "F", "arguments": ``; the model writes the arguments.
+
+The forced text is part of the answer (it is parsed with the rest). If the answer still
+holds no well-formed call (or, for a named function, a call of another function), the
+request fails with 422 ``ToolChoiceNotMetError`` (``param`` ``tool_choice``), never a reply
+that silently ignores the choice. ``F`` must be one of ``tools``, else 400.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from leyline_agent.families import CHATML_HERMES, ChatFormat
+from leyline_agent.server.errors import RequestError
+from leyline_agent.server.tool_calls import ParsedOutput, parse_tool_calls
+
+__all__ = [
+    "ToolChoice",
+    "ToolChoiceNotMetError",
+    "check_met",
+    "parse_answer",
+    "parse_tool_choice",
+]
+
+
+class ToolChoiceNotMetError(RequestError):
+    """The model's answer does not call a tool as ``tool_choice`` requires."""
+
+    status = 422
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    mode: Literal["auto", "none", "required", "function"]
+    name: str | None = None  # the function, for mode "function"
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.mode != "none"
+
+    def forced_prefix(self, fmt: ChatFormat = CHATML_HERMES) -> str:
+        """The text the answer is forced to start with ("" for auto and none)."""
+        if self.mode == "required":
+            return fmt.tool_call_open + "\n"
+        if self.mode == "function":
+            return fmt.tool_call_open + '\n{"name": ' + json.dumps(self.name) + ', "arguments": '
+        return ""
+
+
+def parse_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """The request's ``tool_choice`` (OpenAI's default: auto with tools, none without)."""
+    if choice is None:
+        return ToolChoice("auto" if tools else "none")
+    if choice in ("auto", "none"):
+        return ToolChoice(choice)
+    if choice == "required":
+        if not tools:
+            raise RequestError("'required' needs at least one tool in 'tools'", "tool_choice")
+        return ToolChoice("required")
+    if isinstance(choice, str):
+        raise RequestError(
+            f"{choice!r} is not one of 'auto', 'none', 'required' or a named function",
+            "tool_choice",
+        )
+    if choice.get("type") != "function" or not isinstance(choice.get("function"), dict):
+        raise RequestError(
+            'a named tool_choice is {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    name = choice["function"].get("name")
+    names = [t["function"]["name"] for t in tools or []]
+    if not isinstance(name, str) or name not in names:
+        raise RequestError(
+            f"{name!r} is not one of the request's tools {names}", "tool_choice.function.name"
+        )
+    return ToolChoice("function", name)
+
+
+def check_met(choice: ToolChoice, calls: list[dict[str, Any]], text: str) -> None:
+    """Raise ``ToolChoiceNotMetError`` if ``calls`` (parsed from ``text``) miss the choice."""
+    if choice.mode == "required" and not calls:
+        raise ToolChoiceNotMetError(
+            f"tool_choice is 'required' but the model's answer holds no well-formed tool "
+            f"call: {text[:200]!r}",
+            "tool_choice",
+        )
+    if choice.mode == "function" and not any(c["function"]["name"] == choice.name for c in calls):
+        raise ToolChoiceNotMetError(
+            f"tool_choice names {choice.name!r} but the model's answer holds no well-formed "
+            f"call of it: {text[:200]!r}",
+            "tool_choice",
+        )
+
+
+def parse_answer(choice: ToolChoice, text: str) -> ParsedOutput:
+    """The answer ``text`` (what the model wrote after the forced prefix) as content and
+    calls; raises ``ToolChoiceNotMetError`` if it misses a ``required``/named choice."""
+    full = choice.forced_prefix(CHATML_HERMES) + text
+    parsed = parse_tool_calls(full)
+    check_met(choice, parsed.tool_calls, full)
+    return parsed
