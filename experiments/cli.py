@@ -47,6 +47,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=_bench_mechanism)
 
+    p = bench.add_parser(
+        "side-by-side", help="HTTP replay: vanilla vLLM, vLLM + Leyline, leyline serve"
+    )
+    p.add_argument(
+        "--model", required=True, help="model folder (leyline make-model), e.g. llama mini"
+    )
+    p.add_argument("--targets", default="vllm,vllm-leyline,leyline")
+    p.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 8, 16])
+    p.add_argument("--sessions", type=int, default=None, help="sessions per run (default max C)")
+    p.add_argument("--max-turns", type=int, default=None, help="turns per session (quick: 6)")
+    p.add_argument(
+        "--quick", action="store_true", help="tool outputs cut to 400 chars, no tool schemas"
+    )
+    p.add_argument("--trajectories", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=Path("runs/side-by-side"))
+    p.set_defaults(func=_bench_side_by_side)
+
+    p = bench.add_parser("http", help="HTTP replay against any OpenAI-compatible endpoint")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8080/v1")
+    p.add_argument("--served-model", required=True, help="the model name the endpoint serves")
+    p.add_argument("--label", default="endpoint")
+    p.add_argument("--arms", default="radix", help="radix, splice (needs /leyline/v1), full")
+    p.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 8, 16])
+    p.add_argument("--sessions", type=int, default=None)
+    p.add_argument("--max-turns", type=int, default=None)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--trajectories", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=Path("runs/http"))
+    p.set_defaults(func=_bench_http)
+
     check = sub.add_parser("check", help="correctness reports").add_subparsers(
         dest="check", metavar="WHAT"
     )
@@ -146,6 +176,18 @@ def _bench_mechanism(args: argparse.Namespace) -> int:
     from .mechanism import main as mechanism_main
 
     return mechanism_main(args)
+
+
+def _bench_side_by_side(args: argparse.Namespace) -> int:
+    from .side_by_side import main as side_main
+
+    return side_main(args)
+
+
+def _bench_http(args: argparse.Namespace) -> int:
+    from .side_by_side import main_http
+
+    return main_http(args)
 
 
 def _check_correctness(args: argparse.Namespace) -> int:

@@ -1,0 +1,233 @@
+"""``leyline bench side-by-side``: the HTTP agent replay against several servers, same model,
+same trajectories, same policies, same concurrency levels.
+
+Targets (each started here on 127.0.0.1, one at a time, and stopped after its runs):
+
+- ``vllm``: vanilla ``vllm serve`` (``.venv-vllm``), the radix arm of a production engine;
+- ``vllm-leyline``: ``vllm serve`` with the Leyline plugin (``VLLM_PLUGINS=leyline``): splice;
+- ``leyline``: ``leyline serve`` (the embedded engine): splice and radix.
+
+``leyline bench http --base-url URL`` runs the same replay against any other endpoint
+(llama-server: ``scripts/bench_llama_server.sh``). Every (target, arm, C) run replays fresh
+histories (its sessions' first messages carry a run tag), after one untimed warm-up per
+target, so no run is served what an earlier one cached beyond the shared system prompt and
+tools. Outputs: ``results.json``, ``results.md`` (with splice/vanilla-vLLM ratios),
+``results.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+
+from .http_replay import replay_http
+from .mechanism import POLICIES, _pct, cap_messages
+from .trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
+
+__all__ = ["TARGETS", "main", "main_http", "run_target"]
+
+TARGETS = {"vllm": ("radix",), "vllm-leyline": ("splice",), "leyline": ("splice", "radix")}
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _trajs(path: Path | None, quick: bool) -> list[TrajectoryRecord]:
+    trajs = load_trajectories(path or DEFAULT_SET)
+    if quick:
+        trajs = [cap_messages(t, 400).model_copy(update={"tools": []}) for t in trajs]
+    return trajs
+
+
+def run_target(
+    label: str, base_url: str, model: str, arms: list[str], concurrency: list[int],
+    trajs: list[TrajectoryRecord], sessions: int | None, max_turns: int | None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    from leyline_agent.policies import load_policies
+
+    def tagged(run: int) -> list[TrajectoryRecord]:
+        out = []
+        for t in trajs:
+            msgs = [dict(m) for m in t.messages]
+            for m in msgs:
+                if m.get("role") == "user":
+                    m["content"] = f"[run {label}/{run}] {m.get('content') or ''}"
+                    break
+            out.append(t.model_copy(update={"messages": msgs}))
+        return out
+
+    factory = lambda: load_policies(POLICIES)  # noqa: E731
+    replay_http(
+        base_url,
+        model,
+        arms[0],
+        tagged(-1),
+        concurrency=1,
+        sessions=1,
+        policies_factory=factory,
+        max_turns=2,
+    )  # fmt: skip  (warm-up, untimed)
+    rows, run = [], 0
+    for c in concurrency:
+        for arm in arms:
+            n = sessions or max(concurrency)
+            res = replay_http(base_url, model, arm, tagged(run), concurrency=c, sessions=n,
+                              policies_factory=factory, max_turns=max_turns)  # fmt: skip
+            run += 1
+            sm = res.samples
+            prompt = sum(s.prompt_tokens for s in sm)
+            cached = sum(s.cached_tokens for s in sm)
+            ttft, e2e = [s.ttft_s for s in sm], [s.e2e_s for s in sm]
+            rows.append({
+                "server": label, "arm": arm, "concurrency": c, "sessions": n,
+                "requests": len(sm), "prompt_tokens": prompt, "cached_tokens": cached,
+                "hit_rate": cached / prompt if prompt else 0.0,
+                "prefilled_tokens": prompt - cached + sum(s.directive_prefilled_tokens for s in sm),
+                "ttft_p50_s": _pct(ttft, 0.5), "ttft_p90_s": _pct(ttft, 0.9),
+                "e2e_p50_s": _pct(e2e, 0.5), "e2e_p90_s": _pct(e2e, 0.9),
+                "splices": res.splices, "runtime_failures": res.failures, "wall_s": res.wall_s,
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+@contextmanager
+def _leyline_serve(model_dir: Path) -> Iterator[str]:
+    import httpx
+
+    from leyline_agent.vllm_plugin.launch import free_port
+
+    port = free_port()
+    exe = _ROOT / ".venv" / "bin" / "leyline"
+    log = open(f"/tmp/leyline-serve-{port}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [str(exe), "serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            if proc.poll() is not None:
+                raise RuntimeUnavailableError(
+                    f"leyline serve exited ({proc.returncode}), see {log.name}"
+                )
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| server | arm | C | hit rate | prefilled tok | TTFT p50 / p90 s | e2e p50 / p90 s | splices |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = [
+        f"| {r['server']} | {r['arm']} | {r['concurrency']} | {r['hit_rate']:.3f} | {r['prefilled_tokens']} "
+        f"| {r['ttft_p50_s']:.3f} / {r['ttft_p90_s']:.3f} | {r['e2e_p50_s']:.3f} / {r['e2e_p90_s']:.3f} "
+        f"| {r['splices']} |"
+        for r in sorted(rows, key=lambda r: (r["concurrency"], r["server"], r["arm"]))
+    ]
+    out = head + "\n".join(lines) + "\n"
+    base = {r["concurrency"]: r for r in rows if r["server"] == "vllm" and r["arm"] == "radix"}
+    ours = {
+        r["concurrency"]: r for r in rows if r["server"] == "vllm-leyline" and r["arm"] == "splice"
+    }
+    both = sorted(set(base) & set(ours))
+    if both:
+        out += "\n| C | prefilled: splice / vanilla vLLM | TTFT p50: splice / vanilla | e2e p50: splice / vanilla |\n|---|---|---|---|\n"
+        for c in both:
+            b, o = base[c], ours[c]
+            out += (
+                f"| {c} | {o['prefilled_tokens'] / max(1, b['prefilled_tokens']):.2f} "
+                f"| {o['ttft_p50_s'] / max(1e-9, b['ttft_p50_s']):.2f} "
+                f"| {o['e2e_p50_s'] / max(1e-9, b['e2e_p50_s']):.2f} |\n"
+            )
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys((r["server"], r["arm"]) for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = (("hit_rate", "cache hit rate"), ("prefilled_tokens", "tokens prefilled"),
+              ("ttft_p50_s", "TTFT p50 (s)"))  # fmt: skip
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for k, (server, arm) in enumerate(keys):
+            rs = sorted((r for r in rows if (r["server"], r["arm"]) == (server, arm)),
+                        key=lambda r: r["concurrency"])  # fmt: skip
+            ax.plot([r["concurrency"] for r in rs], [r[key] for r in rs], marker="osD^x"[k % 5],
+                    linestyle=("-", "--", "-.", ":")[k % 4], label=f"{server} {arm}")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sessions in flight (C)")
+        ax.set_title(title)
+    axes[0].set_ylim(0, 1.02)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _write(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    (out / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    (out / "results.md").write_text(markdown(rows))
+    plot(rows, out / "results.png")
+
+
+def main(args: Any) -> int:
+    from leyline_agent.vllm_plugin.launch import serve_vllm
+
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise LeylineError(f"--model: no model folder at {model_dir} (leyline make-model)")
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    for t in targets:
+        if t not in TARGETS:
+            raise LeylineError(f"--targets: unknown {t!r}; known: {', '.join(TARGETS)}")
+    trajs = _trajs(args.trajectories, args.quick)
+    max_turns = args.max_turns or (6 if args.quick else None)
+    rows: list[dict[str, Any]] = []
+    for t in targets:
+        if t == "leyline":
+            with _leyline_serve(model_dir) as url:
+                rows += run_target(t, url + "/v1", model_dir.name, list(TARGETS[t]), args.concurrency,
+                                   trajs, args.sessions, max_turns)  # fmt: skip
+        else:
+            with serve_vllm(model_dir, leyline=t == "vllm-leyline", kv_cache_gib=4,
+                            max_model_len=8192, extra_args=["--enable-prefix-caching"]) as srv:  # fmt: skip
+                rows += run_target(t, srv.base_url, srv.model, list(TARGETS[t]), args.concurrency,
+                                   trajs, args.sessions, max_turns)  # fmt: skip
+        _write(rows, args.out, {"model": str(model_dir), "args": vars(args), "policies": POLICIES})
+    print(markdown(rows))
+    print(f"results: {args.out / 'results.json'}  plot: {args.out / 'results.png'}")
+    return 0
+
+
+def main_http(args: Any) -> int:
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    trajs = _trajs(args.trajectories, args.quick)
+    rows = run_target(args.label, args.base_url, args.served_model, arms, args.concurrency, trajs,
+                      args.sessions, args.max_turns or (6 if args.quick else None))  # fmt: skip
+    _write(rows, args.out, {"base_url": args.base_url, "args": vars(args), "policies": POLICIES})
+    print(markdown(rows))
+    return 0
