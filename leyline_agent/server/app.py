@@ -24,6 +24,7 @@ from fastapi import Depends, FastAPI
 
 from leyline_agent.server import errors
 from leyline_agent.server.completions import CHAT_DEFAULT_MAX_TOKENS, ModelLimits, ServedModel
+from leyline_agent.server.context_management import CLIENT_EDIT_MODES
 from leyline_agent.server.directive_memory import DEFAULT_REMEMBERED, DirectiveMemory
 from leyline_agent.server.inputs import check_json_body
 from leyline_agent.server.leyline_routes import router as leyline_router
@@ -68,6 +69,7 @@ def create_app(
     max_tokens_cap: int | None = None,
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S,
     remembered_request_ids: int = DEFAULT_REMEMBERED,
+    client_edits: str = "off",
 ) -> FastAPI:
     """The app serving one engine.
 
@@ -77,7 +79,12 @@ def create_app(
     ``Host`` check off; a collection turns it on (loopback names plus these).
     ``max_prompt_tokens`` defaults to the model's context; ``max_tokens_cap`` to none.
     ``queue_timeout_s`` applies to the worker the app builds from an engine.
+    ``client_edits``: how chat requests' in-place edits of a conversation the server has
+    cached are spliced (``amortize``, ``forget``, ``off``; ``chat_context``). ``off`` (the
+    library default) is the plain prefix cache; ``leyline serve`` defaults to ``amortize``.
     """
+    if client_edits not in CLIENT_EDIT_MODES:
+        raise ValueError(f"client_edits: {client_edits!r} is not one of {CLIENT_EDIT_MODES}")
     if isinstance(engine_or_worker, Worker):
         worker, owned = engine_or_worker, False
     else:
@@ -115,6 +122,7 @@ def create_app(
         model=model,
         params_cls=params_cls or _default_params_cls(),
         directive_memory=DirectiveMemory(remembered_request_ids),
+        client_edits=client_edits,
     )
     errors.install(app)
     checks = [Depends(check_json_body), Depends(session_header)]

@@ -42,6 +42,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default="embedded",
         help="embedded transformers engine, or SGLang with the Leyline plugin",
     )
+    p.add_argument(
+        "--client-edits",
+        choices=["amortize", "forget", "off"],
+        default="amortize",
+        help="chat requests that edit a cached conversation in place (a framework's own "
+        "context edits) are spliced: amortize (in place; the tail keeps its attention to the "
+        "old content), forget (exact re-prefill from the edit), off (plain prefix cache). "
+        'Default amortize; a request overrides it with {"leyline": {"client_edits": ...}}',
+    )
     _add_limits_and_keys(p)
 
 
@@ -54,6 +63,7 @@ _EMBEDDED_ONLY = {
     "max_prompt_tokens": None,
     "max_tokens_cap": None,
     "queue_timeout_s": 300.0,
+    "client_edits": "amortize",
 }
 
 

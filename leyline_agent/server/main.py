@@ -68,6 +68,7 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
         aliases=[str(args.model)],
         api_keys=keys,
         allowed_hosts=allowed_hosts(args),
+        client_edits=getattr(args, "client_edits", None) or "amortize",
         **limits,
     )
 

@@ -118,6 +118,9 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # Leyline's server-side context editing (checked by ``context_management``):
+    context_management: Any = None  # Anthropic's shape: {"edits": [...]}
+    leyline: Any = None  # {"client_edits": "amortize" | "forget" | "off"}
 
 
 class CompletionRequest(_Sampling):

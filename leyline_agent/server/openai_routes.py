@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from leyline_agent.namespaces import Namespace
 from leyline_agent.server import logprobs as lp
+from leyline_agent.server.chat_context import PreparedChat, prepare_chat
 from leyline_agent.server.completions import (
     check_messages,
     check_prompt_ids,
@@ -82,11 +83,14 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     return model_card(m.id, m.created)
 
 
-def _usage(result: Any) -> dict[str, Any]:
+def _usage(result: Any, ctx: PreparedChat | None = None) -> dict[str, Any]:
     """OpenAI's usage, plus ``leyline.splice_evicted``: the session's last splice result was
-    evicted before this request could use it (so it was prefilled again)."""
+    evicted before this request could use it (so it was prefilled again); for a chat turn
+    the server edited, what it spliced first (``chat_context``)."""
     out = usage(result.prompt_tokens, len(result.output_ids), result.cached_tokens)
     out["leyline"] = {"splice_evicted": bool(getattr(result, "splice_evicted", False))}
+    if ctx is not None:
+        out["leyline"].update(ctx.usage)
     return out
 
 
@@ -107,6 +111,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     messages = messages_for_template(req.messages)
     longest, limit = st.model.limits.longest_token_bytes, st.model.max_prompt_tokens
     check_text_bound(message_text_bytes(messages), longest, limit, "messages")
+    ctx = await prepare_chat(
+        request, st, req.messages, req.context_management, req.leyline, tools, ns
+    )  # server-side edits and splices (chat_context); None: served as it is
+    if ctx is not None:
+        messages, ns = ctx.messages, ctx.namespace
     ids = await run_connected(
         request,
         st.worker,
@@ -120,7 +129,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         tag = OPEN_TAG if tools_on else None
         text = IncrementalText(_decoder(st, forced), stop=params.stop, tool_tag=tag)
         events = await _started(request, _generate(st, ids, params, text, ns))
-        return _event_stream(_chat_events(st, req, events, params, text, tools_on))
+        return _event_stream(_chat_events(st, req, events, params, text, tools_on, ctx))
     result = await _generate_once(request, st, ids, params, ns)
     parses = tools is not None and choice.parses_calls
     parsed = parse_answer(choice, result.text) if parses else None
@@ -133,17 +142,19 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         "logprobs": lp.chat(result.logprobs) if params.logprobs else None,
         "finish_reason": _finish(result, bool(parsed and parsed.tool_calls)),
     }
-    return JSONResponse(
-        {
-            "id": new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": now(),
-            "model": st.model.id,
-            "choices": [choice],
-            "usage": _usage(result),
-            "system_fingerprint": None,
-        }
-    )
+    body = {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": now(),
+        "model": st.model.id,
+        "choices": [choice],
+        "usage": _usage(result, ctx),
+        "system_fingerprint": None,
+    }
+    if ctx is not None:
+        body.update(ctx.body)
+        ctx.commit(message)
+    return JSONResponse(body)
 
 
 async def _chat_events(
@@ -153,6 +164,7 @@ async def _chat_events(
     params: Any,
     text: IncrementalText,
     tools_on: ToolChoice | None,
+    ctx: PreparedChat | None = None,
 ) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = {
@@ -162,17 +174,20 @@ async def _chat_events(
         "model": st.model.id,
         "system_fingerprint": None,
     }
+    first = {**head, **ctx.body} if ctx is not None else head  # what the server edited
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, top: Any = None
+    ) -> str:
         body = {
-            **head,
+            **(top or head),
             "choices": [
                 {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             ],
         }
         return sse({**body, "usage": None} if include_usage else body)
 
-    yield chunk({"role": "assistant", "content": ""})
+    yield chunk({"role": "assistant", "content": ""}, top=first)
     result = None
     async with aclosing(events):
         async for event in events:
@@ -190,8 +205,11 @@ async def _chat_events(
     if calls:
         yield chunk({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
     yield chunk({}, finish=_finish(result, bool(calls)))
+    if ctx is not None:
+        reply = {"role": "assistant", "content": parsed.content if calls else result.text}
+        ctx.commit({**reply, "tool_calls": calls} if calls else reply)
     if include_usage:
-        yield sse({**head, "choices": [], "usage": _usage(result)})
+        yield sse({**head, "choices": [], "usage": _usage(result, ctx)})
 
 
 # ---- completions -----------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """What every route reads: the worker, the served model, the engine's parameter class,
-and the memory of directive request ids (used on the worker thread only)."""
+the memory of directive request ids (used on the worker thread only), the splice mode of
+client-made edits and the conversations found by content (``chat_context``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from leyline_agent.server.completions import ServedModel
+from leyline_agent.server.conversations import ConversationStore
 from leyline_agent.server.directive_memory import DirectiveMemory
 from leyline_agent.server.worker import Worker
 
@@ -20,6 +22,8 @@ class ServerState:
     model: ServedModel
     params_cls: type  # the engine's SamplingParams
     directive_memory: DirectiveMemory = field(default_factory=DirectiveMemory)
+    client_edits: str = "off"  # amortize | forget | off (``leyline serve --client-edits``)
+    conversations: ConversationStore = field(default_factory=ConversationStore)
 
 
 def state(request: Request) -> ServerState:

@@ -1,0 +1,136 @@
+"""Server-side context editing of a chat request: find its conversation, splice, serve.
+
+``prepare_chat`` runs before a chat request is rendered. Unless the turn's mode is ``off``
+and it carries no ``context_management``, it finds the conversation the request continues
+(``conversations``), plans the turn (``turns.plan_turn``: sticky edits, the client's own
+in-place edits, the server's policies) and executes the plan's directives on the worker
+in the conversation's namespace (``turns.execute_turn``). The route then renders and
+generates ``PreparedChat.messages`` in ``PreparedChat.namespace``, adds ``body`` to its
+answer and ``usage`` to ``usage.leyline``, and calls ``commit(reply)`` once the answer is
+complete (never for an abandoned one), which records the conversation for its next turn.
+
+Mode: ``leyline serve --client-edits amortize|forget|off`` (``create_app(client_edits=)``),
+overridden per request by ``{"leyline": {"client_edits": ...}}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from leyline_agent.chat_input import canonical_message
+from leyline_agent.namespaces import Namespace
+from leyline_agent.server.completions import messages_for_template
+from leyline_agent.server.context_management import (
+    parse_context_management,
+    parse_leyline_options,
+)
+from leyline_agent.server.conversations import Conversation
+from leyline_agent.server.disconnect import run_connected
+from leyline_agent.server.state import ServerState
+from leyline_agent.server.turns import applied_edits, execute_turn, plan_turn
+
+__all__ = ["PreparedChat", "prepare_chat"]
+
+
+@dataclass(slots=True)
+class PreparedChat:
+    messages: list[dict[str, Any]]
+    namespace: Namespace
+    body: dict[str, Any]
+    usage: dict[str, Any]
+    commit: Callable[[dict[str, Any]], None]
+
+
+async def prepare_chat(
+    request: Request,
+    st: ServerState,
+    raw_messages: list[dict[str, Any]],
+    context_management: Any,
+    leyline: Any,
+    tools: list[dict[str, Any]] | None,
+    ns: Namespace,
+) -> PreparedChat | None:
+    """The conversation-tracked form of the request, or None (serve it as it is)."""
+    opts = parse_leyline_options(leyline)
+    tok = st.worker.engine.tokenizer  # called on the worker thread only (inside the job)
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False)) if text else 0
+
+    specs = parse_context_management(context_management, count)
+    mode = opts.client_edits or st.client_edits
+    if mode == "off" and not specs:
+        return None
+    messages = messages_for_template(raw_messages)  # canonical (chat_input)
+    store = st.conversations
+    match = store.find(ns.tenant, ns.session, messages)
+    conv = match.conversation if match is not None else store.new(ns.tenant, ns.session)
+    conv_ns = Namespace(ns.tenant, conv.session)
+
+    def job(engine: Any) -> Any:
+        def prompt_tokens(ms: list[dict[str, Any]]) -> int:
+            return len(engine.render(ms, tools=tools, add_generation_prompt=True))
+
+        plan = plan_turn(messages, match, specs, mode, prompt_tokens, tools)
+        edits = applied_edits(specs, messages, plan, count) if specs else []
+        return plan, edits, execute_turn(engine, plan, conv_ns)
+
+    plan, edits, results = await run_connected(request, st.worker, job)
+    splices: dict[str, int] = {"amortize": 0, "forget": 0}
+    rotated = 0
+    done = []
+    for r in results:
+        entry: dict[str, Any] = {"kind": r.kind}
+        if r.response is not None:
+            entry.update(
+                outcome=r.response.outcome,
+                splices=r.response.splices,
+                prefilled_tokens=r.response.prefilled_tokens,
+                rotated_tokens=r.response.rotated_tokens,
+            )
+            for k, v in r.response.splices.items():
+                splices[k] = splices.get(k, 0) + v
+            rotated += r.response.rotated_tokens
+        else:
+            entry.update(outcome="error", error=r.error)
+        done.append(entry)
+    body: dict[str, Any] = {
+        "leyline": {
+            "conversation": conv.id,
+            "session": conv.session,
+            "client_edits": mode,
+            "edited_messages": plan.client_edited,
+            "policy_edited_messages": plan.policy_edited,
+            "directives": done,
+        }
+    }
+    if specs:
+        body["context_management"] = {"applied_edits": edits}
+    usage = {
+        "splices": splices,
+        "rotated_tokens": rotated,
+        "client_edited_messages": len(plan.client_edited),
+    }
+    spliced = conv.spliced or any(
+        r.response and r.response.splices.get("amortize") for r in results
+    )
+
+    def commit(reply: dict[str, Any]) -> None:
+        store.save(
+            ns.tenant,
+            Conversation(
+                id=conv.id,
+                session=conv.session,
+                raw=messages,
+                served=plan.served,
+                reply=canonical_message(reply),
+                labels=plan.labels,
+                spliced=bool(spliced),
+            ),
+        )
+
+    return PreparedChat(plan.served, conv_ns, body, usage, commit)

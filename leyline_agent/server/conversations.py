@@ -1,0 +1,173 @@
+"""Conversations the server has served, found again by their content (pure, no engine).
+
+Messages are compared in their canonical form (``leyline_agent.chat_input``), the form
+the server renders.
+
+A chat request continues a conversation when its messages start with the prompt the client
+sent last time, message for message, except for messages *edited in place* (a tool result
+with the same ``tool_call_id``, an assistant message with the same tool call ids); edits
+are believed only when the next message echoes the reply the server gave (its random
+``call_...`` ids, or its text): a client that never saw that reply cannot pass its own
+history off as an edit of this one. A request equal to the last prompt (a retry) continues
+it too. Of all conversations a
+request continues, the longest wins, then the one with fewest edits, then the newest.
+
+Provenance: conversations are kept per tenant and, for requests that name a session
+(``X-Leyline-Session``), per session: a request is matched only into conversations of its
+own tenant and its own named session. A conversation found for a request that named none
+has a server-side session id of its own (``leyline-conv-`` + 128 random bits), which is
+the namespace of its spliced rows. If the best match is ambiguous (two conversations of
+different sessions fit equally well) and one of them holds spliced rows, the request
+starts a new conversation: rows that depend on a history are never handed to a request
+that might not share it. Bounded: the least recently used conversations are forgotten.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from leyline_agent.trajectory import message_text
+
+__all__ = [
+    "CONVERSATION_PREFIX",
+    "Conversation",
+    "ConversationStore",
+    "Match",
+    "edited_in_place",
+]
+
+CONVERSATION_PREFIX = "leyline-conv-"
+DEFAULT_CONVERSATIONS = 4096
+_clock = itertools.count(1)
+
+
+def _call_ids(m: Mapping[str, Any]) -> list[Any]:
+    return [c.get("id") for c in m.get("tool_calls") or []]
+
+
+def edited_in_place(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """``new`` is ``old`` with its content (or its calls' arguments) changed, not another
+    message: a tool result answering the same call, or an assistant turn with the same calls."""
+    if old.get("role") != new.get("role"):
+        return False
+    if old["role"] == "tool":
+        return bool(old.get("tool_call_id")) and old.get("tool_call_id") == new.get("tool_call_id")
+    if old["role"] == "assistant":
+        ids = _call_ids(old)
+        if not ids or None in ids or ids != _call_ids(new):
+            return False
+        names = [c["function"]["name"] for c in old["tool_calls"]]
+        return names == [c["function"]["name"] for c in new["tool_calls"]]
+    return False
+
+
+def _same_reply(reply: Mapping[str, Any], echo: Mapping[str, Any]) -> bool:
+    """``echo`` is the client's copy of a reply the server produced: the same call ids, or
+    (a reply without calls) the same non-empty text, to which the client may have attached
+    tool calls of its own (a framework driving tools from the model's text)."""
+    if echo.get("role") != "assistant":
+        return False
+    ids = _call_ids(reply)
+    if ids:
+        return ids == _call_ids(echo)
+    text = message_text(reply).strip()
+    return bool(text) and text == message_text(echo).strip()
+
+
+@dataclass(slots=True)
+class Conversation:
+    """What the server served last in one conversation (normalized messages)."""
+
+    id: str
+    session: str
+    raw: list[dict[str, Any]]  # the prompt as the client sent it
+    served: list[dict[str, Any]]  # the prompt as served (sticky edits, policy edits)
+    reply: dict[str, Any] | None = None
+    labels: dict[int, str] = field(default_factory=dict)  # served index -> edit type
+    spliced: bool = False  # its session holds spliced rows
+    used: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    conversation: Conversation
+    edited: tuple[int, ...]  # prompt indices the request edited in place
+    known: int  # messages of the conversation the request repeats (or edits in place)
+    retry: bool = False
+
+
+class ConversationStore:
+    """Conversations per tenant; thread-safe."""
+
+    def __init__(self, per_tenant: int = DEFAULT_CONVERSATIONS) -> None:
+        if per_tenant < 1:
+            raise ValueError(f"per_tenant: {per_tenant} must be >= 1")
+        self.per_tenant = per_tenant
+        self._lock = threading.Lock()
+        self._tenants: dict[str, OrderedDict[str, Conversation]] = {}
+
+    def find(
+        self, tenant: str, session: str | None, messages: Sequence[Mapping[str, Any]]
+    ) -> Match | None:
+        """The conversation ``messages`` (normalized) continue, as the module doc says."""
+        with self._lock:
+            convs = list(self._tenants.get(tenant, {}).values())
+        scored = []
+        for c in convs:
+            if session is not None and c.session != session:
+                continue
+            if session is None and not c.session.startswith(CONVERSATION_PREFIX):
+                continue
+            m = _continues(c, messages)
+            if m is not None:
+                scored.append(((m.known, -len(m.edited), c.used), m))
+        if not scored:
+            return None
+        scored.sort(key=lambda s: s[0], reverse=True)
+        best_key, best = scored[0]
+        rivals = [m for k, m in scored[1:] if k[:2] == best_key[:2]]
+        sessions = {best.conversation.session, *(m.conversation.session for m in rivals)}
+        if len(sessions) > 1 and any(m.conversation.spliced for m in (best, *rivals)):
+            return None
+        return best
+
+    def new(self, tenant: str, session: str | None) -> Conversation:
+        cid = CONVERSATION_PREFIX + uuid.uuid4().hex
+        return Conversation(id=cid, session=session or cid, raw=[], served=[])
+
+    def save(self, tenant: str, conv: Conversation) -> None:
+        conv.used = next(_clock)
+        with self._lock:
+            convs = self._tenants.setdefault(tenant, OrderedDict())
+            convs[conv.id] = conv
+            convs.move_to_end(conv.id)
+            while len(convs) > self.per_tenant:
+                convs.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._tenants.values())
+
+
+def _continues(c: Conversation, messages: Sequence[Mapping[str, Any]]) -> Match | None:
+    if not c.raw:
+        return None
+    if len(messages) <= len(c.raw):
+        return Match(c, (), 0, retry=True) if list(messages) == c.raw else None
+    edited = []
+    for i, (old, new) in enumerate(zip(c.raw, messages, strict=False)):
+        if old == new:
+            continue
+        if not edited_in_place(old, new):
+            return None
+        edited.append(i)
+    echoed = c.reply is not None and _same_reply(c.reply, messages[len(c.raw)])
+    if edited and not echoed:
+        return None  # an edit is only believed from the client that got the reply
+    return Match(c, tuple(edited), len(c.raw) + int(echoed))

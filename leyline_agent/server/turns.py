@@ -1,0 +1,144 @@
+"""One chat turn of a tracked conversation: plan (pure), then execute on the worker.
+
+``plan_turn`` takes the request's messages (normalized), the conversation it continues (or
+none), the checked ``context_management`` edits and the splice mode, and returns:
+
+- ``served``: the prompt to serve. Messages the client left as they were keep what the
+  server served for them last time (edits are sticky); messages the client edited in place
+  are the client's; then the server's policies run on the result (idempotent on stubs).
+- up to two message-form directives, in order: the client's own edits (cached prompt ->
+  prompt with the client's edits), then the policies' (-> ``served``). Both use the turn's
+  mode (``amortize`` / ``forget``); with ``off`` there are none and the next prefill is exact.
+- ``labels``: which ``context_management`` edit stubbed each served message (for
+  ``applied_edits``, counted over the whole prompt, as Anthropic reports them).
+
+``execute_turn`` (on the worker thread) runs the directives in the conversation's
+namespace with ``fallback`` (a base the cache no longer holds is a counted fallback, never
+a failure) and returns what each did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from leyline_agent.directives import Mode
+from leyline_agent.namespaces import Namespace
+from leyline_agent.policies import PolicyPipeline
+from leyline_agent.server.context_management import EditSpec
+from leyline_agent.server.conversations import Match
+from leyline_agent.trajectory import message_text
+from leyline_agent.wire import DirectivesRequest, DirectivesResponse
+
+__all__ = ["TurnPlan", "TurnResult", "applied_edits", "execute_turn", "plan_turn"]
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    served: list[dict[str, Any]]
+    labels: dict[int, str]
+    client_edited: list[int]
+    policy_edited: list[int]
+    directives: list[tuple[str, DirectivesRequest]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TurnResult:
+    kind: str  # "client_edits" or "context_management"
+    response: DirectivesResponse | None
+    error: str | None = None
+
+
+def _tool_uses(messages: Sequence[dict[str, Any]]) -> int:
+    return sum(1 for m in messages if m.get("role") == "assistant" and m.get("tool_calls"))
+
+
+def plan_turn(
+    messages: list[dict[str, Any]],
+    match: Match | None,
+    specs: Sequence[EditSpec],
+    mode: str,
+    prompt_tokens: Callable[[list[dict[str, Any]]], int],
+    tools: list[dict[str, Any]] | None,
+) -> TurnPlan:
+    conv = match.conversation if match is not None else None
+    base = [dict(m) for m in messages]
+    labels: dict[int, str] = {}
+    edited = list(match.edited) if match is not None else []
+    if conv is not None:
+        for i in range(min(len(conv.raw), len(base))):
+            if i not in edited:
+                base[i] = dict(conv.served[i])
+                if i in conv.labels:
+                    labels[i] = conv.labels[i]
+    triggered = [
+        (k, s)
+        for k, s in enumerate(specs)
+        if _tool_uses(base) >= s.trigger_tool_uses
+        and (not s.trigger_tokens or prompt_tokens(base) > s.trigger_tokens)
+    ]
+    served = base
+    policy_edited: list[int] = []
+    if triggered:
+        result = PolicyPipeline([s.policy for _, s in triggered]).apply(base)
+        served = result.messages
+        names = {s.policy.name: str(k) for k, s in reversed(triggered)}
+        for e in result.edits:
+            labels[e.index] = names.get(e.policy.split("+")[0], str(triggered[0][0]))
+            policy_edited.append(e.index)
+    plan = TurnPlan(served, labels, edited, policy_edited)
+    if conv is None or match is None or match.retry or mode == "off":
+        return plan
+    n = len(conv.raw) + 1  # the cached prompt and the reply
+    splice_mode = Mode.FORGET if mode == "forget" else Mode.AMORTIZE
+    cached = [*conv.served, messages[len(conv.raw)]]
+    steps = [("client_edits", cached, base[:n]), ("context_management", base[:n], served[:n])]
+    for kind, old, new in steps:
+        if old != new:
+            req = DirectivesRequest(
+                old_messages=old, new_messages=new, tools=tools, mode=splice_mode, fallback=True
+            )
+            plan.directives.append((kind, req))
+    return plan
+
+
+def execute_turn(engine: Any, plan: TurnPlan, ns: Namespace) -> list[TurnResult]:
+    """Run the plan's directives in order (worker thread). A directive that fails changed
+    nothing (the engine's guarantee): the rest are skipped and the turn is served exactly."""
+    out = []
+    for kind, req in plan.directives:
+        try:
+            out.append(TurnResult(kind, engine.apply_directives(req, namespace=ns)))
+        except Exception as exc:  # the cache is unchanged; serve the prompt exactly
+            out.append(TurnResult(kind, None, f"{type(exc).__name__}: {exc}"))
+            break
+    return out
+
+
+def applied_edits(
+    specs: Sequence[EditSpec],
+    raw: Sequence[dict[str, Any]],
+    plan: TurnPlan,
+    count: Callable[[str], int],
+) -> list[dict[str, Any]]:
+    """Anthropic's ``applied_edits``: per edit, the tool uses it has cleared in this prompt
+    and the input tokens that saved (the tokenizer's count of the original text, arguments
+    included, minus the stub's)."""
+    out = []
+    for k, spec in enumerate(specs):
+        uses = tokens = 0
+        for i, label in plan.labels.items():
+            if label != str(k) or i >= len(raw):
+                continue
+            before, after = raw[i], plan.served[i]
+            if before.get("role") == "tool":
+                uses += 1
+            tokens += max(0, count(message_text(before)) - count(message_text(after)))
+            tokens += max(0, count(_args(before)) - count(_args(after)))
+        out.append({"type": spec.type, "cleared_tool_uses": uses, "cleared_input_tokens": tokens})
+    return out
+
+
+def _args(m: dict[str, Any]) -> str:
+    return "".join(c["function"].get("arguments") or "" for c in m.get("tool_calls") or [])
