@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 
 from leyline_agent.directives import MessageEdit
 from leyline_agent.errors import PolicyError
@@ -33,7 +32,7 @@ from .base import PipelineView, Policy
 
 __all__ = ["PipelineResult", "PolicyPipeline"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
 
 @dataclass(slots=True)

@@ -273,3 +273,15 @@ def test_bad_fields_are_400_naming_them_and_change_nothing(amortize_server, mode
             )
         assert e.value.body["field"] == field, (body, e.value.body)
     assert stats(amortize_server) == before
+
+
+def test_wrapper_edits_are_spliced_once(amortize_server, model_dir):
+    from leyline_agent import wrap_openai
+
+    client = wrap_openai(client_of(amortize_server), policies=[{"name": "stale-tool", "keep": 2}])
+    before = stats(amortize_server)
+    runs = tool_loop(client, model_dir.name, 5, salt="w")
+    after = stats(amortize_server)
+    for r, _ in runs:  # the wrapper's own directives; the server adds none
+        assert r.model_extra.get("leyline") is None or r.model_extra["leyline"]["directives"] == []
+    assert after["splices"]["amortize"] - before["splices"]["amortize"] == 2  # turns 3 and 4

@@ -38,7 +38,6 @@ import uuid
 from typing import Any, TypeVar
 
 import httpx
-import structlog
 from pydantic import BaseModel, ValidationError
 from tenacity import (
     AsyncRetrying,
@@ -69,7 +68,7 @@ __all__ = [
     "server_root",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
 DIRECTIVES_PATH = "/leyline/v1/directives"
 STATS_PATH = "/leyline/v1/stats"

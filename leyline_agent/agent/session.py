@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 
 from leyline_agent.directives import MessageEdit, Mode
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
@@ -46,7 +45,7 @@ from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
 __all__ = ["ContextSession", "Plan", "SessionStats", "normalize_reply"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
 
 def normalize_reply(message: Any) -> dict[str, Any]:

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import structlog
 
 __all__ = ["AsyncObservedStream", "ObservedStream", "ReplyAssembler"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
 
 class ReplyAssembler:

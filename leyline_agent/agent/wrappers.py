@@ -45,8 +45,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
-import structlog
-
 from leyline_agent.agent.http_runtime import AsyncHTTPRuntime, AuthenticationError, HTTPRuntime
 from leyline_agent.agent.session import ContextSession
 from leyline_agent.agent.stream_observer import AsyncObservedStream, ObservedStream
@@ -60,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LeylineState", "wrap_openai", "SESSION_KEY"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
 SESSION_KEY = "leyline_session"
 RuntimeSpec = Runtime | AsyncRuntime | Literal["auto", "off"] | None
@@ -234,6 +232,17 @@ def _call_args(kwargs: dict[str, Any]) -> tuple[list[Any], list[Any] | None, str
     )
 
 
+def _edits_spliced_here(kwargs: dict[str, Any], runtime: Any) -> None:
+    """The wrapper sends its edits as directives itself: tell a Leyline server not to splice
+    them a second time as client-made edits (``{"leyline": {"client_edits": "off"}}``), unless
+    the call sets its own ``leyline`` options. Not sent to a plain endpoint (no runtime)."""
+    if runtime is None:
+        return
+    extra = dict(kwargs.get("extra_body") or {})
+    extra.setdefault("leyline", {"client_edits": "off"})
+    kwargs["extra_body"] = extra
+
+
 def _make_create(
     original: Callable[..., Any], state: LeylineState, is_async: bool
 ) -> Callable[..., Any]:
@@ -254,6 +263,7 @@ def _make_create(
                     kwargs["messages"] = await session.aprepare(*_call_args(kwargs))
                 except Exception as e:  # noqa: BLE001
                     state.policy_failed(session, e)
+                _edits_spliced_here(kwargs, session.runtime)
             response = await original(*args, **kwargs)
             return state.observe(session, response, stream, is_async=True)
 
@@ -268,6 +278,7 @@ def _make_create(
                 kwargs["messages"] = session.prepare(*_call_args(kwargs))
             except Exception as e:  # noqa: BLE001 - let the user's call through
                 state.policy_failed(session, e)
+            _edits_spliced_here(kwargs, session.runtime)
         response = original(*args, **kwargs)
         return state.observe(session, response, stream, is_async=False)
 
