@@ -49,6 +49,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from leyline_agent.logs import get_logger
 from leyline_agent.errors import (
     CacheMissError,
     DirectiveError,

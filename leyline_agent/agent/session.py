@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+from leyline_agent.logs import get_logger
 from leyline_agent.directives import MessageEdit, Mode
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 from leyline_agent.policies.pipeline import PolicyPipeline
