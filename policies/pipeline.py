@@ -23,10 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-
-from leyline_agent.logs import get_logger
 from leyline_agent.directives import MessageEdit
 from leyline_agent.errors import PolicyError
+from leyline_agent.logs import get_logger
 from leyline_agent.trajectory import Trajectory, apply_edit
 
 from .base import PipelineView, Policy

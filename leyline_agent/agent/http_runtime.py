@@ -49,7 +49,6 @@ from tenacity import (
     wait_exponential,
 )
 
-from leyline_agent.logs import get_logger
 from leyline_agent.errors import (
     CacheMissError,
     DirectiveError,
@@ -57,6 +56,7 @@ from leyline_agent.errors import (
     RuntimeUnavailableError,
     UnsupportedModeError,
 )
+from leyline_agent.logs import get_logger
 from leyline_agent.namespaces import SESSION_HEADER
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, ErrorBody, StatsResponse
 

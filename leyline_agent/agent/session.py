@@ -35,10 +35,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-
-from leyline_agent.logs import get_logger
 from leyline_agent.directives import MessageEdit, Mode
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.logs import get_logger
 from leyline_agent.policies.pipeline import PolicyPipeline
 from leyline_agent.protocols import AsyncRuntime, Runtime
 from leyline_agent.trajectory import apply_edits

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from leyline_agent.logs import get_logger
 
 __all__ = ["AsyncObservedStream", "ObservedStream", "ReplyAssembler"]
 

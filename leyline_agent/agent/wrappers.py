@@ -45,12 +45,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
-from leyline_agent.logs import get_logger
 from leyline_agent.agent.http_runtime import AsyncHTTPRuntime, AuthenticationError, HTTPRuntime
 from leyline_agent.agent.session import ContextSession
 from leyline_agent.agent.stream_observer import AsyncObservedStream, ObservedStream
 from leyline_agent.directives import Mode
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.logs import get_logger
 from leyline_agent.namespaces import SESSION_HEADER, check_session_id
 from leyline_agent.protocols import AsyncRuntime, Runtime
 
