@@ -2,7 +2,8 @@
 
 A call failed when its result matches one of ``patterns`` (regular expressions, searched
 with ``re.MULTILINE``): a Python traceback, an ``...Error:`` line, ``error:``/``fatal:``, a
-non-zero exit code, a shell's "command not found", or an output that opens with
+non-zero exit code (also mini-swe-agent's ``<returncode>N</returncode>``), a shell's
+"command not found", the OpenAI Agents SDK's "An error occurred while running the tool", or an output that opens with
 error/failed/invalid/unknown (debug-gym's tools answer "Invalid ...", its agent
 "Unknown tool ..."). A test run that reports failing tests is not a failed call.
 
@@ -42,6 +43,10 @@ DEFAULT_PATTERNS: tuple[str, ...] = (
     r"(?i)\b(?:exit(?:ed)? (?:code|status)|returned non-zero exit status)[:= ]*[1-9]\d*",
     r"(?i)\bcommand not found\b",
     r"(?i)\bis not a valid tool\b",
+    # the OpenAI Agents SDK's default tool-error text ("An error occurred while running the
+    # tool. Please try again. Error: ...")
+    r"(?i)\A\s*An error occurred while running the tool\b",
+    r"<returncode>\s*-?[1-9]\d*\s*</returncode>",  # mini-swe-agent's observation format
 )
 _TRACEBACK = "Traceback (most recent call last)"
 

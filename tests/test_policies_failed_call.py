@@ -180,3 +180,18 @@ def test_the_fixture_failed_edit_is_stubbed():
         if any(tc["id"] == msgs[bad[0]]["tool_call_id"] for tc in m.get("tool_calls") or ())
     )
     assert changed(msgs, res.messages) == [call, bad[0]]
+
+
+@pytest.mark.parametrize(
+    ("text", "failed"),
+    [
+        ("An error occurred while running the tool. Please try again. Error: boom", True),
+        ("<returncode>1</returncode>\n<output>\nls: cannot access 'x'\n</output>", True),
+        ("<returncode>-9</returncode>\n<output>\n</output>", True),
+        ("<returncode>0</returncode>\n<output>\na.py\nb.py\n</output>", False),
+        ("<returncode>0</returncode>\n<output>\n10 errors were fixed\n</output>", False),
+    ],
+)
+def test_framework_failure_formats_are_detected(text, failed):
+    """The OpenAI Agents SDK's tool-error answer and mini-swe-agent's return codes."""
+    assert FailedCallDetector().is_failure(text) is failed
