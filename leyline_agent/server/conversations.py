@@ -150,6 +150,11 @@ class ConversationStore:
             while len(convs) > self.per_tenant:
                 convs.popitem(last=False)
 
+    def forget_tenant(self, tenant: str) -> int:
+        """Drop every conversation of ``tenant`` (a cache flush); how many there were."""
+        with self._lock:
+            return len(self._tenants.pop(tenant, {}))
+
     def __len__(self) -> int:
         with self._lock:
             return sum(len(v) for v in self._tenants.values())

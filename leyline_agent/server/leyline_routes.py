@@ -1,4 +1,4 @@
-"""``POST /leyline/v1/directives`` and ``GET /leyline/v1/stats``.
+"""``POST /leyline/v1/directives``, ``GET /leyline/v1/stats`` and ``POST /leyline/v1/flush``.
 
 Everything that can be checked without the cache is checked here before the engine is
 asked (model name, message shapes, token ids, directive spans against ``len(tokens)``), so
@@ -9,6 +9,9 @@ Each request acts in its namespace: the key's tenant, and the session named by t
 ``X-Leyline-Session`` header or the ``session`` field. A directive whose client left before
 it started is not executed. A ``request_id`` makes retries idempotent
 (``directive_memory``); ``/leyline/v1/stats`` answers the caller's tenant's counters.
+``/leyline/v1/flush`` (like SGLang's ``/flush_cache``) empties the caller's tenant's part of
+the prefix cache (rows a request in flight holds stay until it ends), its pins and its
+conversations; other tenants and every counter are untouched.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from leyline_agent.chat_input import canonical_tools
 from leyline_agent.directives import plan_batch
@@ -34,9 +37,19 @@ from leyline_agent.server.state import state
 from leyline_agent.server.tenants import namespace
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
-__all__ = ["router"]
+__all__ = ["FlushResponse", "router"]
 
 router = APIRouter()
+
+
+class FlushResponse(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenant: str
+    flushed_tokens: int  # cached rows freed
+    kept_tokens: int  # the tenant's rows still cached: held by a request in flight
+    dropped_pins: int
+    dropped_conversations: int
 
 
 def _check_messages(messages: list[dict], name: str) -> None:
@@ -100,3 +113,21 @@ async def directives(req: DirectivesRequest, request: Request) -> DirectivesResp
 async def stats(request: Request) -> StatsResponse:
     tenant = namespace(request).tenant
     return await run_connected(request, state(request).worker, lambda e: e.stats(tenant=tenant))
+
+
+@router.post("/leyline/v1/flush", response_model=FlushResponse)
+async def flush(request: Request) -> FlushResponse:
+    st = state(request)
+    tenant = namespace(request).tenant
+
+    def job(engine: Any) -> FlushResponse:  # on the worker: between two engine steps
+        rep = engine.cache.flush(tenant)
+        return FlushResponse(
+            tenant=tenant,
+            flushed_tokens=rep.flushed_tokens,
+            kept_tokens=rep.kept_tokens,
+            dropped_pins=rep.dropped_pins,
+            dropped_conversations=st.conversations.forget_tenant(tenant),
+        )
+
+    return await run_connected(request, st.worker, job)

@@ -61,6 +61,13 @@ class PinTable:
             self.tree.unlock(p.node)
         return p.evicted
 
+    def release_tenant(self, tenant: str) -> int:
+        """Drop every pin of ``tenant``'s namespaces (a flush); how many were dropped."""
+        mine = [ns for ns in self._pins if ns.tenant == tenant]
+        for ns in mine:
+            self.release(ns)
+        return len(mine)
+
     def expire(self) -> None:
         """Unlock pins past their deadline (their rows stay cached, unprotected)."""
         now = self.clock()

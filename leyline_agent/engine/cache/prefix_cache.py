@@ -9,6 +9,8 @@ The engine and the directive executor talk to this, never to the tree's internal
 - ``pin(ns, tokens)`` / ``arrive(ns)``: PIN a directive's result for its session's next
   request (``pins.py``); ``arrive`` tells whether it was evicted meanwhile.
 - ``evict()``: down to the budget: pins capped at half of it, then LRU leaves, then pins.
+- ``flush(tenant)``: drop the tenant's pins and every unlocked row of the tenant (rows an
+  in-flight request holds stay); other tenants keep theirs.
 
 Provenance (which rows are exact, which belong to a session) is the tree's: see
 ``radix.py`` and ``leyline_agent.namespaces``.
@@ -24,13 +26,20 @@ from leyline_agent.engine.cache.pins import PinTable
 from leyline_agent.engine.cache.radix import Match, RadixCache
 from leyline_agent.namespaces import Namespace
 
-__all__ = ["EvictionReport", "PrefixCache"]
+__all__ = ["EvictionReport", "FlushReport", "PrefixCache"]
 
 
 @dataclass(slots=True)
 class EvictionReport:
     evicted_tokens: int = 0
     lost_pins: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class FlushReport:
+    flushed_tokens: int  # rows freed
+    kept_tokens: int  # the tenant's rows still cached (locked by a request in flight)
+    dropped_pins: int
 
 
 class PrefixCache:
@@ -104,6 +113,14 @@ class PrefixCache:
                 break
         rep.lost_pins = self.pins.count_lost()
         return rep
+
+    def flush(self, tenant: str) -> FlushReport:
+        """Empty ``tenant``'s part of the cache, as far as no request in flight holds it."""
+        dropped = self.pins.release_tenant(tenant)
+        freed = self.tree.flush(tenant)
+        self.allocator.free(freed)
+        self.allocator.free(self.tree.collect())
+        return FlushReport(len(freed), self.tree.tenant_tokens(tenant), dropped)
 
     # ---------------------------------------------------------------- reading
     @property

@@ -29,6 +29,8 @@ Public API (above the line):
   nodes are never evicted.
 - ``touch(node)``: mark the path as just used (LRU).
 - ``evict(num_tokens)`` -> freed slots: whole unlocked leaves, least recently used first.
+- ``flush(tenant)`` -> freed slots: every unlocked row of ``tenant`` (its exact and spliced
+  rows alike); locked paths stay, other tenants' rows are untouched.
 
 A node's slots never change once inserted: a splice writes NEW slots and inserts ``T'`` as
 another path (copy-on-write), so sequences sharing a prefix are never mutated under each
@@ -198,6 +200,24 @@ class RadixCache:
             self.total_tokens -= len(leaf.key)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def flush(self, tenant: str) -> list[int]:
+        """Free every unlocked row tagged ``tenant``: leaves first, then the parents they
+        expose (a locked node and its ancestors stay). Other tenants' rows are untouched."""
+        freed: list[int] = []
+        stack = [n for n in self._leaves() if n.tag is not None and n.tag[0] == tenant]
+        while stack:
+            leaf = stack.pop()
+            if leaf.lock_ref > 0 or leaf.children:
+                continue
+            freed.extend(leaf.slots)
+            parent = leaf.parent
+            assert parent is not None  # a leaf is never the root
+            del parent.children[(leaf.tag, leaf.key[0])]
+            self.total_tokens -= len(leaf.key)
+            if parent.tag is not None and parent.tag[0] == tenant and not parent.children:
+                stack.append(parent)
         return freed
 
     def collect(self) -> list[int]:
