@@ -22,6 +22,7 @@ from typing import Any
 
 from leyline_agent.agent.http_runtime import AsyncHTTPRuntime, HTTPRuntime
 from leyline_agent.agent.session import ContextSession, Plan
+from leyline_agent.agent.transport import LeylineTransport
 from leyline_agent.agent.wrappers import wrap_openai
 from leyline_agent.directives import Directive, MessageEdit, Mode, plan_batch, splice_tokens
 from leyline_agent.errors import (
@@ -41,6 +42,7 @@ __all__ = [
     "AsyncHTTPRuntime",
     "ContextSession",
     "HTTPRuntime",
+    "LeylineTransport",
     "PipelineResult",
     "Plan",
     "PolicyPipeline",

@@ -185,6 +185,23 @@ class ContextSession:
         """Record the assistant reply to the last planned list (a dict or an SDK message)."""
         self._state.reply = normalize_reply(assistant_message)
 
+    def continued_by(self, messages: Sequence[dict[str, Any]]) -> tuple[int, bool] | None:
+        """Does ``messages`` continue this session's conversation? ``(n, echoed)``: it
+        repeats the ``n`` messages of the last turn (and, ``echoed``, the reply observed to
+        them); None if it does not. A list equal to the last one counts only while no reply
+        was observed (a retry); once answered, the same list again is another conversation
+        that starts alike. Used to find the session of a request by its content."""
+        st = self._state
+        if st.raw is None:
+            return None
+        n = len(st.raw)
+        if len(messages) < n or [dict(m) for m in messages[:n]] != st.raw:
+            return None
+        if len(messages) == n:
+            return (n, False) if st.reply is None else None
+        echo = dict(messages[n])
+        return n, st.reply is not None and _same_reply(st.reply, echo)
+
     def _cached_messages(
         self, raw: list[dict[str, Any]]
     ) -> tuple[list[dict[str, Any]], int] | None:

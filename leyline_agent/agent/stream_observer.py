@@ -18,28 +18,37 @@ __all__ = ["AsyncObservedStream", "ObservedStream", "ReplyAssembler"]
 log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
 
+def _field(obj: Any, name: str) -> Any:
+    """``obj.name`` of an SDK chunk object, or ``obj[name]`` of a parsed JSON chunk."""
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
 class ReplyAssembler:
+    """Deltas of choice 0 assembled into an assistant message; chunks may be SDK objects
+    (``ChatCompletionChunk``) or the parsed JSON of server-sent events (dicts)."""
+
     def __init__(self) -> None:
         self.content: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
 
     def add(self, chunk: Any) -> None:
-        for choice in getattr(chunk, "choices", None) or ():
-            if getattr(choice, "index", 0) != 0 or choice.delta is None:
+        for choice in _field(chunk, "choices") or ():
+            delta = _field(choice, "delta")
+            if (_field(choice, "index") or 0) != 0 or delta is None:
                 continue
-            delta = choice.delta
-            if delta.content:
-                self.content.append(delta.content)
-            for tc in delta.tool_calls or ():
+            if _field(delta, "content"):
+                self.content.append(_field(delta, "content"))
+            for tc in _field(delta, "tool_calls") or ():
                 call = self.calls.setdefault(
-                    tc.index,
+                    _field(tc, "index") or 0,
                     {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
                 )
-                if tc.id:
-                    call["id"] = tc.id
-                if tc.function is not None:
-                    call["function"]["name"] += tc.function.name or ""
-                    call["function"]["arguments"] += tc.function.arguments or ""
+                if _field(tc, "id"):
+                    call["id"] = _field(tc, "id")
+                fn = _field(tc, "function")
+                if fn is not None:
+                    call["function"]["name"] += _field(fn, "name") or ""
+                    call["function"]["arguments"] += _field(fn, "arguments") or ""
 
     def message(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}

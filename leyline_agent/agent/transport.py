@@ -1,0 +1,365 @@
+"""``LeylineTransport``: the wrapper as an httpx transport, where every SDK call passes.
+
+    t = LeylineTransport(policies=["stale-tool"])
+    client = openai.OpenAI(base_url=..., http_client=httpx.Client(transport=t))
+    aclient = openai.AsyncOpenAI(base_url=..., http_client=httpx.AsyncClient(transport=t))
+
+One object is both an ``httpx.BaseTransport`` and an ``httpx.AsyncBaseTransport`` (the same
+sessions behind a sync and an async client: LangChain's ``http_client`` and
+``http_async_client``). Because it sits below the SDK, the SDK's copies (``with_options``,
+``copy``), ``with_raw_response`` and ``with_streaming_response`` keep it, and every reply is
+observed: the body passes through unchanged and is read as it goes (JSON or server-sent
+events). Other requests than ``POST .../chat/completions`` pass through untouched.
+
+For a chat request it does what ``wrap_openai`` does, with the same ``ContextSession``:
+run the policies on the body's ``messages``, send edits of cached messages to the server's
+``/leyline/v1/directives`` (an ``HTTPRuntime`` at the request's server root, bearer key from
+its ``Authorization``, detected once per root; a plain endpoint gets no directives), send
+the edited body with ``X-Leyline-Session`` and ``{"leyline": {"client_edits": "off"}}`` (the
+server must not splice the same edits again), and record the reply.
+
+Sessions: a request that names one (its ``X-Leyline-Session`` header, the body's
+``leyline_session`` key, removed before sending, or the transport's ``session_id=``) gets
+that one. Otherwise the session is found by content: the longest known conversation whose
+last turn the request repeats (preferring one whose observed reply it echoes), not counting
+sessions with a call in flight; none -> a new session. So concurrent runs on one client get
+their own sessions and their own directives.
+
+Failures of the middleware (a policy error, an unreadable body) are logged and counted and
+the request goes through as the SDK built it; ``strict=True`` raises them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from leyline_agent.agent.http_runtime import AuthenticationError, HTTPRuntime, server_root
+from leyline_agent.agent.session import ContextSession
+from leyline_agent.agent.stream_observer import ReplyAssembler
+from leyline_agent.directives import Mode
+from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.logs import get_logger
+from leyline_agent.namespaces import SESSION_HEADER
+from leyline_agent.protocols import Runtime
+
+__all__ = ["LeylineTransport"]
+
+log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
+
+SESSION_KEY = "leyline_session"
+CHAT_PATH = "/chat/completions"
+
+
+@dataclass(slots=True)
+class _Entry:
+    session: ContextSession
+    root: str
+    order: int
+    busy: bool = False
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """One chat call in flight: its session, and how to record its reply."""
+
+    entry: _Entry
+    stream: bool
+    done: Callable[[], None] = field(default=lambda: None)
+
+
+class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
+    def __init__(
+        self,
+        policies: Sequence[Any] = ("stale-tool",),
+        *,
+        runtime: Runtime | str | None = None,
+        session_id: str | None = None,
+        mode: Mode = Mode.AMORTIZE,
+        strict: bool = False,
+        transport: httpx.BaseTransport | None = None,
+        async_transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        from leyline_agent.agent.wrappers import _session_id
+        from leyline_agent.policies import load_policy
+
+        self.policies = [load_policy(p, where=f"policies[{k}]") for k, p in enumerate(policies)]
+        self.mode = Mode(mode)
+        self.strict = strict
+        self.session_id = _session_id(session_id, "session_id")
+        if not (runtime is None or runtime in ("auto", "off") or isinstance(runtime, Runtime)):
+            raise LeylineError(f"runtime: expected a Runtime, 'auto', 'off' or None, got {runtime!r}")
+        self._runtime_spec = runtime
+        self._runtimes: dict[str, Any] = {}  # server root -> runtime (None: plain endpoint)
+        self._entries: list[_Entry] = []
+        self._named: dict[str, _Entry] = {}
+        self._order = itertools.count()
+        self._lock = threading.Lock()
+        self._transport = transport
+        self._async_transport = async_transport
+        self.failures = 0  # middleware failures let through
+
+    # -- public state -------------------------------------------------------------------------
+    @property
+    def sessions(self) -> list[ContextSession]:
+        with self._lock:
+            return [e.session for e in self._entries]
+
+    # -- httpx ---------------------------------------------------------------------------------
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self._transport is None:
+            self._transport = httpx.HTTPTransport()
+        request, ex = self._before(request)
+        try:
+            response = self._transport.handle_request(request)
+        except BaseException:
+            self._release(ex)
+            raise
+        return self._after(ex, response)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._async_transport is None:
+            self._async_transport = httpx.AsyncHTTPTransport()
+        if _is_chat(request):
+            await request.aread()
+            request, ex = await asyncio.to_thread(self._before, request)  # runtime I/O is sync
+        else:
+            ex = None
+        try:
+            response = await self._async_transport.handle_async_request(request)
+        except BaseException:
+            self._release(ex)
+            raise
+        return self._after(ex, response)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        for rt in self._runtimes.values():
+            if rt is not None and hasattr(rt, "close") and self._runtime_spec in (None, "auto"):
+                rt.close()
+
+    async def aclose(self) -> None:
+        if self._async_transport is not None:
+            await self._async_transport.aclose()
+
+    # -- around one call (shared by sync and async) ---------------------------------------------
+    def _before(self, request: httpx.Request) -> tuple[httpx.Request, _Exchange | None]:
+        if not _is_chat(request):
+            return request, None
+        try:
+            body = json.loads(request.read())
+            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+                return request, None
+            entry = self._entry(request, body)
+        except Exception as e:  # noqa: BLE001 - an unreadable body is the server's to refuse
+            if self.strict or isinstance(e, LeylineError):
+                raise
+            self.failures += 1
+            log.warning("leyline_transport.unreadable", error=f"{type(e).__name__}: {e}")
+            return request, None
+        session = entry.session
+        session.runtime = self._runtime(entry.root, request)
+        tools = body.get("tools")
+        try:
+            body["messages"] = session.prepare(
+                body["messages"],
+                tools if isinstance(tools, list) else None,
+                body.get("model") if isinstance(body.get("model"), str) else None,
+            )
+        except Exception as e:  # noqa: BLE001 - let the user's call through
+            if self.strict:
+                self._release(_Exchange(entry, False))
+                raise
+            self.failures += 1
+            session.reset()
+            log.warning("leyline_transport.policies_failed", session=session.session_id, error=str(e))
+        if session.runtime is not None:
+            body.setdefault("leyline", {"client_edits": "off"})
+        headers = httpx.Headers(request.headers)
+        headers.pop("content-length", None)
+        headers[SESSION_HEADER] = session.session_id
+        out = httpx.Request(
+            request.method,
+            request.url,
+            headers=headers,
+            content=json.dumps(body).encode(),
+            extensions=request.extensions,
+        )
+        return out, _Exchange(entry, body.get("stream") is True)
+
+    def _after(self, ex: _Exchange | None, response: httpx.Response) -> httpx.Response:
+        if ex is None:
+            return response
+        if response.status_code != 200:
+            self._release(ex)
+            return response
+        entry = ex.entry
+
+        def on_body(raw: bytes | None) -> None:
+            try:
+                if raw is not None:
+                    reply = _reply(raw, response.headers, ex.stream)
+                    if reply is not None:
+                        entry.session.observe_reply(reply)
+            except Exception as e:  # noqa: BLE001 - observing must not break the call
+                log.warning("leyline_transport.observe_failed", error=f"{type(e).__name__}: {e}")
+            finally:
+                self._release(ex)
+
+        response.stream = _ObservedBody(response.stream, on_body)
+        return response
+
+    def _release(self, ex: _Exchange | None) -> None:
+        if ex is not None:
+            with self._lock:
+                ex.entry.busy = False
+
+    # -- sessions -------------------------------------------------------------------------------
+    def _entry(self, request: httpx.Request, body: dict[str, Any]) -> _Entry:
+        """The session of this request (marked busy): named, or found by content, or new."""
+        from leyline_agent.agent.wrappers import _session_id
+
+        root = server_root(str(request.url).split(CHAT_PATH)[0])
+        sid = asked = None
+        if SESSION_KEY in body:
+            sid = asked = _session_id(body.pop(SESSION_KEY), f"body.{SESSION_KEY}")
+        header = request.headers.get(SESSION_HEADER)
+        if header is not None:
+            sid = _session_id(header, f"headers[{SESSION_HEADER!r}]")
+            if asked is not None and sid != asked:
+                raise LeylineError(f"{SESSION_HEADER} {sid!r} contradicts {SESSION_KEY} {asked!r}")
+        sid = sid or self.session_id
+        messages = body["messages"]
+        with self._lock:
+            if sid is not None:
+                entry = self._named.get(sid)
+                if entry is None:
+                    entry = self._new(sid, root)
+                    self._named[sid] = entry
+            else:
+                entry = self._find(messages, root) or self._new(None, root)
+            entry.busy = True
+            return entry
+
+    def _find(self, messages: list[Any], root: str) -> _Entry | None:
+        best, best_key = None, None
+        for e in self._entries:
+            if e.busy or e.root != root or e.session.session_id in self._named:
+                continue
+            m = e.session.continued_by(messages)
+            if m is None:
+                continue
+            key = (m[0], m[1], -e.order)
+            if best_key is None or key > best_key:
+                best, best_key = e, key
+        return best
+
+    def _new(self, sid: str | None, root: str) -> _Entry:
+        session = ContextSession(
+            self.policies,
+            None,
+            mode=self.mode,
+            session_id=sid or f"leyline-{uuid.uuid4().hex[:12]}",
+            fallback=not self.strict,
+        )
+        entry = _Entry(session, root, next(self._order))
+        self._entries.append(entry)
+        return entry
+
+    # -- runtime (detected once per server root) -------------------------------------------------
+    def _runtime(self, root: str, request: httpx.Request) -> Any:
+        spec = self._runtime_spec
+        if spec == "off":
+            return None
+        if spec not in (None, "auto"):
+            return spec
+        with self._lock:
+            if root in self._runtimes:
+                return self._runtimes[root]
+        auth = request.headers.get("authorization", "")
+        key = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
+        rt = HTTPRuntime(root, api_key=key)
+        try:
+            has: bool | None = rt.has_leyline()
+        except (RuntimeUnavailableError, AuthenticationError) as e:
+            log.warning("leyline_transport.runtime_unreachable", root=root, error=str(e))
+            has = None
+        if has is None:
+            rt.close()
+            return None  # unreachable: ask again next call
+        if not has:
+            log.info("leyline_transport.plain_endpoint", root=root)
+        with self._lock:
+            self._runtimes.setdefault(root, rt if has else None)
+            return self._runtimes[root]
+
+
+def _is_chat(request: httpx.Request) -> bool:
+    return request.method == "POST" and request.url.path.rstrip("/").endswith(CHAT_PATH)
+
+
+def _reply(raw: bytes, headers: httpx.Headers, stream: bool) -> dict[str, Any] | None:
+    """The assistant message of choice 0 in a reply body (JSON, or server-sent events)."""
+    enc = headers.get("content-encoding")
+    if enc and enc != "identity":  # decode as httpx would
+        raw = httpx.Response(200, headers={"content-encoding": enc}, content=raw).content
+    text = raw.decode("utf-8", errors="replace")
+    if not stream and "text/event-stream" not in headers.get("content-type", ""):
+        choices = json.loads(text).get("choices") or []
+        return choices[0].get("message") if choices else None
+    asm = ReplyAssembler()
+    for line in text.splitlines():
+        if line.startswith("data:"):
+            data = line[len("data:") :].strip()
+            if data and data != "[DONE]":
+                asm.add(json.loads(data))
+    return asm.message()
+
+
+class _ObservedBody(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A response body passed through as it is read; ``on_body(all bytes)`` once it has been
+    read to its end, ``on_body(None)`` if it is closed before that."""
+
+    def __init__(self, inner: Any, on_body: Callable[[bytes | None], None]) -> None:
+        self._inner = inner
+        self._on_body = on_body
+        self._parts: list[bytes] = []
+        self._ended = False
+
+    def _end(self, raw: bytes | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._on_body(raw)
+
+    def __iter__(self) -> Iterator[bytes]:
+        for part in self._inner:
+            self._parts.append(part)
+            yield part
+        self._end(b"".join(self._parts))
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for part in self._inner:
+            self._parts.append(part)
+            yield part
+        self._end(b"".join(self._parts))
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        finally:
+            self._end(None)
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            self._end(None)
