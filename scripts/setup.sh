@@ -38,7 +38,7 @@ CONS=()
 [ -f scripts/constraints.txt ] && CONS=(-c scripts/constraints.txt)
 echo "setup: installing Leyline and pinned dependencies (a few minutes on a fresh machine)" >&2
 "${PIP[@]}" install --upgrade pip >/dev/null
-"${PIP[@]}" install "${CONS[@]}" -e ".[runtime,experiments,dev]"
+"${PIP[@]}" install "${CONS[@]}" -e ".[runtime,experiments,dev,frameworks]"
 "${PIP[@]}" install "${CONS[@]}" --no-deps -r scripts/requirements-nodeps.txt
 "${PIP[@]}" install "${CONS[@]}" -r scripts/requirements-extras.txt
 echo "$WANT" > "$STAMP"
