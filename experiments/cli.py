@@ -99,11 +99,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", required=True, help="served model name")
     p.add_argument(
-        "--tokenizer", default=None, help="local HF tokenizer folder (default: --model if a folder)"
+        "--tokenizer",
+        default=None,
+        help="local HF tokenizer folder for debug-gym's token counting (default: --model if "
+        "a folder, else the endpoint's model root, else .leyline/models/MODEL)",
     )
     p.add_argument("--arms", default="baseline,stale-tool,stale-tool+failed-call,history-cutoff")
     p.add_argument("--tasks", default="all", help="all or a comma list")
-    p.add_argument("--max-steps", type=int, default=None, help="agent steps (default: config, 50)")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="most actions (LLM calls) per episode (default: the config's agent.max_steps, "
+        "debug-gym's 50, which counts the reset as a step: 49 actions)",
+    )
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("runs/mini-nightmare"))
     p.add_argument(

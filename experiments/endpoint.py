@@ -1,7 +1,10 @@
-"""An OpenAI-compatible endpoint as the experiments see it: liveness, model names, stats.
+"""An OpenAI-compatible endpoint as the experiments see it: liveness, model names, stats,
+cache flush.
 
 ``/leyline/v1/stats`` is optional (a plain OpenAI endpoint has none): ``stats()`` then
 returns ``None`` and the harness falls back to the ``usage`` blocks of the responses.
+``/leyline/v1/flush`` is optional too: ``flush()`` returns the server's answer, or ``None``
+where the endpoint has no such route (its cache then carries over between arms).
 """
 
 from __future__ import annotations
@@ -55,6 +58,34 @@ class Endpoint:
             raise LeylineError(
                 f"--model: {model!r} is not served by {self.base_url}; served: {', '.join(names) or 'none'}"
             )
+
+    def model_root(self, model: str) -> str | None:
+        """The ``root`` the endpoint reports for ``model`` (vLLM and ``leyline serve``: the
+        model's path), or None."""
+        url = self.openai_base_url + "/models"
+        try:
+            r = httpx.get(url, timeout=self.timeout_s)
+            data = r.json().get("data", []) if r.status_code == 200 else []
+        except (httpx.HTTPError, ValueError):
+            return None
+        for m in data:
+            if isinstance(m, dict) and m.get("id") == model and isinstance(m.get("root"), str):
+                return m["root"]
+        return None
+
+    def flush(self) -> dict[str, object] | None:
+        """Empty the endpoint's prefix cache (the caller's tenant); None if it cannot."""
+        try:
+            r = httpx.post(self.root + "/leyline/v1/flush", timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            raise RuntimeUnavailableError(f"endpoint {self.base_url} went away: {e}") from e
+        if r.status_code in (404, 405):
+            return None
+        if r.status_code != 200:
+            raise RuntimeUnavailableError(
+                f"POST /leyline/v1/flush answered {r.status_code}: {r.text[:200]}"
+            )
+        return dict(r.json())
 
     def stats(self) -> StatsResponse | None:
         try:

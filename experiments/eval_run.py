@@ -1,5 +1,11 @@
 """The loop of ``leyline eval mini-nightmare``: plan episodes, skip finished ones, run the
-rest one at a time under a progress bar, write the reports (also when stopped early)."""
+rest one at a time under a progress bar, write the reports (also when stopped early).
+
+Each arm (of each run) starts from an empty server cache: the harness calls
+``POST /leyline/v1/flush`` before its first episode, so an arm's hit rate does not depend
+on which arms ran before it (an endpoint without the route is warned about).
+``max_steps`` counts the agent's actions (debug-gym's own ``max_steps`` counts the reset
+as a step: ``run_episode`` passes ``max_steps + 1``)."""
 
 from __future__ import annotations
 
@@ -22,14 +28,25 @@ __all__ = ["run_eval"]
 log = structlog.get_logger(__name__)
 
 
-def _tokenizer_dir(model: str, tokenizer: str | None) -> str:
-    path = Path(tokenizer) if tokenizer else Path(model)
-    if not path.is_dir():
-        raise LeylineError(
-            "--tokenizer: debug-gym's HuggingFaceLLM counts tokens with a local Hugging Face "
-            f"tokenizer; give its folder (the model folder works), {str(path)!r} is not one"
-        )
-    return str(path)
+MODELS_DIR = Path(".leyline/models")  # where `leyline make-model` puts the README's models
+
+
+def _tokenizer_dir(model: str, tokenizer: str | None, endpoint: Endpoint) -> str:
+    """``--tokenizer``; else the model's folder: ``--model`` itself, the path the endpoint
+    reports as the model's ``root`` (vLLM does), or ``.leyline/models/<model>``."""
+    if tokenizer:
+        candidates = [Path(tokenizer)]
+    else:
+        root = endpoint.model_root(model)
+        candidates = [Path(model), *([Path(root)] if root else []), MODELS_DIR / model]
+    for path in candidates:
+        if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+            return str(path)
+    tried = ", ".join(repr(str(p)) for p in candidates)
+    raise LeylineError(
+        "--tokenizer: debug-gym's HuggingFaceLLM counts tokens with a local Hugging Face "
+        f"tokenizer; give its folder (the model folder works); none found in {tried}"
+    )
 
 
 def run_eval(
@@ -54,9 +71,9 @@ def run_eval(
         raise LeylineError(f"--max-steps: must be >= 1, got {max_steps}")
     arm_names = resolve_arms(arms, config)
     task_names = resolve_tasks(tasks)
-    tok = _tokenizer_dir(model, tokenizer)
     endpoint = Endpoint(base_url)
     endpoint.check_model(model)
+    tok = _tokenizer_dir(model, tokenizer, endpoint)
 
     out.mkdir(parents=True, exist_ok=True)
     store = EpisodeStore(out / "episodes.jsonl")
@@ -90,9 +107,21 @@ def run_eval(
         unit="ep",
         disable=not progress,
     )
+    block: tuple[str, int] | None = None
     try:
         for task, arm, run in todo:
             bar.set_postfix_str(f"{task}/{arm}/r{run}")
+            if (arm, run) != block:  # each arm starts from an empty cache
+                block = (arm, run)
+                flushed = endpoint.flush()
+                if flushed is None:
+                    log.warning(
+                        "the endpoint has no /leyline/v1/flush: its cache carries over "
+                        "between arms, so hit rates depend on the arm order",
+                        base_url=base_url,
+                    )
+                else:
+                    log.info("cache flushed", arm=arm, run=run, **flushed)
             record = run_episode(
                 task,
                 arm,

@@ -17,8 +17,11 @@ import contextlib
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -144,13 +147,68 @@ def load_tasks(data_dir: Path, tasks: list[str]) -> dict[str, dict[str, Any]]:
     return _Provisioned.load_dataset(problems=tasks, build_image=False)
 
 
+def working_copy_dir() -> Path:
+    """Where every episode of this process works on its copy of the task (see below)."""
+    return Path(tempfile.gettempdir()) / f"leyline-eval-{os.getpid()}" / "repo"
+
+
+def _fixed_workspace(terminal: Any, logger: Any) -> Any:
+    """debug-gym's ``Workspace`` on a ``LocalTerminal`` copies the task into a fresh
+    ``DebugGym-<random>`` folder, and that name shows in the prompts and tool outputs: two
+    episodes' prompts then differ by a few tokens, which blurs arm comparisons. This one
+    reuses ``working_copy_dir()`` (emptied at every reset): the same actions give the same
+    prompts in every arm. Episodes of one process run one at a time."""
+    from debug_gym.gym.workspace import Workspace
+
+    class _Fixed(Workspace):
+        def cleanup(self) -> None:
+            if self.working_dir is not None:
+                shutil.rmtree(self.working_dir, ignore_errors=True)
+            self.working_dir = None
+
+        def reset(
+            self,
+            readonly_patterns: list[str] | None = None,
+            ignore_patterns: list[str] | None = None,
+        ) -> None:
+            self.cleanup()
+            path = working_copy_dir()
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+            self.working_dir = path
+            self.terminal.working_dir = str(path)
+            self.setup_file_filters(readonly_patterns, ignore_patterns)
+
+    return _Fixed(terminal, logger=logger)
+
+
+# pytest's summary line "==== 1 failed, 2 passed in 0.75s ====" (and "in 61.2s (0:01:01)")
+_PYTEST_DURATION = re.compile(r"^(=+ .*?) in \d+(?:\.\d+)?s(?: \(\d+:\d\d:\d\d\))? (=+)$", re.M)
+
+
+def scrub_durations(output: str) -> str:
+    """Drop the duration from pytest's summary line. debug-gym's ``cleanup_pytest_output``
+    removes timings "to avoid randomizing LLM's response" but matches only unittest's
+    "Ran N tests in Xs"; the wall time left in mini_nightmare's eval output made two
+    episodes' prompts differ (and a greedy model's answers with them)."""
+    return _PYTEST_DURATION.sub(r"\1 \2", output)
+
+
 def _make_env(task_data: dict[str, Any], config: EvalConfig, logger: Any) -> Any:
     from debug_gym.experiment import add_tools
+    from debug_gym.gym.entities import EvalOutput
     from debug_gym.gym.envs.mini_nightmare import MiniNightmareEnv
     from debug_gym.gym.terminals.local import LocalTerminal
 
+    class _Env(MiniNightmareEnv):  # the eval output without pytest's wall time
+        def eval(self, **kwargs: Any) -> EvalOutput:
+            out = super().eval(**kwargs)
+            self.last_eval = EvalOutput(out.success, scrub_durations(out.output))
+            return self.last_eval
+
     terminal = LocalTerminal(env_vars=_terminal_env(), include_os_env_vars=False, logger=logger)
-    env = MiniNightmareEnv(task_data=task_data, terminal=terminal, logger=logger, **config.env)
+    env = _Env(task_data=task_data, terminal=terminal, logger=logger, **config.env)
+    env.workspace = _fixed_workspace(terminal, logger)
     add_tools(env, {"tools": config.tools}, logger)
     return env
 
@@ -207,7 +265,12 @@ def run_episode(
     max_steps: int | None = None,
     context_limit_k: int | None = None,
 ) -> EpisodeRecord:
-    """One episode; returns its record (``RuntimeUnavailableError`` propagates: no record)."""
+    """One episode; returns its record (``RuntimeUnavailableError`` propagates: no record).
+
+    ``max_steps``: the most actions the agent takes (LLM calls answered by the env).
+    debug-gym's ``agent.max_steps`` counts the reset as step 1 (``max_steps: 3`` gives two
+    actions), so ``max_steps + 1`` is what debug-gym is given; a config's own
+    ``agent.max_steps`` is passed as is, with debug-gym's meaning."""
     from debug_gym.agents.base_agent import create_agent
     from debug_gym.logger import DebugGymLogger
 
@@ -218,8 +281,8 @@ def run_episode(
         f"{task}-{arm_name}-{run}", log_dir=str(ep_dir), level=logging.ERROR, mode="w"
     )
     agent_cfg = {**config.agent, **arm.agent}
-    if max_steps is not None:
-        agent_cfg["max_steps"] = max_steps
+    if max_steps is not None:  # actions; debug-gym counts the reset as a step too
+        agent_cfg["max_steps"] = max_steps + 1
     before = endpoint.stats()
     t0 = time.perf_counter()
     status, error, env, agent, llm = "done", None, None, None, None

@@ -100,7 +100,7 @@ def test_looking_only_is_not_solved(tmp_path: Path, tokenizer_dir: Path) -> None
         _eval(server, tmp_path, tokenizer_dir, max_steps=3)
         [rec] = _records(tmp_path)
         assert rec["solved"] is False and rec["status"] == "done"
-        assert rec["steps"] == len(server.requests) >= 2  # debug-gym stops at max_steps - 1
+        assert rec["steps"] == len(server.requests) == 3  # --max-steps counts actions
         assert rec["score"] == 0
 
 
@@ -109,7 +109,7 @@ def test_stale_tool_arm_edits_what_the_server_receives(tmp_path: Path, tokenizer
     # them as tool results too, and their call ids must not collide.
     text_only = {"content": "Hmm, thinking."}
     with ScriptedLLMServer([VIEW, text_only, text_only]) as server:
-        _eval(server, tmp_path, tokenizer_dir, arms="baseline,stale-tool", max_steps=5)
+        _eval(server, tmp_path, tokenizer_dir, arms="baseline,stale-tool", max_steps=4)
         assert len(server.requests) == 8
         # Requests 0-3 are the baseline episode, 4-7 the stale-tool one; the 4th request of
         # each carries three view results. keep=2: only the stale-tool arm stubs the oldest.
@@ -143,3 +143,48 @@ def test_bad_input_is_named(tmp_path: Path, tokenizer_dir: Path) -> None:
         url = server.base_url
     with pytest.raises(RuntimeUnavailableError, match="not reachable"):
         _eval(server, tmp_path, tokenizer_dir, base_url=url)
+
+
+def test_arm_order_does_not_change_hit_rates(tmp_path: Path) -> None:
+    """Two orders of the same arms against one real ``leyline serve`` (tiny model, real
+    prefix cache): every arm's hit rate and prefilled tokens are the same in both. Without
+    the flush before each arm the second order would find everything the first cached."""
+    from leyline_agent.engine.checkpoints.store import tiny_model_dir
+    from leyline_agent.engine.engine import Engine
+    from leyline_agent.testing.server import serve_in_thread
+
+    model_dir = tiny_model_dir("llama")
+    engine = Engine.from_pretrained(model_dir)
+    config = load_eval_config(generate={"max_tokens": 4, "temperature": 0.0})
+    summaries = {}
+    with serve_in_thread(engine) as srv:
+        for order in ("baseline,stale-tool", "stale-tool,baseline"):
+            summaries[order] = run_eval(
+                base_url=srv.base_url,
+                model=engine.model_name,
+                arms=order,
+                tasks="purr",
+                runs=1,
+                out=tmp_path / order.replace(",", "_"),
+                config=config,
+                max_steps=4,
+                tokenizer=str(model_dir),
+                progress=False,
+            )["arms"]
+    engine.cache.check()
+    first, second = summaries.values()
+    for arm in ("baseline", "stale-tool"):
+        a, b = first[arm], second[arm]
+        assert a["prompt_tokens"] > 0 and 0.0 < a["hit_rate"] < 1.0, a
+        assert (a["hit_rate"], a["prefilled_tokens"]) == (b["hit_rate"], b["prefilled_tokens"])
+
+
+def test_pytest_durations_are_scrubbed_from_eval_output() -> None:
+    from leyline_agent.experiments.nightmare import scrub_durations
+
+    out = "F\n==== 1 failed in 0.75s ====\n"
+    assert scrub_durations(out) == "F\n==== 1 failed ====\n"
+    assert (
+        scrub_durations("== 2 failed, 3 passed in 61.2s (0:01:01) ==") == "== 2 failed, 3 passed =="
+    )
+    assert scrub_durations("tests ran in 0.5s") == "tests ran in 0.5s"  # not a summary line
