@@ -91,7 +91,9 @@ def test_flush_route_flushes_the_callers_tenant_only(engine: Engine) -> None:
     prompt = {"model": engine.model_name, "prompt": list(range(10, 90)), "max_tokens": 1}
     with serve_in_thread(engine, api_keys=keys) as srv:
 
-        def call(key: str | None, method: str, path: str, body: dict | None = None) -> httpx.Response:
+        def call(
+            key: str | None, method: str, path: str, body: dict | None = None
+        ) -> httpx.Response:
             headers = {"Authorization": f"Bearer {key}"} if key else {}
             return httpx.request(method, srv.url + path, json=body, headers=headers, timeout=60)
 
