@@ -15,8 +15,10 @@ For a chat request it does what ``wrap_openai`` does, with the same ``ContextSes
 run the policies on the body's ``messages``, send edits of cached messages to the server's
 ``/leyline/v1/directives`` (an ``HTTPRuntime`` at the request's server root, bearer key from
 its ``Authorization``, detected once per root; a plain endpoint gets no directives), send
-the edited body with ``X-Leyline-Session`` and ``{"leyline": {"client_edits": "off"}}`` (the
-server must not splice the same edits again), and record the reply.
+the edited body with ``X-Leyline-Session`` and, when it has policies, ``{"leyline":
+{"client_edits": "off"}}`` (the server must not splice the same edits again), and record the
+reply. ``LeylineTransport([])`` (no policies) only names sessions: the server then splices the
+framework's own edits itself (``leyline serve --client-edits amortize``).
 
 Sessions: a request that names one (its ``X-Leyline-Session`` header, the body's
 ``leyline_session`` key, removed before sending, or the transport's ``session_id=``) gets
@@ -182,7 +184,7 @@ class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
             self.failures += 1
             session.reset()
             log.warning("leyline_transport.policies_failed", session=session.session_id, error=str(e))
-        if session.runtime is not None:
+        if session.runtime is not None and self.policies:  # our edits go as directives
             body.setdefault("leyline", {"client_edits": "off"})
         headers = httpx.Headers(request.headers)
         headers.pop("content-length", None)
