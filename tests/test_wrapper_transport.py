@@ -166,3 +166,47 @@ def test_plain_endpoint_gets_no_directives_and_no_leyline_field():
         assert all("leyline" not in b for b in bodies)
         assert bodies[-1]["messages"] == stubbed(history[:-2])
         assert stub.directive_bodies() == []
+
+
+def test_three_concurrent_conversations_on_one_client_get_their_own_sessions():
+    """Real ``leyline serve`` (scripted tiny engine): three threads run their own tool loop
+    on one wrapped client, no session ids; each conversation is found by content, gets its
+    own session and its own directives, and nothing resets."""
+    import threading
+
+    from leyline_agent.testing.frameworks import scripted_server, stats
+    from leyline_agent.testing.scripted_engine import tool_call
+
+    turns = 5
+    script = [tool_call("bash", {"cmd": f"step {k}"}) for k in range(turns)]
+    with scripted_server(script, client_edits="off") as (srv, engine):
+        t = LeylineTransport([{"name": "stale-tool", "keep": KEEP}])
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, http_client=httpx.Client(transport=t))  # fmt: skip
+        barrier = threading.Barrier(3)
+        errors: list[BaseException] = []
+
+        def run(c: int) -> None:
+            try:
+                history = [{"role": "system", "content": "You run commands."}, {"role": "user", "content": f"task {c}"}]  # fmt: skip
+                for k in range(turns):
+                    barrier.wait(timeout=60)  # the three calls of a turn overlap
+                    msg = message_of(client.chat.completions.create(model=engine.model_name, messages=history, tools=TOOLS, max_tokens=8))  # fmt: skip
+                    history += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": f"task {c} out {k} " * 20}]  # fmt: skip
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                barrier.abort()
+
+        threads = [threading.Thread(target=run, args=(c,)) for c in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert not errors, errors
+        sessions = t.sessions
+        assert len(sessions) == 3
+        per = turns - 1 - KEEP  # stale results per conversation: turns 2..4 each stub one
+        for s in sessions:
+            assert s.stats.turns == turns and s.stats.resets == 0, s.stats
+            assert s.stats.forwarded_edits == per == s.stats.runtime_calls
+            assert s.stats.server_fallbacks == 0
+        assert stats(srv)["splices"]["amortize"] == 3 * per
