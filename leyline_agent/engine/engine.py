@@ -1,6 +1,7 @@
 """The embedded engine: transformers model + KV pool + radix prefix cache + splices.
 
-Engine facade, one request at a time (not thread-safe: the server's scheduler serializes).
+Engine facade. Thread-safe: concurrent ``generate`` calls share batched steps
+(``stepper.py``); every other operation runs between two steps, under the engine lock.
 
 - ``generate``: longest cached prefix (at most ``len(prompt) - 1`` tokens: the last prompt
   token is always recomputed for its logits), prefill the rest, decode, then cache
@@ -21,6 +22,7 @@ from typing import Any
 import structlog
 import torch
 
+from leyline_agent.engine import sequence
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVLayout, KVPool
 from leyline_agent.engine.cache.prefix_cache import PrefixCache
@@ -29,6 +31,7 @@ from leyline_agent.engine.model.loader import load
 from leyline_agent.engine.model.runner import ModelRunner
 from leyline_agent.engine.params import GenerationResult, InvalidRequestError, SamplingParams
 from leyline_agent.engine.sampler import Sampler, StopMatcher
+from leyline_agent.engine.stepper import Stepper
 from leyline_agent.errors import TrajectoryError
 from leyline_agent.namespaces import ANONYMOUS, DEFAULT_TENANT, Namespace
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
@@ -83,6 +86,7 @@ class Engine:
             self.allocator, cache_budget_tokens, enabled=prefix_cache, pin_ttl_s=pin_ttl_s
         )
         self.runner = ModelRunner(model, self.pool, self.allocator)
+        self.stepper = Stepper(self)
         self._stats: dict[str, EngineStats] = {}
         self._evicted_tokens = 0
         self._pin_evictions = 0
@@ -161,8 +165,13 @@ class Engine:
     ) -> torch.Tensor:
         """Next-token logits of ``prompt_ids`` through the cache path (caches nothing)."""
         ids = self.check_ids(prompt_ids, "prompt_ids")
-        m = self.cache.match(ids[:-1], namespace)
-        return self.runner.prefill(m.slots, ids[m.length :]).logits
+        with self.stepper.exclusive():
+            m = self.cache.match(ids[:-1], namespace)
+            self.cache.hold(m)
+            try:
+                return self.runner.logits_after(m.slots, ids[m.length :])
+            finally:
+                self.cache.release(m)
 
     def generate(
         self,
@@ -173,7 +182,11 @@ class Engine:
         namespace: Namespace = ANONYMOUS,
     ) -> GenerationResult:
         """Generate in ``namespace``: it reuses exact rows of its tenant and its own spliced
-        rows; what it computes after a spliced row is cached as its own (``radix.py``)."""
+        rows; what it computes after a spliced row is cached as its own (``radix.py``).
+
+        Thread-safe: concurrent calls decode in one batched forward (``stepper.py``);
+        ``on_token`` runs on the caller's thread, and if it raises, the request is dropped:
+        its rows are freed, nothing is cached or counted."""
         params = params if params is not None else SamplingParams()
         params.validate()
         ids = self.check_ids(prompt_ids, "prompt_ids")
@@ -184,51 +197,47 @@ class Engine:
                 f"exceeds the model's context of {limit} tokens"
             )
         extra_stop = self.check_ids(params.stop_token_ids, "stop_token_ids", allow_empty=True)
-        stop_ids = set(self.stop_token_ids) | set(extra_stop)
+        stop_ids = frozenset(self.stop_token_ids) | frozenset(extra_stop)
         t0 = time.perf_counter()
-        splice_lost = self.cache.arrive(namespace)
-        m = self.cache.match(ids[:-1], namespace)
-        self.cache.hold(m)
+        with self.stepper.exclusive():
+            splice_lost = self.cache.arrive(namespace)
+            m = self.cache.match(ids[:-1], namespace)
+            self.cache.hold(m)
+            seq = sequence.Sequence(
+                prompt_ids=ids, params=params, namespace=namespace, match=m,
+                sampler=Sampler(params, self.device), stopper=StopMatcher(list(params.stop)),
+                stop_ids=stop_ids, t0=t0, splice_lost=splice_lost, on_token=on_token,
+                logprobs=[] if params.logprobs else None,
+            )  # fmt: skip
+            seq.meta["flush"] = self.cache.enabled
+            self.stepper.running.append(seq)
         try:
-            fwd = self.runner.prefill(m.slots, ids[m.length :])
-            ttft = time.perf_counter() - t0
-            sampler = Sampler(params, self.device)
-            stopper = StopMatcher(list(params.stop))
-            out: list[int] = []
-            lps = [] if params.logprobs else None
-            finish, logits = "length", fwd.logits
-            for step in range(params.max_tokens):
-                if step:
-                    logits = self.runner.extend(fwd.cache, [out[-1]])
-                tok = sampler.choose(logits)
-                if step == 0:
-                    ttft = time.perf_counter() - t0
-                out.append(tok)
-                if lps is not None:
-                    lps.append(sampler.logprob(logits, tok, self.tokenizer))
-                delta = stopper.push(self.tokenizer.decode(out, skip_special_tokens=True))
-                done = tok in stop_ids or stopper.stopped
-                if done or step == params.max_tokens - 1:
-                    delta += stopper.flush()
-                if on_token is not None:
-                    on_token(tok, delta)
-                if done:
-                    finish = "stop"
-                    break
-            e2e = time.perf_counter() - t0
-            fresh: list[int] = []
-            if self.cache.enabled:
-                if out:
-                    self.runner.extend(fwd.cache, [out[-1]], want_logits=False)
-                fresh = self.runner.store(fwd)
-        finally:
-            self.cache.release(m)
+            self.stepper.drive(seq)
+        except BaseException:
+            with self.stepper.exclusive():
+                self._abort(seq)
+            raise
+        with self.stepper.exclusive():
+            return self._commit(seq)
+
+    def _abort(self, seq: sequence.Sequence) -> None:
+        """Drop a sequence: its rows are freed; nothing is cached or counted."""
+        if seq in self.stepper.running:
+            self.stepper.running.remove(seq)
+        self.allocator.free(seq.fresh)
+        seq.fresh = []
+        self.cache.release(seq.match)
+
+    def _commit(self, seq: sequence.Sequence) -> GenerationResult:
+        m, ids, out, ns = seq.match, seq.prompt_ids, seq.output_ids, seq.namespace
+        self.cache.release(m)
         if self.cache.enabled:
-            seq = ids + out
-            exact = len(seq) if m.exact_len == m.length else m.exact_len
-            self.cache.insert(seq, m.slots + fresh, fresh, namespace, exact)
+            exact = len(seq.token_ids) if m.exact_len == m.length else m.exact_len
+            self.cache.insert(seq.token_ids, seq.slots, seq.fresh, ns, exact)
+        else:
+            self.allocator.free(seq.fresh)
         self.evict()
-        st = self.counters(namespace.tenant)
+        st = self.counters(ns.tenant)
         st.requests += 1
         st.prompt_tokens += len(ids)
         st.cached_tokens += m.length
@@ -237,15 +246,15 @@ class Engine:
         return GenerationResult(
             prompt_ids=ids,
             output_ids=out,
-            text=stopper.text,
-            finish_reason=finish,
+            text=seq.stopper.text,
+            finish_reason=seq.finish_reason,
             prompt_tokens=len(ids),
             cached_tokens=m.length,
             prefilled_tokens=len(ids) - m.length,
-            logprobs=lps,
-            ttft_s=ttft,
-            e2e_s=e2e,
-            splice_evicted=splice_lost,
+            logprobs=seq.logprobs,
+            ttft_s=seq.ttft_s,
+            e2e_s=seq.e2e_s,
+            splice_evicted=seq.splice_lost,
         )
 
     # ------------------------------------------------------------------ cache upkeep
@@ -270,10 +279,15 @@ class Engine:
         from leyline_agent.engine.executor import apply_request
 
         ns = namespace if namespace is not None else Namespace(DEFAULT_TENANT, req.session)
-        return apply_request(self, req, ns)
+        with self.stepper.exclusive():
+            return apply_request(self, req, ns)
 
     def stats(self, tenant: str | None = None) -> StatsResponse:
         """Counters of one tenant (cache sizes: its own rows), or of the whole engine."""
+        with self.stepper.exclusive():
+            return self._stats_of(tenant)
+
+    def _stats_of(self, tenant: str | None) -> StatsResponse:
         if tenant is None:
             parts = list(self._stats.values())
             cache_tokens, pinned = self.cache.total_tokens, self.cache.pins.pinned_tokens

@@ -1,35 +1,45 @@
-"""The model runner: transformers forward passes over prefixes gathered from the pool.
+"""The model runner: packed forwards whose attention reads and writes the KV pool by slot.
 
-It never re-implements the model. To run with a cached prefix it gathers the prefix's
-slots into a transformers ``DynamicCache``, forwards the new tokens (positions continue
-after the prefix, as transformers derives them from the cache length), and scatters the
-new rows of the cache into fresh slots.
+It never re-implements the model: transformers runs embeddings, norms, MLPs/MoE and the
+attention modules' projections; the engine's attention (``attention.py``, installed here)
+writes each new token's KV into the slot the caller allocated for it and attends over the
+sequence's pool rows. One ``run`` = one forward of a packed batch (``context.py``):
+several sequences' new tokens end to end, each with its own positions and rows. Nothing is
+copied into a per-request cache object.
+
+The runner allocates nothing in ``run``: callers pass the slots (``StepInput.kv_slots``:
+cached rows then one fresh slot per new token). ``prefill_into_slots`` / ``logits_after``
+/ ``prefill`` allocate, run in chunks of ``chunk`` tokens, and free what they allocated on error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVPool
+from leyline_agent.engine.model.attention import install
+from leyline_agent.engine.model.context import AttnContext, SeqRows, forward_context
 
-__all__ = ["ModelRunner", "Forward"]
+__all__ = ["ModelRunner", "StepInput"]
 
 
-class Forward:
-    """One forward pass: its DynamicCache (prefix + new rows) and next-token logits."""
+@dataclass(slots=True, frozen=True)
+class StepInput:
+    """One sequence's share of a forward: ``token_ids`` are new; ``kv_slots`` holds the
+    sequence's cached rows followed by one (already allocated) slot per new token."""
 
-    __slots__ = ("cache", "logits", "prefix_len")
-
-    def __init__(self, cache: Any, logits: torch.Tensor | None, prefix_len: int) -> None:
-        self.cache, self.logits, self.prefix_len = cache, logits, prefix_len
+    token_ids: Sequence[int]
+    kv_slots: Sequence[int]
+    want_logits: bool = True
 
     @property
-    def seq_len(self) -> int:
-        return self.cache.get_seq_length()
+    def num_cached(self) -> int:
+        return len(self.kv_slots) - len(self.token_ids)
 
 
 class ModelRunner:
@@ -38,59 +48,92 @@ class ModelRunner:
     ) -> None:
         self.model, self.pool, self.allocator, self.chunk = model, pool, allocator, chunk
         self.device = pool.device
-
-    def new_cache(self, prefix_slots: Sequence[int]) -> Any:
-        from transformers import DynamicCache
-
-        if not prefix_slots:
-            return DynamicCache(config=self.model.config)
-        return DynamicCache(
-            ddp_cache_data=self.pool.as_cache_data(prefix_slots), config=self.model.config
-        )
+        install(model)
 
     @torch.inference_mode()
-    def extend(
-        self, cache: Any, token_ids: Sequence[int], want_logits: bool = True
-    ) -> torch.Tensor | None:
-        """Forward ``token_ids`` after what ``cache`` holds; return the last position's logits."""
-        logits = None
-        ids = list(token_ids)
-        none = torch.empty(0, dtype=torch.long, device=self.device)  # cache-only: no lm_head
-        for i in range(0, len(ids), self.chunk):
-            last = i + self.chunk >= len(ids)
-            part = torch.tensor([ids[i : i + self.chunk]], dtype=torch.long, device=self.device)
-            keep = 1 if (last and want_logits) else none
+    def run(self, batch: Sequence[StepInput]) -> torch.Tensor | None:
+        """Forward the packed batch; next-token logits ``[k, vocab]`` (fp32) of the ``k``
+        inputs with ``want_logits``, in batch order (None if none wants them)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        new_slots: list[int] = []
+        seqs: list[SeqRows] = []
+        keep: list[int] = []
+        for b in batch:
+            n, t = len(b.kv_slots), len(b.token_ids)
+            if t == 0 or t > n:
+                raise ValueError(f"run: {t} new tokens for {n} slots")
+            seqs.append(_seq_rows(len(ids), t, b.kv_slots, self.device))
+            ids += b.token_ids
+            pos += range(n - t, n)
+            new_slots += b.kv_slots[n - t :]
+            if b.want_logits:
+                keep.append(len(ids) - 1)
+        dev = self.device
+        ctx = AttnContext(
+            pool=self.pool,
+            slot_mapping=torch.tensor(new_slots, dtype=torch.long, device=dev),
+            seqs=tuple(seqs),
+        )
+        with forward_context(ctx):
             out = self.model(
-                input_ids=part, past_key_values=cache, use_cache=True, logits_to_keep=keep
+                input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+                position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
             )
-            if last and want_logits:
-                logits = out.logits[0, -1].float()
-        return logits
-
-    def prefill(
-        self, prefix_slots: Sequence[int], token_ids: Sequence[int], want_logits: bool = True
-    ) -> Forward:
-        cache = self.new_cache(prefix_slots)
-        logits = self.extend(cache, token_ids, want_logits) if token_ids else None
-        return Forward(cache, logits, len(prefix_slots))
-
-    def store(self, fwd: Forward, start: int | None = None) -> list[int]:
-        """Allocate fresh slots for the cache rows from ``start`` (default: after the prefix)."""
-        start = fwd.prefix_len if start is None else start
-        n = fwd.seq_len - start
-        slots = self.allocator.alloc(n)
-        try:
-            self.pool.write_from_cache(fwd.cache, start, slots)
-        except BaseException:
-            self.allocator.free(slots)
-            raise
-        return slots
+        return out.logits[0].float() if keep else None
 
     def prefill_into_slots(
         self, prefix_slots: Sequence[int], token_ids: Sequence[int]
     ) -> list[int]:
-        """Prefill ``token_ids`` attending to the prefix; return the fresh slots holding them."""
-        if not token_ids:
-            return []
-        fwd = self.prefill(prefix_slots, token_ids, want_logits=False)
-        return self.store(fwd)
+        """Forward ``token_ids`` after the prefix; the fresh slots now holding their KV."""
+        return self.prefill(prefix_slots, token_ids, want_logits=False)[0]
+
+    def prefill(
+        self, prefix_slots: Sequence[int], token_ids: Sequence[int], want_logits: bool = True
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Forward ``token_ids`` after the prefix in chunks; the fresh slots now holding their
+        KV, and (if asked) the last token's logits ``[vocab]``. Nothing is left allocated on
+        error."""
+        ids = list(token_ids)
+        if not ids:
+            return [], None
+        fresh = self.allocator.alloc(len(ids))
+        try:
+            logits = None
+            prefix = list(prefix_slots)
+            for i in range(0, len(ids), self.chunk):
+                end = min(i + self.chunk, len(ids))
+                last = end == len(ids)
+                step = StepInput(ids[i:end], prefix + fresh[:end], want_logits and last)
+                out = self.run([step])
+                if out is not None:
+                    logits = out[0]
+        except BaseException:
+            self.allocator.free(fresh)
+            raise
+        return fresh, logits
+
+    def logits_after(self, prefix_slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
+        """Next-token logits of prefix + ``token_ids``; the scratch rows are freed again."""
+        fresh, logits = self.prefill(prefix_slots, token_ids, want_logits=True)
+        self.allocator.free(fresh)
+        assert logits is not None
+        return logits
+
+
+def _seq_rows(q_start: int, q_len: int, slots: Sequence[int], dev: torch.device) -> SeqRows:
+    first, n = slots[0], len(slots)
+    contiguous = slots[-1] - first == n - 1 and (n < 3 or _is_run(slots))
+    return SeqRows(
+        q_start=q_start,
+        q_len=q_len,
+        kv_slots=torch.as_tensor(slots, dtype=torch.long, device=dev),
+        kv_run=first if contiguous else -1,
+    )
+
+
+def _is_run(slots: Sequence[int]) -> bool:
+    t = torch.as_tensor(slots)
+    return bool((t[1:] - t[:-1] == 1).all())

@@ -1,0 +1,211 @@
+"""Attention owned by the engine: it writes new KV into the pool and reads rows by slot.
+
+Shapes (one packed forward of N new tokens, ``context.py``; H query heads):
+
+- GQA (Llama, Qwen3), through transformers' attention-function registry under the name
+  ``leyline``: the module hands over post-RoPE ``query [1, H, N, d]``, ``key/value
+  [1, KVH, N, d]``; they go to ``pool.keys/values[layer][:, slot_mapping]`` and each sequence
+  attends over ``pool[layer][:, kv_slots]`` (a view when its slots are one run).
+- MLA (DeepSeek V2/V3), a replaced ``forward`` of each attention module: the module's own
+  projections, norm and rotary function give ``q_nope [H, N, nope]``, ``q_pe [H, N, rope]``,
+  ``c_kv [N, r]`` and post-RoPE ``k_pe [N, rope]``; the pool stores ``c_kv`` (keys) and
+  ``k_pe`` (values), exactly what transformers caches. Attention runs in latent space:
+  ``q_lat = q_nope · W_uk`` (``kv_b_proj``'s key half), scores ``q_lat·c_kv + q_pe·k_pe``,
+  output ``(p · c_kv) · W_uv`` (the value half). Cached latents are never re-expanded. A
+  sequence with nothing cached and at least ``EXPAND_MIN_TOKENS`` new tokens expands its
+  own chunk instead (cheaper there: head dim 192 instead of 576; measured, see README).
+
+With no context set both fall through to transformers' own code (sdpa), so the model
+object still serves plain forwards (the tests' ground truth) unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from leyline_agent.engine.model.context import SeqRows, current
+
+__all__ = ["ATTN_IMPLEMENTATION", "EXPAND_MIN_TOKENS", "install", "mla_absorbed"]
+
+ATTN_IMPLEMENTATION = "leyline"
+EXPAND_MIN_TOKENS = 64
+_MANUAL_MAX_Q = 16  # up to this many query rows: explicit GEMMs; above: fused SDPA
+
+
+def install(model: Any) -> None:
+    """Route ``model``'s attention through the engine (idempotent)."""
+    if getattr(model, "_leyline_attention", False):
+        return
+    _register()
+    for mod in model.modules():
+        if hasattr(mod, "kv_b_proj") and hasattr(mod, "kv_a_proj_with_mqa"):
+            mod._leyline_orig_forward = mod.forward
+            mod._leyline_rope = _rope_of(mod)
+            mod.forward = types.MethodType(_mla_forward, mod)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model._leyline_attention = True
+
+
+# ---------------------------------------------------------------------------------- GQA
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _gqa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def _gqa_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    ctx = current()
+    if ctx is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    layer = module.layer_idx
+    pk, pv = ctx.pool.keys[layer], ctx.pool.values[layer]  # [KVH, slots, d]
+    pk.index_copy_(1, ctx.slot_mapping, key[0].to(pk.dtype))
+    pv.index_copy_(1, ctx.slot_mapping, value[0].to(pv.dtype))
+    out = query.new_empty(query.shape[2], query.shape[1], value.shape[-1])  # [N, H, d]
+    for s in ctx.seqs:
+        q = query[:, :, s.q_start : s.q_start + s.q_len]
+        k, v = _rows(pk, s, 1), _rows(pv, s, 1)
+        o = F.scaled_dot_product_attention(
+            q, k[None], v[None], attn_mask=_mask(s, q.device), scale=scaling,
+            enable_gqa=True, is_causal=s.q_len > 1 and s.num_cached == 0,
+        )  # fmt: skip
+        out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+# ---------------------------------------------------------------------------------- MLA
+def _rope_of(mod: Any) -> Any:
+    """The family's own rotary function (from its transformers module), as (q, k, emb)."""
+    tm = sys.modules[type(mod).__module__]
+    if hasattr(tm, "apply_rotary_emb"):  # DeepSeek V2: complex freqs_cis
+        return tm.apply_rotary_emb
+    fn = (
+        tm.apply_rotary_pos_emb_interleave
+        if getattr(mod.config, "rope_interleave", False)
+        else tm.apply_rotary_pos_emb
+    )
+    return lambda q, k, emb: fn(q, k, *emb)
+
+
+def _mla_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    ctx = current()
+    if ctx is None:
+        return self._leyline_orig_forward(hidden_states, *args, **kwargs)
+    q_nope, q_pe, c_kv, k_pe = _mla_project(self, hidden_states, kwargs["position_embeddings"])
+    layer = self.layer_idx
+    pc, pp = ctx.pool.keys[layer, 0], ctx.pool.values[layer, 0]  # [slots, r], [slots, rope]
+    pc.index_copy_(0, ctx.slot_mapping, c_kv.to(pc.dtype))
+    pp.index_copy_(0, ctx.slot_mapping, k_pe.to(pp.dtype))
+    h, v_dim = self.num_heads, self.v_head_dim
+    out = hidden_states.new_empty(hidden_states.shape[1], h * v_dim)
+    for s in ctx.seqs:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        if s.num_cached == 0 and s.q_len >= EXPAND_MIN_TOKENS:
+            o = _mla_expanded(self, q_nope[:, rows], q_pe[:, rows], c_kv[rows], k_pe[rows])
+        else:
+            o = mla_absorbed(self, q_nope[:, rows], q_pe[:, rows], _rows(pc, s, 0), _rows(pp, s, 0))
+        out[rows] = o.transpose(0, 1).reshape(s.q_len, h * v_dim)
+    return self.o_proj(out[None]), None
+
+
+def _mla_project(
+    self: Any, hidden: torch.Tensor, pos_emb: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The module's own projections: ``q_nope [H,N,nope]``, ``q_pe [H,N,rope]`` (rotated),
+    ``c_kv [N, r]`` (normalised), ``k_pe [N, rope]`` (rotated)."""
+    n = hidden.shape[1]
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+    q = q.view(1, n, -1, self.qk_head_dim).transpose(1, 2)
+    q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    kv = self.kv_a_proj_with_mqa(hidden)
+    c, k_pe = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    c = self.kv_a_layernorm(c)
+    k_pe = k_pe.view(1, 1, n, self.qk_rope_head_dim)
+    q_pe, k_pe = self._leyline_rope(q_pe, k_pe, pos_emb)
+    return q_nope[0], q_pe[0], c[0], k_pe[0, 0]
+
+
+def mla_absorbed(
+    self: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+) -> torch.Tensor:
+    """Latent-space MLA of t queries over n rows (the last t are the queries' own):
+    ``q_nope [H,t,nope]``, ``q_pe [H,t,rope]``, ``c_kv [n,r]``, ``k_pe [n,rope]`` -> ``[H,t,v]``."""
+    h, t, _ = q_nope.shape
+    n, r = c_kv.shape
+    w = self.kv_b_proj.weight.view(h, self.qk_nope_head_dim + self.v_head_dim, r)
+    w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+    q_lat = torch.bmm(q_nope, w_uk)  # [H, t, r]
+    if t <= _MANUAL_MAX_Q:
+        scores = q_lat.reshape(h * t, r) @ c_kv.T
+        scores.addmm_(q_pe.reshape(h * t, -1), k_pe.T)
+        scores = scores.view(h, t, n).float() * self.scaling
+        if t > 1:
+            scores.masked_fill_(~_allowed(t, n, scores.device), float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(c_kv.dtype)
+        o_lat = (p.view(h * t, n) @ c_kv).view(h, t, r)
+    else:
+        q = torch.cat([q_lat, q_pe], dim=-1)[None]  # [1, H, t, r+rope]
+        k = torch.cat([c_kv, k_pe], dim=-1)[None, None]  # [1, 1, n, r+rope]
+        o_lat = F.scaled_dot_product_attention(
+            q, k, c_kv[None, None], attn_mask=_allowed(t, n, q.device),
+            scale=self.scaling, enable_gqa=True,
+        )[0]  # fmt: skip
+    return torch.bmm(o_lat, w_uv.transpose(1, 2))  # [H, t, v]
+
+
+def _mla_expanded(
+    self: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+) -> torch.Tensor:
+    """A chunk with nothing cached: expand its own latents (``kv_b_proj``), causal SDPA."""
+    h, t, _ = q_nope.shape
+    kv = self.kv_b_proj(c_kv).view(t, h, -1).transpose(0, 1)  # [H, t, nope+v]
+    k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+    k = torch.cat([k_nope, k_pe[None].expand(h, -1, -1)], dim=-1)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    return F.scaled_dot_product_attention(
+        q[None], k[None], v[None], is_causal=True, scale=self.scaling
+    )[0]
+
+
+# ---------------------------------------------------------------------------------- rows
+def _rows(t: torch.Tensor, s: SeqRows, dim: int) -> torch.Tensor:
+    """The sequence's rows of a pool tensor along ``dim`` (a view for one contiguous run)."""
+    if s.kv_run >= 0:
+        return t.narrow(dim, s.kv_run, s.kv_len)
+    return t.index_select(dim, s.kv_slots)
+
+
+def _allowed(t: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[t, n]``: query i (position n - t + i) sees rows 0..n - t + i."""
+    cols = torch.arange(n, device=device)
+    rows = torch.arange(n - t, n, device=device)
+    return cols[None, :] <= rows[:, None]
+
+
+def _mask(s: SeqRows, device: torch.device) -> torch.Tensor | None:
+    if s.q_len == 1 or s.num_cached == 0:
+        return None
+    return _allowed(s.q_len, s.kv_len, device)

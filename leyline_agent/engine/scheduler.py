@@ -1,0 +1,40 @@
+"""Which sequences run in the next forward, and how many tokens each (pure; no tensors).
+
+nano-vllm's ``engine/scheduler.py`` in one function: every decoding (and flushing)
+sequence gets its one token first, so a long prefill never stalls other sessions' decodes;
+prefills then share what is left of the per-step token budget, oldest first, in chunks.
+With no decode running, the oldest prefill gets at least one token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from leyline_agent.engine.sequence import SeqStatus, Sequence
+
+__all__ = ["DEFAULT_STEP_TOKENS", "Scheduled", "schedule"]
+
+DEFAULT_STEP_TOKENS = 512
+
+
+@dataclass(slots=True, frozen=True)
+class Scheduled:
+    seq: Sequence
+    num_tokens: int
+
+
+def schedule(running: Iterable[Sequence], budget: int = DEFAULT_STEP_TOKENS) -> list[Scheduled]:
+    if budget < 1:
+        raise ValueError(f"budget: {budget} must be >= 1")
+    seqs = [s for s in running if s.stepping]
+    out = [Scheduled(s, 1) for s in seqs if s.status is not SeqStatus.PREFILL]
+    left = budget - len(out)
+    for s in seqs:
+        if s.status is SeqStatus.PREFILL:
+            n = min(s.pending(), max(left, 1 if not out else 0))
+            if n <= 0:
+                break
+            out.append(Scheduled(s, n))
+            left -= n
+    return out
