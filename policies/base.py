@@ -58,6 +58,14 @@ class Policy(ABC):
         pipeline leave its stubs alone. The default recognises nothing."""
         return False
 
+    def view(self, trajectory: Trajectory) -> Trajectory:
+        """``trajectory`` as this policy reads it: with user-role observations as tool
+        results when its ``observation_prefix`` knob is set (``policies/observations``)."""
+        from .observations import observation_view
+
+        prefix = getattr(getattr(self, "config", None), "observation_prefix", None)
+        return observation_view(trajectory, prefix, (self,))
+
     def elided(self, trajectory: Trajectory) -> frozenset[int]:
         """Indices of the tool results that are stubs: of any policy of the pipeline when
         ``trajectory`` is the pipeline's ``PipelineView``, of this policy's own otherwise."""
@@ -100,6 +108,7 @@ class PipelineView(Trajectory):
     whose content is a stub of some policy of the pipeline (``Policy.is_stub``)."""
 
     elided: frozenset[int] = frozenset()
+    policies: tuple[Policy, ...] = ()  # the pipeline's (observation_view recomputes elided)
 
     @classmethod
     def of(cls, trajectory: Trajectory, policies: Iterable[Policy]) -> PipelineView:
@@ -110,4 +119,4 @@ class PipelineView(Trajectory):
             if any(p.is_stub(trajectory.text(index), call.name) for p in policies)
         )
         base = {f.name: getattr(trajectory, f.name) for f in fields(Trajectory)}
-        return cls(**base, elided=elided)
+        return cls(**base, elided=elided, policies=policies)

@@ -15,6 +15,10 @@ rules need a later assistant message, the newest failure is never removed while 
 newest thing the agent saw. Messages are never removed (indices stay stable): the failed
 call's assistant message stays, only the failed call's arguments are emptied.
 
+``observation_prefix`` (default None: off): also treat user messages opening with it
+(smolagents' ``"Observation:"``) as tool results (``policies/observations``); their stub keeps
+the prefix, and there are no arguments to empty.
+
 Idempotent, also in a pipeline: an elided result (this policy's stub or another policy's,
 ``Policy.elided``) is neither a failure nor a success: it is never detected again, and a
 stale stub of a call that failed is no evidence that the agent recovered.
@@ -32,6 +36,7 @@ from leyline_agent.directives import MessageEdit
 from leyline_agent.trajectory import ToolCall, Trajectory
 
 from .base import Policy, PolicyConfig, validate_knobs
+from .observations import result_content
 
 __all__ = ["DEFAULT_PATTERNS", "FailedCallConfig", "FailedCallDetector"]
 
@@ -58,6 +63,7 @@ class FailedCallConfig(PolicyConfig):
     stub_arguments: bool = True
     exclude_tools: tuple[str, ...] = ()
     max_error_chars: int = Field(default=160, ge=8)
+    observation_prefix: str | None = Field(default=None, min_length=1)
 
     @field_validator("patterns")
     @classmethod
@@ -116,6 +122,7 @@ class FailedCallDetector(Policy):
 
     def edits(self, trajectory: Trajectory) -> list[MessageEdit]:
         cfg = self.config
+        trajectory = self.view(trajectory)
         failed: list[ToolCall] = []
         succeeded_at: list[int] = []  # assistant indices of calls that succeeded
         elided = self.elided(trajectory)
@@ -140,12 +147,15 @@ class FailedCallDetector(Policy):
             out.append(
                 MessageEdit(
                     index=call.result_index,
-                    content=self.stub(call.name, text),
+                    content=result_content(
+                        trajectory, call.result_index, self.stub(call.name, text)
+                    ),
                     policy=self.name,
                     reason=f"{call.name} ({call.id}) failed and the agent moved past it",
                 )
             )
-            stub_args.setdefault(call.message_index, []).append(call)
+            if call.position >= 0:  # an observation's call has no arguments to empty
+                stub_args.setdefault(call.message_index, []).append(call)
         if cfg.stub_arguments:
             for index, calls in stub_args.items():
                 tool_calls = copy.deepcopy(trajectory.messages[index]["tool_calls"])

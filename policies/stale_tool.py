@@ -14,6 +14,9 @@ Knobs (names follow Anthropic's ``clear_tool_uses`` and OpenHands' observation m
 - ``clear_at_least``: act only when this many tokens would be cleared at once (batches
   edits, so the cache is disturbed less often); a result shorter than its stub clears none.
 - ``count_tokens``: a ``str -> int`` callable; default ``estimate_tokens`` (chars / 4).
+- ``observation_prefix``: also treat user messages opening with it (smolagents'
+  ``"Observation:"``) as tool results of the assistant message before them
+  (``policies/observations``); their stub keeps the prefix. Default None: off.
 
 Idempotent, also in a pipeline: an elided result (a stub of this policy or of another one,
 ``Policy.elided``) is not a candidate and is not counted for ``trigger_tokens``, so a second
@@ -32,6 +35,7 @@ from leyline_agent.directives import MessageEdit
 from leyline_agent.trajectory import Trajectory, estimate_tokens
 
 from .base import Policy, PolicyConfig, validate_knobs
+from .observations import result_content
 
 __all__ = ["StaleToolConfig", "StaleToolTruncation"]
 
@@ -47,6 +51,7 @@ class StaleToolConfig(PolicyConfig):
     clear_inputs: bool = False
     clear_at_least: int = Field(default=0, ge=0)
     count_tokens: Callable[[str], int] | None = None
+    observation_prefix: str | None = Field(default=None, min_length=1)
 
 
 class StaleToolTruncation(Policy):
@@ -72,6 +77,7 @@ class StaleToolTruncation(Policy):
 
     def edits(self, trajectory: Trajectory) -> list[MessageEdit]:
         cfg = self.config
+        trajectory = self.view(trajectory)
         elided = self.elided(trajectory)
         if cfg.trigger_tokens and self._context_tokens(trajectory, elided) <= cfg.trigger_tokens:
             return []
@@ -97,12 +103,13 @@ class StaleToolTruncation(Policy):
                 content_edits.append(
                     MessageEdit(
                         index=call.result_index,
-                        content=stub,
+                        content=result_content(trajectory, call.result_index, stub),
                         policy=self.name,
                         reason=f"result of {call.name} ({call.id}) from tool turn {call.turn} is stale",
                     )
                 )
-                cleared_calls.setdefault(call.message_index, set()).add(call.position)
+                if call.position >= 0:  # an observation's call has no arguments to clear
+                    cleared_calls.setdefault(call.message_index, set()).add(call.position)
         input_edits = self._input_edits(trajectory, cleared_calls) if cfg.clear_inputs else []
         saved += sum(_arg_savings(trajectory, e, self._count) for e in input_edits)
         if not content_edits and not input_edits:
