@@ -23,7 +23,7 @@ from typing import Any
 from leyline_agent.agent.http_runtime import AsyncHTTPRuntime, HTTPRuntime
 from leyline_agent.agent.session import ContextSession, Plan
 from leyline_agent.agent.transport import LeylineTransport
-from leyline_agent.agent.wrappers import wrap_openai
+from leyline_agent.agent.wrappers import LeylineState, LeylineWrapped, leyline_state, wrap_openai
 from leyline_agent.directives import Directive, MessageEdit, Mode, plan_batch, splice_tokens
 from leyline_agent.errors import (
     CacheMissError,
@@ -46,7 +46,10 @@ __all__ = [
     "PipelineResult",
     "Plan",
     "PolicyPipeline",
+    "LeylineState",
+    "LeylineWrapped",
     "Trajectory",
+    "leyline_state",
     "wrap_openai",
     "CacheMissError",
     "Directive",

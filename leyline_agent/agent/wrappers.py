@@ -19,8 +19,10 @@ every call the wrapper makes for a session names it: the chat completion carries
 ``X-Leyline-Session`` header (merged into the call's ``extra_headers``; a header the user
 set is kept as it is, and is then the call's session), and each directive request carries
 it in its ``session`` field and (``HTTPRuntime``) the same header. Session ids are 1 to 256
-printable ASCII characters (they travel in a header). ``wrapped.leyline`` exposes the state
-(``.session(id)``, ``.sessions``, ``.runtime``).
+printable ASCII characters (they travel in a header). ``leyline_state(wrapped)`` gives the
+state, typed ``LeylineState`` (``.session(id)``, ``.sessions``, ``.runtime``); it is also
+``wrapped.leyline`` (typed through the ``LeylineWrapped`` protocol: ``wrap_openai`` returns
+the client's own type, which does not declare it).
 
 Runtime: a ``Runtime`` / ``AsyncRuntime`` object, or ``None`` / ``"auto"``: an
 ``HTTPRuntime`` at the client's base URL (``/v1`` stripped) with the client's ``api_key`` as
@@ -43,7 +45,7 @@ import functools
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 from leyline_agent.agent.http_runtime import AsyncHTTPRuntime, AuthenticationError, HTTPRuntime
 from leyline_agent.agent.session import ContextSession
@@ -57,7 +59,7 @@ from leyline_agent.protocols import AsyncRuntime, Runtime
 if TYPE_CHECKING:
     from openai import AsyncOpenAI, OpenAI
 
-__all__ = ["LeylineState", "wrap_openai", "SESSION_KEY"]
+__all__ = ["LeylineState", "LeylineWrapped", "SESSION_KEY", "leyline_state", "wrap_openai"]
 
 log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
@@ -328,6 +330,24 @@ def wrap_openai(
     state = LeylineState(wrapped, policies, runtime, session_id, mode, is_async, strict)
     _install(wrapped, state, is_async)
     return wrapped
+
+
+@runtime_checkable
+class LeylineWrapped(Protocol):
+    """A client ``wrap_openai`` made (``isinstance(client, LeylineWrapped)`` tells)."""
+
+    @property
+    def leyline(self) -> LeylineState: ...
+
+
+def leyline_state(client: object) -> LeylineState:
+    """The ``LeylineState`` of a client ``wrap_openai`` made (or of a copy of one)."""
+    state = getattr(client, "leyline", None)
+    if not isinstance(state, LeylineState):
+        raise LeylineError(
+            f"client: {type(client).__name__} was not made by wrap_openai (no Leyline state)"
+        )
+    return state
 
 
 def _install(wrapped: Any, state: LeylineState, is_async: bool) -> None:
