@@ -56,12 +56,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _specs(args: argparse.Namespace) -> list[Any]:
     import yaml
 
-    from leyline_agent.policies.registry import load_policies
+    from leyline_agent.policies.registry import load_policies, resolve_policy_class
 
     specs: list[dict[str, Any]] = []
     if args.config:
         specs += [p.serialize() for p in load_policies(args.config)]
     specs += [{"name": name} for name in args.policy]
+    for k, name in enumerate(args.policy):  # an unknown name is the error, whatever follows
+        resolve_policy_class(name, where=f"--policy[{k}]")
     if not specs:
         raise PolicyError("--policy: give at least one policy (or --config)")
     for spec in specs:

@@ -161,6 +161,7 @@ def test_two_policies_and_a_config_file(monkeypatch, capsys):
             "messages[0].tool_call_id",
         ),
         (["--policy", "stale_tool"], "[]", "unknown policy 'stale_tool'"),
+        (["--policy", "stale", "--keep", "1"], "[]", "--policy[0]: unknown policy 'stale'"),
         (["--policy", "stale-tool", "--keep", "0"], "[]", "stale-tool.keep"),
         (
             ["--policy", "failed-call", "--keep", "2"],

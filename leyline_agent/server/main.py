@@ -6,7 +6,9 @@ The arguments are registered by ``leyline_agent.server.cli``; this module only r
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
+import socket
 import sys
 
 import structlog
@@ -110,19 +112,51 @@ def build_server(args: argparse.Namespace):  # -> uvicorn.Server
     )
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; a busy or unusable address is a one-line
+    ``ArgumentError`` naming ``--port`` / ``--host`` (not uvicorn's errno traceback)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ArgumentError(f"--host: cannot resolve {host!r}: {e.strerror}") from e
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ArgumentError(
+                f"--port: {host}:{port} is already in use (another server on it?); "
+                "stop it or pick another --port"
+            ) from e
+        raise ArgumentError(f"--host/--port: cannot bind {host}:{port}: {e.strerror}") from e
+    return sock
+
+
 def serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGINT/SIGTERM; the app then closes its worker."""
-    server = build_server(args)
-    host, port = server.config.host, server.config.port
-    if not _is_loopback(host):
-        log.warning("not loopback: anyone who can reach this address can use the server", host=host)
-    url = f"http://{host}:{port}"
-    print(
-        f"leyline: serving {server.config.app.state.leyline.model.id} at {url} (OpenAI base URL {url}/v1)",
-        file=sys.stderr,
-        flush=True,
-    )
-    server.run()
+    """Bind first (a busy port fails before the model loads), then load and build the app,
+    say where it serves, and run until SIGINT/SIGTERM; the app then closes its worker."""
+    host = getattr(args, "host", None) or DEFAULT_HOST
+    port = DEFAULT_PORT if getattr(args, "port", None) is None else int(args.port)
+    sock = bind(host, port)
+    try:
+        server = build_server(args)
+        if not _is_loopback(host):
+            log.warning(
+                "not loopback: anyone who can reach this address can use the server", host=host
+            )
+        url = f"http://{host}:{port}"
+        print(
+            f"leyline: serving {server.config.app.state.leyline.model.id} at {url} "
+            f"(OpenAI base URL {url}/v1)",
+            file=sys.stderr,
+            flush=True,
+        )
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 
