@@ -31,8 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bench.add_parser("mechanism", help="replay hit rate and latency of splice vs prefix cache")
     p.add_argument("--model", required=True, help="model folder (leyline make-model)")
     p.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 8, 16], help="e.g. 1,4,8,16")
-    p.add_argument("--arms", default="full,radix,splice,forget,nocache")
-    p.add_argument("--out", type=Path, default=Path("runs/mechanism"))
+    p.add_argument(
+        "--arms", default="full,radix,splice,forget,nocache", help="comma list of replay arms"
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/mechanism"), help="output folder")
     p.add_argument("--quick", action="store_true", help="reduced set (~2 min on 2 cores, mini)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
     p.add_argument(
@@ -41,7 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="JSONL of trajectories to replay (default: generated)",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype"
+    )
     p.add_argument(
         "--config", type=Path, default=None, help="YAML settings (configs/runs/mechanism-*.yaml)"
     )
@@ -53,28 +57,40 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model", required=True, help="model folder (leyline make-model), e.g. llama mini"
     )
-    p.add_argument("--targets", default="vllm,vllm-leyline,leyline")
-    p.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 8, 16])
+    p.add_argument(
+        "--targets", default="vllm,vllm-leyline,leyline", help="comma list of servers to compare"
+    )
+    p.add_argument(
+        "--concurrency", type=_csv_ints, default=[1, 4, 8, 16], help="comma list of C values"
+    )
     p.add_argument("--sessions", type=int, default=None, help="sessions per run (default max C)")
     p.add_argument("--max-turns", type=int, default=None, help="turns per session (quick: 6)")
     p.add_argument(
         "--quick", action="store_true", help="tool outputs cut to 400 chars, no tool schemas"
     )
-    p.add_argument("--trajectories", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=Path("runs/side-by-side"))
+    p.add_argument(
+        "--trajectories", type=Path, default=None, help="JSONL to replay (default: generated)"
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/side-by-side"), help="output folder")
     p.set_defaults(func=_bench_side_by_side)
 
     p = bench.add_parser("http", help="HTTP replay against any OpenAI-compatible endpoint")
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8080/v1")
     p.add_argument("--served-model", required=True, help="the model name the endpoint serves")
-    p.add_argument("--label", default="endpoint")
+    p.add_argument("--label", default="endpoint", help="name of the endpoint in the table")
     p.add_argument("--arms", default="radix", help="radix, splice (needs /leyline/v1), full")
-    p.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 8, 16])
-    p.add_argument("--sessions", type=int, default=None)
-    p.add_argument("--max-turns", type=int, default=None)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--trajectories", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=Path("runs/http"))
+    p.add_argument(
+        "--concurrency", type=_csv_ints, default=[1, 4, 8, 16], help="comma list of C values"
+    )
+    p.add_argument("--sessions", type=int, default=None, help="sessions per run (default max C)")
+    p.add_argument("--max-turns", type=int, default=None, help="turns per session (quick: 6)")
+    p.add_argument(
+        "--quick", action="store_true", help="tool outputs cut to 400 chars, no tool schemas"
+    )
+    p.add_argument(
+        "--trajectories", type=Path, default=None, help="JSONL to replay (default: generated)"
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/http"), help="output folder")
     p.set_defaults(func=_bench_http)
 
     check = sub.add_parser("check", help="correctness reports").add_subparsers(
@@ -82,10 +98,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p = check.add_parser("correctness", help="splice vs full context: argmax agreement, bf16 drift")
     p.add_argument("--model", required=True, help="model folder")
-    p.add_argument("--out", type=Path, default=Path("runs/correctness"))
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--max-chain", type=int, default=64)
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("runs/correctness"), help="output folder")
+    p.add_argument("--prompts", type=int, default=8, help="prompts for the argmax agreement")
+    p.add_argument("--max-chain", type=int, default=64, help="longest chain of splices (drift)")
+    p.add_argument("--quick", action="store_true", help="fewer prompts and a shorter chain")
     p.set_defaults(func=_check_correctness)
 
     ev = sub.add_parser("eval", help="agent evaluations").add_subparsers(
@@ -104,7 +120,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="local HF tokenizer folder for debug-gym's token counting (default: --model if "
         "a folder, else the endpoint's model root, else .leyline/models/MODEL)",
     )
-    p.add_argument("--arms", default="baseline,stale-tool,stale-tool+failed-call,history-cutoff")
+    p.add_argument(
+        "--arms",
+        default="baseline,stale-tool,stale-tool+failed-call,history-cutoff",
+        help="comma list of arms (configs/runs/eval.yaml); each starts from an empty cache",
+    )
     p.add_argument("--tasks", default="all", help="all or a comma list")
     p.add_argument(
         "--max-steps",
@@ -113,8 +133,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="most actions (LLM calls) per episode (default: the config's agent.max_steps, "
         "debug-gym's 50, which counts the reset as a step: 49 actions)",
     )
-    p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--out", type=Path, default=Path("runs/mini-nightmare"))
+    p.add_argument("--runs", type=int, default=1, help="runs of every (task, arm)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/mini-nightmare"),
+        help="output folder (reruns resume)",
+    )
     p.add_argument(
         "--config",
         type=Path,
@@ -126,26 +151,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--context-limit-k", type=int, default=None, help="context window, thousands of tokens"
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_eval_mini_nightmare)
 
     p = sub.add_parser("demo", help="main job: mini model, quick mechanism benchmark, correctness")
-    p.add_argument("--out", type=Path, default=Path("runs/demo"))
-    p.add_argument("--models-dir", type=Path, default=Path(".leyline/models"))
-    p.add_argument("--arch", default="deepseek_v2")
-    p.add_argument("--size", default="mini", choices=["tiny", "mini"])
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder")
+    p.add_argument(
+        "--models-dir", type=Path, default=Path(".leyline/models"), help="where models are built"
+    )
+    p.add_argument("--arch", default="deepseek_v2", help="model architecture (make-model --arch)")
+    p.add_argument("--size", default="mini", choices=["tiny", "mini"], help="model size")
     p.set_defaults(func=_demo)
 
     tr = sub.add_parser("trajectories", help="agent trajectories").add_subparsers(
         dest="traj", metavar="WHAT"
     )
     p = tr.add_parser("generate", help="realistic debugging trajectories from mini_nightmare")
-    p.add_argument("--out", type=Path, default=Path("runs/trajectories.jsonl"))
+    p.add_argument(
+        "--out", type=Path, default=Path("runs/trajectories.jsonl"), help="output JSONL file"
+    )
     p.add_argument("--n", type=int, default=10, help="number of trajectories")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--min-turns", type=int, default=10)
-    p.add_argument("--max-turns", type=int, default=40)
-    p.add_argument("--tasks", default="all")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--min-turns", type=int, default=10, help="fewest turns per trajectory")
+    p.add_argument("--max-turns", type=int, default=40, help="most turns per trajectory")
+    p.add_argument("--tasks", default="all", help="all or a comma list of mini_nightmare tasks")
     p.set_defaults(func=_trajectories_generate)
 
 

@@ -65,7 +65,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    _say_defaults(parser)
     return parser
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        d = action.default
+        if d in (None, False, argparse.SUPPRESS) or d == [] or "default" in text:
+            return text
+        shown = ",".join(map(str, d)) if isinstance(d, list) else d
+        return f"{text} (default: {shown})".replace("%", "%%").replace("%%(", "%(")
+
+
+def _say_defaults(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _DefaultsFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _say_defaults(child)
 
 
 def main(argv: list[str] | None = None) -> int:

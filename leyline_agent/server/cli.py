@@ -16,9 +16,13 @@ __all__ = ["add_serve_arguments", "register"]
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    p.add_argument("--port", type=int, default=30000, help="TCP port")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and KV dtype"
+    )
+    p.add_argument(
+        "--device", choices=["cpu", "cuda", "auto"], default="auto", help="auto: cuda if available"
+    )
     p.add_argument(
         "--cache-tokens",
         type=int,

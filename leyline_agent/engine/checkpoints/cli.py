@@ -15,10 +15,10 @@ __all__ = ["register"]
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``make-model`` to the ``leyline`` parser."""
     mk = sub.add_parser("make-model", help="write a seeded random-weight checkpoint + tokenizer")
-    mk.add_argument("--arch", required=True, choices=list(ARCHS))
-    mk.add_argument("--size", default="tiny", choices=list(SIZES))
+    mk.add_argument("--arch", required=True, choices=list(ARCHS), help="model architecture")
+    mk.add_argument("--size", default="tiny", choices=list(SIZES), help="model size")
     mk.add_argument("--out", required=True, help="output directory")
-    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--seed", type=int, default=0, help="weight seed")
     mk.set_defaults(func=_make_model)
 
 

@@ -1,0 +1,34 @@
+"""Every option of every ``leyline`` command has help text, and a non-trivial default is
+shown in ``--help`` (checked on the real parser and on its formatted help)."""
+
+from __future__ import annotations
+
+import argparse
+
+from leyline_agent.cli import build_parser
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "leyline"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, child in action.choices.items():
+                yield from _parsers(child, f"{name} {sub}")
+
+
+def test_every_option_has_help_and_its_default() -> None:
+    problems = []
+    for name, parser in _parsers(build_parser()):
+        formatter = parser._get_formatter()
+        for a in parser._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            if not a.help:
+                problems.append(f"{name} {a.option_strings}: no help")
+                continue
+            shown = formatter._get_help_string(a) or ""  # what --help prints for it
+            d = a.default
+            if d not in (None, False, argparse.SUPPRESS) and d != [] and "default" not in shown:
+                problems.append(f"{name} {a.option_strings}: default {d!r} not shown")
+        parser.format_help()  # formats (no stray '%' in any help text)
+    assert problems == []
