@@ -128,6 +128,19 @@ class Engine:
         *,
         where: str = "messages",
     ) -> list[int]:
+        """The token ids of ``messages`` under the model's chat template (between steps:
+        the tokenizer is shared with the step loop's detokenizer)."""
+        with self.stepper.exclusive():
+            return self._render(messages, tools, add_generation_prompt, where=where)
+
+    def _render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict] | None = None,
+        add_generation_prompt: bool = True,
+        *,
+        where: str = "messages",
+    ) -> list[int]:
         if not isinstance(messages, (list, tuple)):
             raise TrajectoryError(f"{where}: must be a list of messages")
         for i, m in enumerate(messages):

@@ -89,7 +89,9 @@ class Stepper:
                 fresh = alloc.alloc(p.num_tokens)
                 new.append(fresh)
                 wants = s.status is SeqStatus.DECODE or (
-                    s.status is SeqStatus.PREFILL and start + p.num_tokens == len(s.prompt_ids)
+                    s.status is SeqStatus.PREFILL
+                    and start + p.num_tokens == len(s.prompt_ids)
+                    and s.params.max_tokens > 0
                 )
                 inputs.append(StepInput(toks, s.slots + fresh, wants))
             logits = runner.run(inputs)
@@ -103,6 +105,9 @@ class Stepper:
             s = p.seq
             s.fresh += fresh
             if s.status is SeqStatus.FLUSH:
+                self._finish(s)
+            elif s.params.max_tokens == 0 and s.num_computed == len(s.prompt_ids):
+                s.ttft_s = s.e2e_s = time.perf_counter() - s.t0
                 self._finish(s)
             elif inp.want_logits:
                 assert logits is not None

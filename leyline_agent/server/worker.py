@@ -1,12 +1,15 @@
-"""One worker thread runs every piece of engine work, first in, first out.
+"""Worker threads run every piece of engine work, started first in, first out.
 
-The embedded ``Engine`` is not thread-safe (its prefix cache, KV pool and tokenizer are
-shared state), and HTTP handlers run concurrently on the event loop. So nothing but this
-worker ever touches the engine: a handler wraps its work in a function ``fn(engine)``
-(render a prompt, generate, apply directives, read stats), ``submit``s it and awaits the
-``Future``. One job runs at a time, to completion, in arrival order; so a session's
-directive and its next request are never interleaved with another session's work
-half-done.
+HTTP handlers run concurrently on the event loop; nothing but the worker's threads ever
+touches the engine: a handler wraps its work in a function ``fn(engine)`` (render a
+prompt, generate, apply directives, read stats), ``submit``s it and awaits the ``Future``.
+
+By default (``concurrency=1``) one thread runs one job at a time, to completion, in
+arrival order: what the routes' queue limits and request-id de-duplication assume.
+``concurrency=N`` (for a thread-safe engine: the embedded ``Engine``'s concurrent
+``generate`` calls share its batched steps, everything else runs between two steps under
+its lock) starts jobs in arrival order on N threads that run side by side, so eight
+streaming clients decode in one batched forward.
 
 Streaming: ``stream`` runs a generating job whose ``on_token`` callback (called on the
 worker thread) hands each event to the event loop through an ``asyncio.Queue``; the
@@ -106,7 +109,7 @@ class StreamEnd[R]:
 
 
 class Worker:
-    """Serializes all work on one engine in one worker thread (FIFO)."""
+    """Runs all work on one engine: FIFO starts, on ``concurrency`` threads (default 1)."""
 
     def __init__(
         self,
@@ -114,6 +117,7 @@ class Worker:
         *,
         name: str = "leyline-worker",
         queue_timeout_s: float | None = None,
+        concurrency: int = 1,
     ) -> None:
         if queue_timeout_s is not None and not queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s: {queue_timeout_s} must be > 0 (or None)")
@@ -122,8 +126,14 @@ class Worker:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
+        if concurrency < 1:
+            raise ValueError(f"concurrency: {concurrency} must be >= 1")
+        n = concurrency
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(n)
+        ]
+        for t in self._threads:
+            t.start()
 
     # ---- public API --------------------------------------------------------------------
     def submit(self, fn: Callable[[ServedEngine], T]) -> Future[T]:
@@ -181,9 +191,12 @@ class Worker:
             self._closed = True
             if cancel_pending:
                 self._cancel_queued()
-            self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+            for _ in self._threads:
+                self._queue.put(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
             log.warning("worker still busy after close", timeout=timeout)
 
     @property

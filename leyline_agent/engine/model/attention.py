@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from leyline_agent.engine.model.context import SeqRows, current
 
-__all__ = ["ATTN_IMPLEMENTATION", "EXPAND_MIN_TOKENS", "install", "mla_absorbed"]
+__all__ = ["ATTN_IMPLEMENTATION", "EXPAND_MIN_TOKENS", "install", "mla_absorbed", "mla_project"]
 
 ATTN_IMPLEMENTATION = "leyline"
 EXPAND_MIN_TOKENS = 64
@@ -111,7 +111,7 @@ def _mla_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: A
     ctx = current()
     if ctx is None:
         return self._leyline_orig_forward(hidden_states, *args, **kwargs)
-    q_nope, q_pe, c_kv, k_pe = _mla_project(self, hidden_states, kwargs["position_embeddings"])
+    q_nope, q_pe, c_kv, k_pe = mla_project(self, hidden_states, kwargs["position_embeddings"])
     layer = self.layer_idx
     pc, pp = ctx.pool.keys[layer, 0], ctx.pool.values[layer, 0]  # [slots, r], [slots, rope]
     pc.index_copy_(0, ctx.slot_mapping, c_kv.to(pc.dtype))
@@ -128,7 +128,7 @@ def _mla_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: A
     return self.o_proj(out[None]), None
 
 
-def _mla_project(
+def mla_project(
     self: Any, hidden: torch.Tensor, pos_emb: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The module's own projections: ``q_nope [H,N,nope]``, ``q_pe [H,N,rope]`` (rotated),
@@ -144,7 +144,8 @@ def _mla_project(
     c, k_pe = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
     c = self.kv_a_layernorm(c)
     k_pe = k_pe.view(1, 1, n, self.qk_rope_head_dim)
-    q_pe, k_pe = self._leyline_rope(q_pe, k_pe, pos_emb)
+    rope = getattr(self, "_leyline_rope", None) or _rope_of(self)
+    q_pe, k_pe = rope(q_pe, k_pe, pos_emb)
     return q_nope[0], q_pe[0], c[0], k_pe[0, 0]
 
 

@@ -1,0 +1,139 @@
+"""Benchmark (not a test): the embedded engine vs transformers' own ``generate``, one run.
+
+    leyline bench engine [--archs deepseek_v2,llama] [--contexts 512,2048,8192,16384]
+                         [--decode 8] [--dtype float32] [--threads 1]
+
+For each ``mini`` model (built once, seeded, into the test-model cache) and cached context
+length n (random token ids):
+
+- engine: ``Engine.generate`` of the context once (prefill; tokens/s), then the same
+  context plus one token with ``--decode`` new tokens: it hits the cache, so its time
+  after the first token is pure decode (ms/token), attention reading the pool by slot.
+- transformers: ``model.generate`` on a fresh ``DynamicCache``, greedy, ``--decode`` new
+  tokens, and again with one new token; the difference / (decode - 1) is its decode
+  ms/token; the one-token run is its prefill (tokens/s). Same model object, dtype, threads.
+
+Prints one table with the ratios (engine / transformers speed-ups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+import torch
+
+
+def _csv(text: str) -> list[str]:
+    return [p for p in text.split(",") if p]
+
+
+def _hf(model: Any, ids: list[int], new: int) -> float:
+    from transformers import DynamicCache
+
+    x = torch.tensor([ids])
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            x, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            past_key_values=DynamicCache(config=model.config), pad_token_id=0,
+        )  # fmt: skip
+    return time.perf_counter() - t
+
+
+def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
+    from leyline_agent.engine.checkpoints.store import model_dir
+    from leyline_agent.engine.engine import Engine, SamplingParams
+
+    eng = Engine.from_pretrained(model_dir(arch, "mini"), dtype=dtype, cache_budget_tokens=n + 256)
+    rng = random.Random(n)
+    ids = [rng.randrange(100, eng.vocab_size) for _ in range(n)]
+    t = time.perf_counter()
+    eng.generate(ids, SamplingParams(max_tokens=1, stop_token_ids=[]))
+    e_prefill = time.perf_counter() - t
+    p = SamplingParams(max_tokens=decode, stop_token_ids=[])
+    r = eng.generate(ids + [ids[0]], p)
+    e_dec = (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
+    eng.model.config._attn_implementation = "sdpa"  # transformers' own path for the baseline
+    h1 = _hf(eng.model, ids, 1)
+    hn = _hf(eng.model, ids, decode)
+    return {
+        "engine_prefill_tps": n / e_prefill,
+        "hf_prefill_tps": n / h1,
+        "engine_decode_ms": 1e3 * e_dec,
+        "hf_decode_ms": 1e3 * (hn - h1) / (decode - 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="leyline bench engine", description=__doc__.split("\n")[0])
+    ap.add_argument("--archs", default="deepseek_v2,llama")
+    ap.add_argument("--contexts", default="512,2048,8192,16384")
+    ap.add_argument("--decode", type=int, default=8)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clients", type=int, default=8, help="concurrency section (0: skip)")
+    a = ap.parse_args(argv)
+    if a.decode < 2:
+        ap.error("--decode: must be >= 2")
+    torch.set_num_threads(a.threads)
+    print(f"dtype {a.dtype}, {a.threads} thread(s), decode {a.decode} tokens")
+    print(
+        "| model | context | engine decode ms/tok | transformers decode ms/tok | speed-up "
+        "| engine prefill tok/s | transformers prefill tok/s | speed-up |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for arch in _csv(a.archs):
+        for n in map(int, _csv(a.contexts)):
+            m = measure(arch, n, a.decode, a.dtype)
+            print(
+                f"| {arch} mini | {n} | {m['engine_decode_ms']:.1f} | {m['hf_decode_ms']:.1f} "
+                f"| {m['hf_decode_ms'] / m['engine_decode_ms']:.1f}x "
+                f"| {m['engine_prefill_tps']:.0f} | {m['hf_prefill_tps']:.0f} "
+                f"| {m['engine_prefill_tps'] / m['hf_prefill_tps']:.1f}x |",
+                flush=True,
+            )
+    if a.clients:
+        for arch in _csv(a.archs):
+            alone, agg = concurrency(arch, a.clients, 512, 64, a.dtype)
+            print(
+                f"{arch} mini, 512-token prompts, 64 new tokens: one client {alone:.1f} tok/s, "
+                f"{a.clients} concurrent {agg:.1f} tok/s aggregate ({agg / alone:.1f}x)",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+def concurrency(arch: str, clients: int, ctx: int, decode: int, dtype: str) -> tuple[float, float]:
+    """Aggregate tokens/s of one client alone, then of ``clients`` concurrent ``generate``
+    calls (threads, as the server's worker with ``concurrency=clients`` runs them)."""
+    import threading
+
+    from leyline_agent.engine.checkpoints.store import model_dir
+    from leyline_agent.engine.engine import Engine, SamplingParams
+
+    eng = Engine.from_pretrained(model_dir(arch, "mini"), dtype=dtype)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(100, eng.vocab_size) for _ in range(ctx)] for _ in range(clients + 1)]
+    p = SamplingParams(max_tokens=decode, stop_token_ids=[])
+    t = time.perf_counter()
+    n1 = len(eng.generate(prompts[-1], p).output_ids)
+    alone = n1 / (time.perf_counter() - t)
+    counts = [0] * clients
+
+    def run(i: int) -> None:
+        counts[i] = len(eng.generate(prompts[i], p).output_ids)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return alone, sum(counts) / (time.perf_counter() - t)
