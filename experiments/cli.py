@@ -93,6 +93,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/http"), help="output folder")
     p.set_defaults(func=_bench_http)
 
+    p = bench.add_parser(
+        "engine", help="engine vs transformers generate: decode/prefill by context, concurrency"
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="see bench_engine.py --help")
+    p.set_defaults(func=_bench_engine)
+
     check = sub.add_parser("check", help="correctness reports").add_subparsers(
         dest="check", metavar="WHAT"
     )
@@ -226,6 +232,12 @@ def _bench_http(args: argparse.Namespace) -> int:
     from .side_by_side import main_http
 
     return main_http(args)
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from .bench_engine import main
+
+    return main(args.args)
 
 
 def _check_correctness(args: argparse.Namespace) -> int:
