@@ -15,7 +15,7 @@ sequence the previous one left), all calls in the directive's namespace (its sal
 FORGET ``(s, e, R)``: ``forget`` drops the namespace's cached blocks of ``T'`` from the block
 holding ``s`` on, then ``T'`` is an ordinary request. Everything that can be checked
 without the cache (the body, the model name, token ids, spans, the setup the plugin
-supports) is checked before any of these calls. Directives are serialized by one lock.
+supports) is checked before any of these calls. Directives of one namespace are serialized (one lock per salt); namespaces run side by side.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class LeylineRoute:
         self.prefilled_tokens = 0
         self.fallbacks = 0
         self.directive_errors = 0
-        self._lock = asyncio.Lock()
+        self._locks: dict[str, asyncio.Lock] = {}  # one per namespace (salt)
         self._info: dict[str, Any] | None = None
         self._answers: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
@@ -107,7 +107,12 @@ class LeylineRoute:
         if req.request_id is not None and req.request_id in self._answers:
             return 200, self._answers[req.request_id]
         t0 = time.perf_counter()
-        async with self._lock:
+        try:
+            key = salt_for(request_namespace(req.session, session_header))
+        except Exception as e:  # noqa: BLE001 - a bad session id is an answer too
+            self.directive_errors += 1
+            return error_content(e)
+        async with self._namespace_lock(key):
             try:
                 resp = await self._run(req, session_header)
             except Exception as e:  # noqa: BLE001 - every failure is an answer
@@ -128,6 +133,13 @@ class LeylineRoute:
             while len(self._answers) > _MEMORY:
                 self._answers.popitem(last=False)
         return 200, content
+
+    def _namespace_lock(self, key: str) -> asyncio.Lock:
+        """Directives of one namespace run one at a time; namespaces run side by side (each
+        EngineCore op is atomic, and two namespaces never write the same blocks)."""
+        if len(self._locks) > 4096:  # forget idle sessions' locks
+            self._locks = {k: v for k, v in self._locks.items() if v.locked()}
+        return self._locks.setdefault(key, asyncio.Lock())
 
     async def _run(self, req: DirectivesRequest, session_header: str | None) -> DirectivesResponse:
         ns = request_namespace(req.session, session_header)
@@ -208,16 +220,21 @@ class LeylineRoute:
             after = cur[: d.start] + d.replacement + cur[d.end :]
             if d.mode is Mode.AMORTIZE:
                 lock = await self.rpc("lock", tokens=cur, salt=salt)
+                c = lock["cached_tokens"]
+                if d.end > c and c <= d.start:
+                    # An earlier directive of the batch (to the right) left T' cached in full
+                    # blocks only: nothing of this span is cached now, the next request
+                    # prefills it (the tokens still change).
+                    await self.rpc("release", ids=[lock["lock_id"]])
+                    cur = after
+                    continue
+                end = min(d.end, c)  # straddling the cached end: (start, c, R), as clip_to_cached
                 hold_id = "head-" + uuid.uuid4().hex
                 try:
-                    if lock["cached_tokens"] < d.end:
-                        raise CacheMissError(
-                            f"tokens: cached through {lock['cached_tokens']}, the span ends at {d.end}"
-                        )
                     await self.prefill(cur[: d.start] + d.replacement, salt, hold_id)
                     done = await self.rpc(
                         "splice", lock_id=lock["lock_id"], hold_id=hold_id, tokens=cur,
-                        start=d.start, end=d.end, replacement=d.replacement, salt=salt,
+                        start=d.start, end=end, replacement=d.replacement, salt=salt,
                     )  # fmt: skip
                 except BaseException:
                     await self.rpc("release", ids=[lock["lock_id"], hold_id])

@@ -57,3 +57,25 @@ def test_forget_equals_a_fresh_prefill(live):
     assert got_cached == full
     truth = live.truth(RefState.prefill(live.model, new), full, new[full:] + x)
     assert live.max_err(got, truth) <= TOL
+
+
+def test_a_batch_of_two_directives_equals_two_amortizes_right_to_left(llama):
+    live, b = llama, llama.block
+    t, r1, r2, x = live.ids(51, 6 * b), live.ids(52, 20), live.ids(53, 5), live.ids(54, 1)
+    live.complete(t)
+    body = {"tokens": t, "directives": [
+        {"start": 30, "end": 50, "replacement": r2}, {"start": 120, "end": 150, "replacement": r1},
+    ]}  # fmt: skip
+    resp = live.directive(body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["splices"] == {"amortize": 2, "forget": 0}
+    mid = t[:120] + r1 + t[150:]
+    new = mid[:30] + r2 + mid[50:]
+    # after the first splice vLLM holds mid in full blocks (160 rows); the second splice's tail
+    # is what of them follows its span: T'' is held through (35 + 160 - 50) // 32 blocks
+    held = ((30 + len(r2) + (len(mid) // b) * b - 50) // b) * b
+    got_cached, got = live.complete(new + x)
+    assert got_cached == held
+    ref = RefState.prefill(live.model, t).amortize(120, 150, r1).amortize(30, 50, r2)
+    truth = live.truth(ref, held, new[held:] + x)
+    assert live.max_err(got, truth) <= TOL
