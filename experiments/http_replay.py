@@ -14,7 +14,7 @@ prompt and tools), its next turn sent as soon as its previous reply came back. A
 
 Per turn: prompt and cached tokens from the response's ``usage`` (a server that does not
 report ``cached_tokens`` counts 0), the tokens a directive prefilled from its answer, TTFT
-(the chat request's time to its first streamed token) and e2e (directive + chat request).
+(the chat request's time to its first streamed token, not a role-only chunk) and e2e (directive + chat request).
 """
 
 from __future__ import annotations
@@ -93,9 +93,10 @@ def _chat(client: Any, model: str, messages: list, tools: list, headers: dict, m
     )
     ttft, text, usage = None, [], None
     for chunk in stream:
-        if chunk.choices and ttft is None:
-            ttft = time.perf_counter() - t0
         for c in chunk.choices or []:
+            # the first token (a server may send the role alone first, before any compute)
+            if ttft is None and (c.delta.content or c.delta.tool_calls or c.finish_reason):
+                ttft = time.perf_counter() - t0
             text.append(c.delta.content or "")
         if chunk.usage is not None:
             usage = chunk.usage
