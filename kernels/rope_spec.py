@@ -26,6 +26,8 @@ qwen3(_moe), phi3,
 stablelm, gpt_neox
 ==================  =====================  ==========================================
 
+The table is ``leyline_agent.families`` (``rope_layout``, ``rope_partial``, ``sglang_rope``).
+
 Where the band sits in a cache row (``band_offset`` for ``rotate_band``), see
 :func:`band_offset_for`: transformers caches DeepSeek's ``k_pe`` alone in
 ``cache.layers[i].values`` (``[b, 1, seq, qk_rope_head_dim]``, offset 0); SGLang's MLA pool
@@ -47,30 +49,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from leyline_agent.errors import RopeSpecError
+from leyline_agent.families import FAMILIES, family, is_mla
 
 Layout = Literal["interleaved", "half"]
 CacheOwner = Literal["transformers", "sglang"]
-
-# model_type -> (layout of the transformers cache, does the *default* rope honour
-# partial_rotary_factor). Read from transformers 5.19's modeling_<model>.py.
-_TRANSFORMERS: dict[str, tuple[Layout, bool]] = {
-    "deepseek_v2": ("interleaved", False),
-    "deepseek_v3": ("half", False),
-    "glm": ("interleaved", True),
-    "glm4": ("interleaved", True),
-    "llama": ("half", False),
-    "mistral": ("half", False),
-    "qwen2": ("half", False),
-    "qwen2_moe": ("half", False),
-    "qwen3": ("half", False),
-    "qwen3_moe": ("half", False),
-    "phi3": ("half", True),
-    "stablelm": ("half", True),
-    "gpt_neox": ("half", True),
-}
-_SGLANG_HALF = {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
-_MLA = {"deepseek_v2", "deepseek_v3"}
-
 
 def _is_fp32(x: float) -> bool:
     return math.isfinite(x) and struct.unpack("f", struct.pack("f", x))[0] == x
@@ -163,23 +145,24 @@ def _inv_freq_on(values: tuple[float, ...], device: str) -> Any:
 
 def _layout_for(config: Any, cache_owner: str) -> tuple[Layout, bool]:
     model_type = getattr(config, "model_type", None)
+    row = family(model_type)
     if cache_owner == "transformers":
-        if model_type not in _TRANSFORMERS:
+        if row is None:
             raise RopeSpecError(
                 f"config.model_type={model_type!r}: no known transformers cache layout "
-                f"(known: {sorted(_TRANSFORMERS)})"
+                f"(known: {sorted(FAMILIES)})"
             )
-        return _TRANSFORMERS[model_type]
+        return row.rope_layout, row.rope_partial
     if cache_owner == "sglang":
-        if model_type in _MLA:
+        if row is not None and row.sglang_rope == "config":
             # SGLang 0.5.23 deepseek_v2.py: is_neox_style = not getattr(config, "rope_interleave", True)
             neox = not getattr(config, "rope_interleave", True)
             return ("half" if neox else "interleaved"), False
-        if model_type in _SGLANG_HALF:
+        if row is not None and row.sglang_rope == "half":
             return "half", False
+        known = sorted(f.model_type for f in FAMILIES.values() if f.sglang_rope is not None)
         raise RopeSpecError(
-            f"config.model_type={model_type!r}: no known SGLang cache layout "
-            f"(known: {sorted(_MLA | _SGLANG_HALF)})"
+            f"config.model_type={model_type!r}: no known SGLang cache layout (known: {known})"
         )
     raise ValueError(f"cache_owner={cache_owner!r} must be 'transformers' or 'sglang'")
 
@@ -193,6 +176,6 @@ def band_offset_for(config: Any, cache_owner: CacheOwner = "transformers") -> in
     * GQA/MHA (both owners): the row is one key head, the band comes first -> 0.
     """
     _layout_for(config, cache_owner)
-    if cache_owner == "sglang" and getattr(config, "model_type", None) in _MLA:
+    if cache_owner == "sglang" and is_mla(getattr(config, "model_type", None)):
         return int(config.kv_lora_rank)
     return 0

@@ -27,6 +27,16 @@ class PolicyError(LeylineError, ValueError):
     """An unknown policy name or a bad policy knob."""
 
 
+class InvalidRequestError(LeylineError, ValueError):
+    """A request's field is malformed or out of range; ``field`` names it (the message
+    starts with it too: ``"prompt_ids[3]: ..."``)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.detail = message
+
+
 class CacheMissError(LeylineError, LookupError):
     """A directive's base sequence is not (or no longer) in the prefix cache."""
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from leyline_agent.directives import MessageEdit
 from leyline_agent.errors import TrajectoryError
 
 __all__ = [
     "ROLES",
+    "Role",
     "ToolCall",
     "ToolTurn",
     "Trajectory",
@@ -37,7 +38,9 @@ __all__ = [
     "message_text",
 ]
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# ``developer`` is OpenAI's newer name of ``system``; the chat template renders it as one.
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+ROLES = frozenset(get_args(Role))
 
 TokenCounter = Callable[[str], int]
 

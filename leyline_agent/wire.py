@@ -1,18 +1,22 @@
-"""HTTP wire models of the Leyline routes (``/leyline/v1/...``).
+"""HTTP wire models of the Leyline routes (``/leyline/v1/...``), and the counters behind stats.
 
 Shared by the server (``leyline serve``, the SGLang plugin's route) and the agent-side
-``HTTPRuntime``. Frozen pydantic models; no torch, no runtime imports.
+``HTTPRuntime``. Frozen pydantic models; no torch, no engine imports. ``Counters`` is the
+one counter model every serving side keeps (the embedded engine per tenant, the SGLang
+plugin per process); ``StatsResponse`` is its wire form.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from leyline_agent.directives import Directive, Mode, check_mode
 
-__all__ = ["DirectivesRequest", "DirectivesResponse", "ErrorBody", "StatsResponse"]
+__all__ = ["Counters", "DirectivesRequest", "DirectivesResponse", "ErrorBody", "StatsResponse"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -117,6 +121,57 @@ class StatsResponse(BaseModel):
         default=0, description="splice results evicted before their session's next request"
     )
     tenant: str | None = Field(default=None, description="whose counters these are (per key)")
+
+
+def _no_splices() -> dict[str, int]:
+    return {"amortize": 0, "forget": 0}
+
+
+@dataclass(slots=True)
+class Counters:
+    """Cumulative counters of a serving side (mutable; ``to_stats`` is the wire form)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    splices: dict[str, int] = field(default_factory=_no_splices)
+    rotated_tokens: int = 0
+    fallbacks: int = 0
+    directive_errors: int = 0
+
+    def count_generation(self, prompt_tokens: int, cached_tokens: int, generated: int) -> None:
+        """One finished generation request."""
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        self.prefilled_tokens += prompt_tokens - cached_tokens
+        self.generated_tokens += generated
+
+    def count_directive(self, resp: DirectivesResponse) -> None:
+        """One answered directive request: its splices, rotated rows, and a fallback."""
+        for mode, n in resp.splices.items():
+            self.splices[mode] = self.splices.get(mode, 0) + n
+        self.rotated_tokens += resp.rotated_tokens
+        self.fallbacks += int(resp.fallback)
+
+    @classmethod
+    def total(cls, parts: Iterable[Counters]) -> Counters:
+        out = cls()
+        for part in parts:
+            for f in fields(cls):
+                if f.name == "splices":
+                    for mode, n in part.splices.items():
+                        out.splices[mode] = out.splices.get(mode, 0) + n
+                else:
+                    setattr(out, f.name, getattr(out, f.name) + getattr(part, f.name))
+        return out
+
+    def to_stats(self, **cache: Any) -> StatsResponse:
+        """The wire form; ``cache`` adds the cache fields a serving side knows of."""
+        counts = {f.name: getattr(self, f.name) for f in fields(self)}
+        return StatsResponse(**counts | {"splices": dict(self.splices)}, **cache)
 
 
 class ErrorBody(BaseModel):

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from leyline_agent.server.errors import field_path
-from leyline_agent.server.streaming import IncrementalText, sse
+from leyline_agent.engine.detokenizer import Detokenizer
+from leyline_agent.http_errors import field_path
+from leyline_agent.server.streaming import StreamedText, sse
 from leyline_agent.server.tool_calls import parse_tool_calls
 
 
@@ -76,18 +77,28 @@ TEXTS = [
 
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("tools", [False, True])
-def test_incremental_text_deltas_add_up_to_the_final_text(tokenizer, text, tools):
-    """Deltas never show a stop string, a partial character or a tool tag, and sum to the answer."""
+def test_streamed_deltas_add_up_to_the_final_text(tokenizer, text, tools):
+    """The engine's detokenizer, then the chat route's ``StreamedText``: deltas never show a
+    stop string, a partial character or a tool tag, and sum to the answer."""
     stop = ["STOP"]
     ids = tokenizer.encode(text)
 
     def decode(xs):
         return tokenizer.decode(xs, skip_special_tokens=True)
 
-    inc = IncrementalText(decode, stop=stop, tool_tag="<tool_call>" if tools else None)
-    deltas = [inc.push(t) for t in ids]
+    detok = Detokenizer(tokenizer, stop)
+    streamed_text = StreamedText(tool_tag="<tool_call>" if tools else None)
+    deltas = []
+    for k, t in enumerate(ids):
+        delta = detok.push(t)
+        if detok.stopped or k == len(ids) - 1:
+            delta += detok.flush()
+        deltas.append(streamed_text.push(delta))
+        if detok.stopped:
+            break
     full = decode(ids)
     final = full[: full.index("STOP")] if "STOP" in full else full  # what the engine returns
+    assert detok.text == final
     if tools:
         parsed = parse_tool_calls(final)
         final = parsed.content if parsed.tool_calls else final
@@ -96,7 +107,24 @@ def test_incremental_text_deltas_add_up_to_the_final_text(tokenizer, text, tools
     assert "\ufffd" not in streamed and "STOP" not in streamed
     if tools:
         assert "<tool_call>" not in streamed
-    assert streamed + inc.finish(final) == final
+    assert streamed + streamed_text.finish(final) == final
+
+
+def test_the_detokenizer_decodes_a_window_not_the_whole_output(tokenizer):
+    """Each token costs one decode of the tokens since the text was last complete, and the
+    text equals a decode of everything (multi-byte characters split over byte tokens)."""
+    ids = tokenizer.encode("héllo wörld 日本語 done " * 20)
+    seen: list[int] = []
+
+    class Counting:
+        def decode(self, xs, **kw):
+            seen.append(len(xs))
+            return tokenizer.decode(xs, **kw)
+
+    detok = Detokenizer(Counting())
+    text = "".join(detok.push(t) for t in ids) + detok.flush()
+    assert text == detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert max(seen) <= 8 < len(ids)
 
 
 def test_sse_framing_is_openai_style():

@@ -1,18 +1,25 @@
-"""Compile message-level edits into token directives (pure: token ids in, spans out).
+"""Compile message-level edits into token directives (torch-free: a tokenizer in, ids out).
 
-The serving side renders the old and the edited message lists with the chat template
-(``add_generation_prompt=False``) and tokenizes both; ``diff_spans`` then finds where the
-two token sequences differ.
+Shared by the embedded engine and the SGLang plugin, so both render, diff and compile
+alike:
+
+- ``render(tokenizer, messages, tools, add_generation_prompt)``: the token ids of a
+  conversation under the tokenizer's chat template (messages checked and put in canonical
+  form by ``checks.template_messages``, tools by ``chat_input.canonical_tools``).
+- ``encode_replacements(directives, tokenizer)``: token form, text replacements -> ids.
+- ``message_edits(tokenizer, old, new, tools, boundary)``: message form: both lists
+  rendered (``add_generation_prompt=False``) and diffed per message (``diff_spans``).
+- ``to_directives(spans, mode)``.
 
 Seams: BPE may merge across the edge of an edited text (the token before or after an edit
 can change too). Diffing token ids, not characters, absorbs that: every token that differs
-is inside a span. The diff is taken per message: both sequences are cut at the
-``<|im_start|>`` id that opens every message in the template, chunks are paired in order,
-and each differing pair yields one span (common prefix and suffix of the pair trimmed).
-That keeps one span per edited message even when the new text shares tokens with the old
-(a stub that quotes the original's first line would otherwise split into many small
-spans). When the two sequences do not have the same number of messages the whole
-sequence is diffed as one chunk (still exact, possibly coarser).
+is inside a span. The diff is taken per message: both sequences are cut at the message
+boundary id (``families``: the special token that opens every message in the template),
+chunks are paired in order, and each differing pair yields one span (common prefix and
+suffix of the pair trimmed). That keeps one span per edited message even when the new text
+shares tokens with the old (a stub that quotes the original's first line would otherwise
+split into many small spans). When the two sequences do not have the same number of
+messages the whole sequence is diffed as one chunk (still exact, possibly coarser).
 
 ``clip_to_cached`` restricts spans to a cached prefix of length ``c``: a span that ends by
 ``c`` is kept; a span that starts at or after ``c`` is dropped (nothing of it is cached; the
@@ -25,8 +32,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Span", "clip_to_cached", "diff_spans"]
+from leyline_agent.chat_input import canonical_tools
+from leyline_agent.directives.checks import template_messages
+from leyline_agent.directives.core import Directive, Mode
+from leyline_agent.errors import TrajectoryError
+
+__all__ = [
+    "MessageEdits",
+    "Span",
+    "apply_spans",
+    "clip_to_cached",
+    "diff_spans",
+    "encode_replacements",
+    "message_edits",
+    "render",
+    "to_directives",
+]
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,3 +112,61 @@ def apply_spans(old: Sequence[int], spans: Sequence[Span]) -> list[int]:
     for s in sorted(spans, key=lambda s: s.start, reverse=True):
         out[s.start : s.end] = s.replacement
     return out
+
+
+def render(
+    tokenizer: Any,
+    messages: Any,
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    *,
+    where: str = "messages",
+) -> list[int]:
+    """Token ids of ``messages`` under ``tokenizer``'s chat template (``TrajectoryError``
+    naming ``where`` if they cannot be rendered)."""
+    checked = template_messages(messages, where)
+    try:
+        text = tokenizer.apply_chat_template(
+            checked,
+            tools=canonical_tools(tools),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except Exception as e:  # template errors: jinja raises many types
+        raise TrajectoryError(f"{where}: the chat template cannot render them: {e}") from e
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_replacements(directives: Sequence[Directive], tokenizer: Any) -> list[Directive]:
+    """Token form: every text replacement encoded to ids (no special tokens added)."""
+    out = []
+    for d in directives:
+        if isinstance(d.replacement, str):
+            ids = list(tokenizer.encode(d.replacement, add_special_tokens=False))
+            d = Directive(start=d.start, end=d.end, replacement=ids, mode=d.mode)
+        out.append(d)
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class MessageEdits:
+    old: list[int]  # the rendered old messages: the base T
+    new: list[int]  # the rendered new messages: what T' must be
+    spans: list[Span]  # where they differ, left to right
+
+
+def message_edits(
+    tokenizer: Any,
+    old_messages: Any,
+    new_messages: Any,
+    tools: Sequence[dict[str, Any]] | None,
+    boundary: int | None,
+) -> MessageEdits:
+    """Message form: render both lists (no generation prompt) and diff them per message."""
+    old = render(tokenizer, old_messages, tools, where="old_messages")
+    new = render(tokenizer, new_messages, tools, where="new_messages")
+    return MessageEdits(old, new, diff_spans(old, new, boundary))
+
+
+def to_directives(spans: Sequence[Span], mode: Mode) -> list[Directive]:
+    return [Directive(start=s.start, end=s.end, replacement=s.replacement, mode=mode) for s in spans]

@@ -8,53 +8,40 @@ Engine facade. Thread-safe: concurrent ``generate`` calls share batched steps
   ``prompt + output`` (the last output token is forwarded once more so the whole sequence,
   which the agent's next turn repeats, is in the cache).
 - ``apply_directives``: execute a token-form or message-form request (``executor.py``).
-- ``stats``: cumulative counters (``leyline_agent.wire.StatsResponse``).
+- ``stats``: cumulative counters per tenant (``wire.Counters``; ``StatsResponse`` on the wire).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 
+from leyline_agent.directives.checks import check_token_ids
+from leyline_agent.directives.compile import render
 from leyline_agent.engine import sequence
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVLayout, KVPool
 from leyline_agent.engine.cache.prefix_cache import PrefixCache
-from leyline_agent.engine.checkpoints.toy_tokenizer import EOS, IM_END, IM_START
+from leyline_agent.engine.detokenizer import Detokenizer
+from leyline_agent.engine.executor import apply_request
 from leyline_agent.engine.model.loader import load
 from leyline_agent.engine.model.runner import ModelRunner
-from leyline_agent.engine.params import GenerationResult, InvalidRequestError, SamplingParams
-from leyline_agent.engine.sampler import Sampler, StopMatcher
+from leyline_agent.engine.params import GenerationResult, SamplingParams
+from leyline_agent.engine.sampler import Sampler
 from leyline_agent.engine.stepper import Stepper
-from leyline_agent.errors import TrajectoryError
+from leyline_agent.errors import InvalidRequestError
+from leyline_agent.families import chat_format, token_id
 from leyline_agent.namespaces import ANONYMOUS, DEFAULT_TENANT, Namespace
-from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
+from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse, StatsResponse
 
-__all__ = ["Engine", "EngineStats", "GenerationResult", "InvalidRequestError", "SamplingParams"]
+__all__ = ["Engine", "GenerationResult", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
-
-_ROLES = {"system", "user", "assistant", "tool"}
-
-
-@dataclass(slots=True)
-class EngineStats:
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefilled_tokens: int = 0
-    generated_tokens: int = 0
-    splices: dict[str, int] = field(default_factory=lambda: {"amortize": 0, "forget": 0})
-    rotated_tokens: int = 0
-    fallbacks: int = 0
-    directive_errors: int = 0
-
 
 class Engine:
     def __init__(
@@ -87,17 +74,18 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.pool, self.allocator)
         self.stepper = Stepper(self)
-        self._stats: dict[str, EngineStats] = {}
+        self._counters: dict[str, Counters] = {}
         self._evicted_tokens = 0
         self._pin_evictions = 0
-        ids = {tokenizer.convert_tokens_to_ids(t) for t in (IM_END, EOS)}
+        chat = chat_format(self.config.model_type)
+        ids = {token_id(tokenizer, t) for t in chat.stop_tokens}
         ids |= set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
         ids |= set(_as_list(tokenizer.eos_token_id))
         self.stop_token_ids = sorted(
             i for i in ids if isinstance(i, int) and 0 <= i < self.vocab_size
         )
         self.eos_token_id = tokenizer.eos_token_id
-        self.message_boundary_id = tokenizer.convert_tokens_to_ids(IM_START)
+        self.message_boundary_id = token_id(tokenizer, chat.message_boundary)
 
     @classmethod
     def from_pretrained(
@@ -141,36 +129,11 @@ class Engine:
         *,
         where: str = "messages",
     ) -> list[int]:
-        if not isinstance(messages, (list, tuple)):
-            raise TrajectoryError(f"{where}: must be a list of messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in _ROLES:
-                raise TrajectoryError(f"{where}[{i}].role: must be one of {sorted(_ROLES)}")
-            c = m.get("content")
-            if c is not None and not isinstance(c, str):
-                raise TrajectoryError(f"{where}[{i}].content: must be a string or null")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                list(messages),
-                tools=list(tools) if tools else None,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-            )
-        except Exception as e:  # template errors: jinja raises many types
-            raise TrajectoryError(f"{where}: the chat template cannot render them: {e}") from e
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """The token ids of ``messages`` under the model's chat template."""
+        return render(self.tokenizer, messages, tools, add_generation_prompt, where=where)
 
     def check_ids(self, ids: Sequence[int], where: str, allow_empty: bool = False) -> list[int]:
-        if not allow_empty and len(ids) == 0:
-            raise InvalidRequestError(f"{where}: must not be empty")
-        out = []
-        for k, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"{where}[{k}]: {t!r} is not a token id in [0, {self.vocab_size})"
-                )
-            out.append(t)
-        return out
+        return check_token_ids(ids, self.vocab_size, where, allow_empty=allow_empty)
 
     # ------------------------------------------------------------------ generation
     def logits_for(
@@ -218,7 +181,7 @@ class Engine:
             self.cache.hold(m)
             seq = sequence.Sequence(
                 prompt_ids=ids, params=params, namespace=namespace, match=m,
-                sampler=Sampler(params, self.device), stopper=StopMatcher(list(params.stop)),
+                sampler=Sampler(params, self.device), detok=Detokenizer(self.tokenizer, params.stop),
                 stop_ids=stop_ids, t0=t0, splice_lost=splice_lost, on_token=on_token,
                 logprobs=[] if params.logprobs else None,
             )  # fmt: skip
@@ -250,16 +213,11 @@ class Engine:
         else:
             self.allocator.free(seq.fresh)
         self.evict()
-        st = self.counters(ns.tenant)
-        st.requests += 1
-        st.prompt_tokens += len(ids)
-        st.cached_tokens += m.length
-        st.prefilled_tokens += len(ids) - m.length
-        st.generated_tokens += len(out)
+        self.counters(ns.tenant).count_generation(len(ids), m.length, len(out))
         return GenerationResult(
             prompt_ids=ids,
             output_ids=out,
-            text=seq.stopper.text,
+            text=seq.detok.text,
             finish_reason=seq.finish_reason,
             prompt_tokens=len(ids),
             cached_tokens=m.length,
@@ -271,11 +229,11 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ cache upkeep
-    def counters(self, tenant: str) -> EngineStats:
+    def counters(self, tenant: str) -> Counters:
         """The tenant's cumulative counters (created on first use)."""
-        st = self._stats.get(tenant)
+        st = self._counters.get(tenant)
         if st is None:
-            st = self._stats[tenant] = EngineStats()
+            st = self._counters[tenant] = Counters()
         return st
 
     def evict(self) -> None:
@@ -288,9 +246,8 @@ class Engine:
     def apply_directives(
         self, req: DirectivesRequest, *, namespace: Namespace | None = None
     ) -> DirectivesResponse:
-        """``namespace`` defaults to the default tenant and ``req.session``."""
-        from leyline_agent.engine.executor import apply_request
-
+        """Execute ``req`` on the cache (``executor.py``); ``namespace`` defaults to the default
+        tenant and ``req.session``. (The pure T' of a batch is ``directives.splice_tokens``.)"""
         ns = namespace if namespace is not None else Namespace(DEFAULT_TENANT, req.session)
         with self.stepper.exclusive():
             return apply_request(self, req, ns)
@@ -302,43 +259,20 @@ class Engine:
 
     def _stats_of(self, tenant: str | None) -> StatsResponse:
         if tenant is None:
-            parts = list(self._stats.values())
+            parts = list(self._counters.values())
             cache_tokens, pinned = self.cache.total_tokens, self.cache.pins.pinned_tokens
-            evicted, lost = self._evicted_tokens, self._pin_evictions
         else:
-            parts = [self._stats[tenant]] if tenant in self._stats else []
+            parts = [self._counters[tenant]] if tenant in self._counters else []
             cache_tokens = self.cache.tenant_tokens(tenant)
             pinned = self.cache.pins.pinned_tokens_of(tenant)
-            evicted, lost = self._evicted_tokens, self._pin_evictions
-        total = EngineStats()
-        for st in parts:
-            for f in _COUNTERS:
-                setattr(total, f, getattr(total, f) + getattr(st, f))
-            for k, v in st.splices.items():
-                total.splices[k] = total.splices.get(k, 0) + v
-        return StatsResponse(
-            requests=total.requests,
-            prompt_tokens=total.prompt_tokens,
-            cached_tokens=total.cached_tokens,
-            prefilled_tokens=total.prefilled_tokens,
-            generated_tokens=total.generated_tokens,
-            splices=dict(total.splices),
-            rotated_tokens=total.rotated_tokens,
-            fallbacks=total.fallbacks,
-            directive_errors=total.directive_errors,
+        return Counters.total(parts).to_stats(
             cache_tokens=cache_tokens,
             cache_capacity_tokens=self.cache_budget_tokens,
-            evicted_tokens=evicted,
+            evicted_tokens=self._evicted_tokens,
             pinned_tokens=pinned,
-            pin_evictions=lost,
+            pin_evictions=self._pin_evictions,
             tenant=tenant,
         )
-
-
-_COUNTERS = (
-    "requests", "prompt_tokens", "cached_tokens", "prefilled_tokens", "generated_tokens",
-    "rotated_tokens", "fallbacks", "directive_errors",
-)  # fmt: skip
 
 
 def _as_list(x: Any) -> list:

@@ -8,20 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from leyline_agent.errors import LeylineError
+from leyline_agent.errors import InvalidRequestError
 
 __all__ = [
     "GREEDY_BELOW",
     "SEED_MAX",
     "GenerationResult",
-    "InvalidRequestError",
     "SamplingParams",
     "TokenLogprob",
 ]
-
-
-class InvalidRequestError(LeylineError, ValueError):
-    """A generation request's field is out of range (names the field)."""
 
 
 # A temperature this small is greedy decoding: logits / 5e-324 overflow to inf and the

@@ -1,4 +1,4 @@
-"""Token choice, logprobs and stop-string handling (no model here)."""
+"""Token choice and logprobs (no model here; stop strings: ``detokenizer``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 from leyline_agent.engine.params import GREEDY_BELOW, SamplingParams, TokenLogprob
 
-__all__ = ["Sampler", "StopMatcher"]
+__all__ = ["Sampler"]
 
 
 class Sampler:
@@ -46,47 +46,3 @@ class Sampler:
                 for v, i in zip(vals, ids, strict=True)
             ]
         return TokenLogprob(token_id, tokenizer.decode([token_id]), float(lp[token_id]), top)
-
-
-class StopMatcher:
-    """Incremental detokenisation with stop strings.
-
-    ``push(text_so_far)`` returns the new text that is safe to emit (held back while it
-    could still be the start of a stop string or ends in a partial UTF-8 character) and
-    whether a stop string completed; ``text`` is the output truncated before the stop.
-    """
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.emitted = 0
-        self.text = ""
-        self.stopped = False
-
-    def push(self, full: str) -> str:
-        cut = len(full)
-        for s in self.stops:
-            k = full.find(s)
-            if k != -1:
-                cut = min(cut, k)
-                self.stopped = True
-        if self.stopped:
-            full = full[:cut]
-            safe = len(full)
-        else:
-            safe = len(full)
-            if full.endswith("\ufffd"):
-                safe -= 1
-            for s in self.stops:
-                for n in range(min(len(s) - 1, len(full)), 0, -1):
-                    if full.endswith(s[:n]):
-                        safe = min(safe, len(full) - n)
-                        break
-        self.text = full
-        delta = full[self.emitted : safe] if safe > self.emitted else ""
-        self.emitted = max(self.emitted, safe)
-        return delta
-
-    def flush(self) -> str:
-        delta = self.text[self.emitted :]
-        self.emitted = len(self.text)
-        return delta

@@ -15,8 +15,9 @@ from enum import Enum
 from typing import Any
 
 from leyline_agent.engine.cache.radix import Match
+from leyline_agent.engine.detokenizer import Detokenizer
 from leyline_agent.engine.params import SamplingParams, TokenLogprob
-from leyline_agent.engine.sampler import Sampler, StopMatcher
+from leyline_agent.engine.sampler import Sampler
 from leyline_agent.namespaces import Namespace
 
 __all__ = ["SeqStatus", "Sequence"]
@@ -38,7 +39,7 @@ class Sequence:
     namespace: Namespace
     match: Match
     sampler: Sampler
-    stopper: StopMatcher
+    detok: Detokenizer  # its text so far, stop strings applied
     stop_ids: frozenset[int]
     t0: float
     splice_lost: bool = False

@@ -123,12 +123,11 @@ class Stepper:
         s.output_ids.append(tok)
         if s.logprobs is not None:
             s.logprobs.append(s.sampler.logprob(logits, tok, self.host.tokenizer))
-        tk = self.host.tokenizer
-        delta = s.stopper.push(tk.decode(s.output_ids, skip_special_tokens=True))
-        done = tok in s.stop_ids or s.stopper.stopped
+        delta = s.detok.push(tok)
+        done = tok in s.stop_ids or s.detok.stopped
         last = len(s.output_ids) >= s.params.max_tokens
         if done or last:
-            delta += s.stopper.flush()
+            delta += s.detok.flush()
             s.finish_reason = "stop" if done else "length"
             s.e2e_s = time.perf_counter() - s.t0
             s.status = SeqStatus.FLUSH if s.meta.get("flush") else SeqStatus.FINISHED

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from leyline_agent.families import is_mla
+
 __all__ = ["RefState", "Row", "cache_from_kv", "greedy_from_kv", "logits_from_kv", "plain_kv"]
 
 
@@ -34,7 +36,7 @@ def _modeling(model):
 
 
 def _is_mla(model) -> bool:
-    return model.config.model_type in ("deepseek_v2", "deepseek_v3")
+    return is_mla(model.config.model_type)
 
 
 def cache_from_kv(model, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]):

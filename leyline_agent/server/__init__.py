@@ -6,7 +6,8 @@ Layers, one job each:
   ``ServedEngine``, the protocol an engine serves through.
 - ``openai_api`` (wire models) -> ``completions`` (checks, sampling parameters) ->
   ``openai_routes`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``),
-  with ``streaming`` (SSE, incremental text), ``tool_calls`` and ``logprobs``.
+  with ``streaming`` (SSE, the text deltas of a streamed answer), ``tool_calls`` and
+  ``logprobs``.
 - ``leyline_routes``: ``POST /leyline/v1/directives``, ``GET /leyline/v1/stats``, with
   ``directive_memory`` (idempotent ``request_id`` retries).
 - ``tenants`` (API keys, ``Host`` allowlist, each request's namespace), ``limits`` (body

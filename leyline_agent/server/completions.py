@@ -12,8 +12,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from leyline_agent.chat_input import canonical_messages, canonical_tools
+from leyline_agent.directives.checks import check_token_ids
 from leyline_agent.engine.params import GREEDY_BELOW, SEED_MAX
-from leyline_agent.server.errors import ModelNotFoundError, RequestError, field_path
+from leyline_agent.http_errors import field_path
+from leyline_agent.server.errors import ModelNotFoundError, RequestError
 from leyline_agent.server.openai_api import (
     ChatCompletionRequest,
     ChatMessage,
@@ -25,6 +27,7 @@ __all__ = [
     "SEED_MAX",
     "ModelLimits",
     "ServedModel",
+    "check_message_shapes",
     "check_messages",
     "check_prompt_ids",
     "check_prompt_length",
@@ -158,14 +161,8 @@ def check_messages(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """Validate each message's shape and the tools; return the tools to render (or None).
 
     ``tool_choice`` is checked by ``tool_choice.parse_tool_choice``."""
+    check_message_shapes(req.messages, "messages")
     for i, raw in enumerate(req.messages):
-        try:
-            ChatMessage.model_validate(raw)
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise RequestError(
-                err.get("msg", "invalid message"), field_path(("messages", i, *err["loc"]))
-            ) from e
         if raw["role"] == "tool" and not isinstance(raw.get("content"), str | list):
             raise RequestError("a tool message needs content", f"messages[{i}].content")
     if not req.tools:
@@ -188,14 +185,22 @@ def check_prompt_length(n_tokens: int, model: ServedModel, field: str) -> None:
         raise RequestError(f"the prompt has {n_tokens} tokens; the limit is {limit}", field)
 
 
-def check_prompt_ids(ids: list[int], limits: ModelLimits, field: str) -> None:
-    if not ids:
-        raise RequestError("the prompt is empty", field)
-    for k, t in enumerate(ids):
-        if not 0 <= t < limits.vocab_size:
+def check_message_shapes(messages: list[dict[str, Any]], name: str) -> None:
+    """Every message of ``messages`` shaped as OpenAI's (``RequestError`` naming
+    ``name[i].field``); the chat route and message-form directives both check with it."""
+    for i, raw in enumerate(messages):
+        try:
+            ChatMessage.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
             raise RequestError(
-                f"token id {t} is outside the vocabulary [0, {limits.vocab_size})", f"{field}[{k}]"
-            )
+                err.get("msg", "invalid message"), field_path((name, i, *err["loc"]))
+            ) from e
+
+
+def check_prompt_ids(ids: list[int], limits: ModelLimits, field: str) -> None:
+    """Token ids inside the vocabulary (``directives.checks``, as the engine checks them)."""
+    check_token_ids(ids, limits.vocab_size, field, error=RequestError)
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:

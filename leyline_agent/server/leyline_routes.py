@@ -24,15 +24,16 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from leyline_agent.chat_input import canonical_tools
 from leyline_agent.directives import plan_batch
 from leyline_agent.server.completions import (
+    check_message_shapes,
     check_prompt_ids,
     check_prompt_length,
     messages_for_template,
 )
 from leyline_agent.server.directive_memory import check_request_id
 from leyline_agent.server.disconnect import run_connected
-from leyline_agent.server.errors import RequestError, field_path
+from leyline_agent.server.errors import RequestError
 from leyline_agent.server.limits import check_text_bound, message_text_bytes
-from leyline_agent.server.openai_api import ChatMessage, ToolSpec
+from leyline_agent.server.openai_api import ToolSpec
 from leyline_agent.server.state import state
 from leyline_agent.server.tenants import namespace
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
@@ -52,17 +53,6 @@ class FlushResponse(BaseModel):
     dropped_conversations: int
 
 
-def _check_messages(messages: list[dict], name: str) -> None:
-    for i, raw in enumerate(messages):
-        try:
-            ChatMessage.model_validate(raw)
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise RequestError(
-                err.get("msg", "invalid message"), field_path((name, i, *err["loc"]))
-            ) from e
-
-
 def checked(req: DirectivesRequest, request: Request) -> DirectivesRequest:
     """``req`` validated against the served model, ready for the engine."""
     st = state(request)
@@ -76,8 +66,8 @@ def checked(req: DirectivesRequest, request: Request) -> DirectivesRequest:
                 check_prompt_ids(d.replacement, st.model.limits, f"directives[{i}].replacement")
         return req
     assert req.old_messages is not None and req.new_messages is not None  # the model's invariant
-    _check_messages(req.old_messages, "old_messages")
-    _check_messages(req.new_messages, "new_messages")
+    check_message_shapes(req.old_messages, "old_messages")
+    check_message_shapes(req.new_messages, "new_messages")
     longest, limit = st.model.limits.longest_token_bytes, st.model.max_prompt_tokens
     for name, messages in (("old_messages", req.old_messages), ("new_messages", req.new_messages)):
         check_text_bound(message_text_bytes(messages), longest, limit, name)

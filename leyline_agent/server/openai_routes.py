@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from leyline_agent.http_errors import error_body
 from leyline_agent.namespaces import Namespace
 from leyline_agent.server import logprobs as lp
 from leyline_agent.server.chat_context import PreparedChat, prepare_chat
@@ -42,12 +43,7 @@ from leyline_agent.server.disconnect import (
     stop_when_gone,
     while_connected,
 )
-from leyline_agent.server.errors import (
-    ModelNotFoundError,
-    classify,
-    error_body,
-    exception_code,
-)
+from leyline_agent.server.errors import ModelNotFoundError, classify, exception_code
 from leyline_agent.server.limits import check_text_bound, message_text_bytes
 from leyline_agent.server.openai_api import (
     ChatCompletionRequest,
@@ -58,7 +54,7 @@ from leyline_agent.server.openai_api import (
     usage,
 )
 from leyline_agent.server.state import ServerState, state
-from leyline_agent.server.streaming import DONE, IncrementalText, sse
+from leyline_agent.server.streaming import DONE, StreamedText, sse
 from leyline_agent.server.tenants import namespace
 from leyline_agent.server.tool_calls import OPEN_TAG
 from leyline_agent.server.tool_choice import ToolChoice, parse_answer, parse_tool_choice
@@ -127,7 +123,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     if req.stream:
         tools_on = choice if tools is not None and choice.parses_calls else None
         tag = OPEN_TAG if tools_on else None
-        text = IncrementalText(_decoder(st, forced), stop=params.stop, tool_tag=tag)
+        text = StreamedText(forced, tool_tag=tag)
         events = await _started(request, _generate(st, ids, params, text, ns))
         return _event_stream(_chat_events(st, req, events, params, text, tools_on, ctx))
     result = await _generate_once(request, st, ids, params, ns)
@@ -162,7 +158,7 @@ async def _chat_events(
     req: ChatCompletionRequest,
     events: AsyncIterator[str | StreamEnd],
     params: Any,
-    text: IncrementalText,
+    text: StreamedText,
     tools_on: ToolChoice | None,
     ctx: PreparedChat | None = None,
 ) -> AsyncIterator[str]:
@@ -231,7 +227,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     check_prompt_ids(ids, st.model.limits, "prompt")
     params = sampling_params(req, len(ids), st.model, st.params_cls)
     if req.stream:
-        text = IncrementalText(_decoder(st), stop=params.stop)
+        text = StreamedText()
         events = await _started(request, _generate(st, ids, params, text, ns))
         return _event_stream(_completion_events(st, req, events, params, text))
     result = await _generate_once(request, st, ids, params, ns)
@@ -259,7 +255,7 @@ async def _completion_events(
     req: CompletionRequest,
     events: AsyncIterator[str | StreamEnd],
     params: Any,
-    text: IncrementalText,
+    text: StreamedText,
 ) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = {
@@ -292,12 +288,6 @@ async def _completion_events(
 
 
 # ---- shared ----------------------------------------------------------------------------
-def _decoder(st: ServerState, forced: str = "") -> Callable[[list[int]], str]:
-    """Decodes the answer so far; ``forced`` is the text tool_choice forced it to open with."""
-    tok = st.worker.engine.tokenizer  # used on the worker thread only (in on_token)
-    return lambda ids: forced + tok.decode(ids, skip_special_tokens=True)
-
-
 async def _generate_once(
     request: Request, st: ServerState, ids: list[int], params: Any, ns: Namespace
 ) -> Any:
@@ -313,20 +303,20 @@ async def _generate_once(
 
 
 async def _generate(
-    st: ServerState, ids: list[int], params: Any, text: IncrementalText, ns: Namespace
+    st: ServerState, ids: list[int], params: Any, text: StreamedText, ns: Namespace
 ) -> AsyncIterator[str | StreamEnd]:
-    """``""`` when the job starts, text deltas (computed on the worker, where the tokenizer
-    lives), then ``StreamEnd``.
+    """``""`` when the job starts, text deltas (the engine's, through ``text``), then
+    ``StreamEnd``.
 
     If the consumer stops early (the client disconnected), a queued job never runs and a
     running one is stopped at its next token, before the engine caches or counts anything.
     """
     gone = threading.Event()
 
-    def on_token(emit: Callable[..., None], token_id: int, *_: Any) -> None:
+    def on_token(emit: Callable[..., None], token_id: int, delta: str = "") -> None:
         if gone.is_set():
             raise GenerationCancelled("the client disconnected")
-        emit(text.push(token_id))
+        emit(text.push(delta))
 
     def job(engine: Any, emit: Callable[..., None]) -> Any:
         emit("")

@@ -1,20 +1,21 @@
-"""Server-sent events and incremental detokenization for streamed completions.
+"""Server-sent events, and the text deltas of a streamed answer.
 
-``IncrementalText`` turns a growing list of token ids into text deltas that never need to
-be taken back: it holds back an incomplete UTF-8 character, any tail that may still grow
-into a stop string (or into ``<tool_call>`` when tools are on), and everything from a
-complete stop string or tool-call tag on. When generation ends, ``finish`` sends what is
-left of the engine's final text (which is the source of truth), so the concatenated deltas
-equal the non-streamed answer.
+The engine's ``on_token(token_id, text_delta)`` already gives text that never needs to be
+taken back (``engine.detokenizer``: decoded incrementally, an incomplete UTF-8 character
+held back, cut at a stop string). ``StreamedText`` adds what only the chat route knows:
+with tools on, everything from a ``<tool_call>`` tag on is held back (the call is sent as
+``tool_calls`` at the end), and so are a tail that may still grow into the tag and the
+whitespace before it (content before a call loses it). When generation ends, ``finish``
+sends what is left of the final content (the engine's text is the source of truth), so the
+concatenated deltas equal the non-streamed answer.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["DONE", "IncrementalText", "sse"]
+__all__ = ["DONE", "StreamedText", "sse"]
 
 DONE = "data: [DONE]\n\n"
 
@@ -24,61 +25,53 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _partial_suffix(text: str, needles: Sequence[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of one of ``needles``."""
-    best = 0
-    for needle in needles:
-        for k in range(min(len(needle) - 1, len(text)), best, -1):
-            if text.endswith(needle[:k]):
-                best = k
-                break
-    return best
+def _partial_suffix(text: str, needle: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``needle``."""
+    for k in range(min(len(needle) - 1, len(text)), 0, -1):
+        if text.endswith(needle[:k]):
+            return k
+    return 0
 
 
-class IncrementalText:
-    """Safe text deltas of a growing token sequence (see the module docstring)."""
+class StreamedText:
+    """Safe deltas of a streamed answer from the engine's text deltas (see the module doc).
 
-    def __init__(
-        self,
-        decode: Callable[[list[int]], str],
-        stop: Sequence[str] = (),
-        tool_tag: str | None = None,
-    ) -> None:
-        self._decode = decode
-        self._stop = [s for s in stop if s]
+    ``prefix`` is text the answer opens with that the engine did not write (the tool-call
+    opening a ``tool_choice`` forced into the prompt)."""
+
+    def __init__(self, prefix: str = "", tool_tag: str | None = None) -> None:
         self._tool_tag = tool_tag
-        self._ids: list[int] = []
-        self._sent = ""
-        self._frozen = False  # a stop string or a tool call started: send nothing more
+        self._pending = prefix  # written but not sent yet
+        self._sent: list[str] = []
+        self._frozen = False  # a tool call started: send nothing more
 
     @property
     def sent(self) -> str:
-        return self._sent
+        return "".join(self._sent)
 
-    def push(self, token_id: int) -> str:
-        self._ids.append(token_id)
+    def push(self, delta: str) -> str:
         if self._frozen:
             return ""
-        text = self._decode(self._ids)
-        end = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character
-        for needle in [*self._stop, *([self._tool_tag] if self._tool_tag else [])]:
-            at = text.find(needle)
-            if 0 <= at < end:
+        text = self._pending + delta
+        if self._tool_tag is None:
+            out, self._pending = text, ""
+        else:
+            at = text.find(self._tool_tag)
+            if at != -1:
                 end, self._frozen = at, True
-        if not self._frozen:
-            needles = [*self._stop, *([self._tool_tag] if self._tool_tag else [])]
-            end -= _partial_suffix(text[:end], needles)
-        if self._tool_tag:  # content before a call loses trailing whitespace: hold it back
-            end = len(text[:end].rstrip())
-        return self._advance(text[:end])
+            else:
+                end = len(text) - _partial_suffix(text, self._tool_tag)
+            out = text[:end].rstrip()  # whitespace before a call is held back
+            self._pending = text[len(out) :]
+        if out:
+            self._sent.append(out)
+        return out
 
     def finish(self, final_text: str) -> str:
-        """The rest of the engine's final text (or content) after what was sent."""
-        return self._advance(final_text)
-
-    def _advance(self, text: str) -> str:
-        if len(text) <= len(self._sent) or not text.startswith(self._sent):
+        """The rest of the final text (or content) after what was sent."""
+        sent = self.sent
+        if len(final_text) <= len(sent) or not final_text.startswith(sent):
             return ""
-        delta = text[len(self._sent) :]
-        self._sent = text
-        return delta
+        rest = final_text[len(sent) :]
+        self._sent.append(rest)
+        return rest

@@ -16,10 +16,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from leyline_agent.families import CHATML_HERMES
+
 __all__ = ["OPEN_TAG", "CLOSE_TAG", "ParsedOutput", "new_call_id", "parse_tool_calls"]
 
-OPEN_TAG = "<tool_call>"
-CLOSE_TAG = "</tool_call>"
+OPEN_TAG = CHATML_HERMES.tool_call_open
+CLOSE_TAG = CHATML_HERMES.tool_call_close
 _BLOCK = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
 
 

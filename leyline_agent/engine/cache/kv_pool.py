@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import torch
 
+from leyline_agent.families import is_mla
+
 __all__ = ["KVLayout", "KVPool"]
 
 
@@ -44,7 +46,7 @@ class KVLayout:
     @classmethod
     def from_config(cls, config: Any) -> KVLayout:
         L = config.num_hidden_layers
-        if config.model_type in ("deepseek_v2", "deepseek_v3"):
+        if is_mla(config.model_type):
             return cls("mla", L, 1, config.kv_lora_rank, 1, config.qk_rope_head_dim)
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads

@@ -18,13 +18,14 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from leyline_agent.families import CHATML_HERMES
+
 __all__ = ["CHAT_TEMPLATE", "EOS", "IM_START", "IM_END", "train_tokenizer"]
 
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-EOS = "<|endoftext|>"
-TOOL_OPEN = "<tool_call>"
-TOOL_CLOSE = "</tool_call>"
+# The ChatML + Hermes row of ``leyline_agent.families``: the template below spells it out.
+IM_START = CHATML_HERMES.message_boundary
+IM_END, EOS = CHATML_HERMES.stop_tokens
+TOOL_OPEN, TOOL_CLOSE = CHATML_HERMES.tool_call_open, CHATML_HERMES.tool_call_close
 SPECIAL = [EOS, IM_START, IM_END]
 ADDED = [TOOL_OPEN, TOOL_CLOSE]
 

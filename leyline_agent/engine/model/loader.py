@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.families import embedded_model_types
 
 __all__ = ["Loaded", "SUPPORTED", "load", "resolve_device", "resolve_dtype"]
 
-SUPPORTED = ("deepseek_v2", "deepseek_v3", "llama", "qwen2", "qwen3")
+SUPPORTED = embedded_model_types()  # the families the embedded engine serves
 
 
 @dataclass(slots=True)
