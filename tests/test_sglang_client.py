@@ -128,14 +128,14 @@ def test_sglang_http_route_on_sglang_app(engine: Engine, loop: Loopback, monkeyp
 
     monkeypatch.setattr(http_server.app.router, "routes", list(http_server.app.router.routes))
 
-    async def rpc(self, kwargs, method):  # the socket round trip: RpcReqOutput(success, message)
+    async def rpc(self, method, kwargs):  # the socket round trip: RpcReqOutput(success, message)
         try:
             getattr(loop.scheduler, method)(**kwargs)
         except Exception as e:
             err = hook.error_from_message(str(e))
             raise (err if err is not None else e) from None
 
-    monkeypatch.setattr(LeylineRoute, "_rpc", rpc)
+    monkeypatch.setattr(LeylineRoute, "rpc", rpc)
     before_http_server(None, loop.tokenizer_manager, None, SimpleNamespace(rpc_ipc_name="ipc://x"))
     client = TestClient(http_server.app)
     tokens = engine.render(MESSAGES, add_generation_prompt=False)
@@ -178,10 +178,10 @@ def test_sglang_http_route_sessions(engine: Engine, loop: Loopback, monkeypatch)
 
     monkeypatch.setattr(http_server.app.router, "routes", list(http_server.app.router.routes))
 
-    async def rpc(self, kwargs, method):
+    async def rpc(self, method, kwargs):
         getattr(loop.scheduler, method)(**kwargs)
 
-    monkeypatch.setattr(LeylineRoute, "_rpc", rpc)
+    monkeypatch.setattr(LeylineRoute, "rpc", rpc)
     before_http_server(None, loop.tokenizer_manager, None, SimpleNamespace(rpc_ipc_name="ipc://x"))
     client = TestClient(http_server.app)
     tokens = engine.render(MESSAGES, add_generation_prompt=False)

@@ -5,7 +5,8 @@ node), the ``TokenToKVPoolAllocator`` (hands out and takes back slots), the KV p
 (``MLATokenToKVPool`` rows ``[latent | k_pe]``, or ``MHATokenToKVPool`` keys/values).
 
 - ``treeview``: read-only prefix lookups (``match_prefix`` splits nodes; validation must not).
-- ``plan``: pure, from two lookups and a directive to a ``SplicePlan`` of slot indices.
+- ``radix_backend``: ``--radix-cache-backend leyline``, SGLang's plain ``RadixCache``.
+- ``plan``: pure, from two lookups and a directive to a ``TreeSplicePlan`` of slot indices.
 - ``kv_write``: the bytes (``leyline_agent.kernels.rotate_band``, out of place).
 - ``routing``: which radix namespace (SGLang's ``extra_key``) a request reads and writes:
   spliced rows live in their session's tree, the plain tree holds exact rows only.
@@ -14,6 +15,8 @@ node), the ``TokenToKVPoolAllocator`` (hands out and takes back slots), the KV p
 - ``forget``: before a FORGET's prefill, drop the session's rows of ``T'`` from the span on.
 - ``scheduler_hook``: ``Scheduler.leyline_splice(**flat_scalars)`` (and ``leyline_check``,
   ``leyline_forget``) for ``collective_rpc``.
+- ``batch``: pure, from a ``DirectivesRequest`` to the ``DirectiveCalls`` that execute it.
+- ``executor``: the one check -> prefill -> splice -> fallback loop, over a transport.
 - ``client``: ``SGLangRuntime`` (the ``Runtime`` protocol over an embedded ``sglang.Engine``).
 - ``http_route``: ``POST /leyline/v1/directives`` on SGLang's own HTTP server.
 - ``launch``: ``leyline serve --engine sglang``.
@@ -21,16 +24,17 @@ node), the ``TokenToKVPoolAllocator`` (hands out and takes back slots), the KV p
 ``register`` is the ``sglang.srt.plugins`` entry point; SGLang's ``load_plugins()`` calls it
 with no arguments in every process (main, schedulers, detokenizer) before the engine
 starts, then applies the registered hooks. Importing this package imports neither torch
-nor SGLang.
+nor SGLang. The plugin uses the contracts, ``directives`` and ``kernels``; it never imports
+the embedded engine nor the server.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 
-__all__ = ["RADIX_CACHE_BACKEND", "register"]
+from leyline_agent.sglang_plugin.radix_backend import RADIX_CACHE_BACKEND
 
-RADIX_CACHE_BACKEND = "leyline"
+__all__ = ["RADIX_CACHE_BACKEND", "register"]
 
 
 def register() -> None:
@@ -41,6 +45,7 @@ def register() -> None:
     )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from leyline_agent.sglang_plugin.radix_backend import radix_cache_factory
     from leyline_agent.sglang_plugin.routing import (
         before_generate_request,
         before_scheduler_request,
@@ -51,7 +56,7 @@ def register() -> None:
     # default chain builds a UnifiedRadixCache). Registered in every process: the main
     # process validates the flag, the schedulers build the tree.
     if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
-        register_radix_cache_backend(RADIX_CACHE_BACKEND, _radix_cache_factory)
+        register_radix_cache_backend(RADIX_CACHE_BACKEND, radix_cache_factory)
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.__init__", after_scheduler_init, HookType.AFTER
     )
@@ -74,19 +79,3 @@ def register() -> None:
             before_generate_request,
             HookType.BEFORE,
         )
-
-
-def _radix_cache_factory(ctx):  # noqa: ANN001, ANN202 (sglang's TreeCacheBuildContext)
-    from sglang.srt.mem_cache.radix_cache import RadixCache
-
-    from leyline_agent.errors import RuntimeUnavailableError
-
-    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
-        raise RuntimeUnavailableError(
-            "--radix-cache-backend leyline: hybrid SWA/SSM and DSA models are not supported"
-        )
-    if ctx.enable_hierarchical_cache:
-        raise RuntimeUnavailableError(
-            "--radix-cache-backend leyline: --enable-hierarchical-cache is not supported"
-        )
-    return RadixCache(ctx.params)

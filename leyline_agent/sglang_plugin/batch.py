@@ -23,7 +23,7 @@ then locks. The cost is one sampled token per directive, and a window between th
 calls in which LRU could evict the head: the splice then fails with ``CacheMissError``
 and nothing is changed (retry, or fall back to FORGET).
 
-No torch here: the HTTP route and the embedded-engine client share it.
+No torch here: ``executor`` runs it for the HTTP route and the embedded-engine client.
 """
 
 from __future__ import annotations
@@ -33,18 +33,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from leyline_agent.directives import Directive, Mode, plan_batch
-from leyline_agent.errors import DirectiveError, TrajectoryError
+from leyline_agent.directives.compile import (
+    clip_to_cached,
+    encode_replacements,
+    message_edits,
+    to_directives,
+)
+from leyline_agent.errors import DirectiveError
+from leyline_agent.families import chat_format, token_id
 from leyline_agent.namespaces import ANONYMOUS
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
-__all__ = ["PREFILL_PARAMS", "SpliceStep", "compile_request", "plan_steps", "response_for"]
+__all__ = ["PREFILL_PARAMS", "DirectiveCalls", "compile_request", "plan_calls", "response_for"]
 
 # one greedy token: the prompt's KV is computed and cached when the request finishes
 PREFILL_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}
 
 
 @dataclass(slots=True, frozen=True)
-class SpliceStep:
+class DirectiveCalls:
     directive: Directive
     tokens_before: list[int]
     tokens_after: list[int]
@@ -65,9 +72,9 @@ class SpliceStep:
         return len(self.prefill_ids) - d.start
 
 
-def plan_steps(
+def plan_calls(
     tokens: Sequence[int], directives: Sequence[Directive], namespace: str = ANONYMOUS.key
-) -> list[SpliceStep]:
+) -> list[DirectiveCalls]:
     from leyline_agent.sglang_plugin.scheduler_hook import (
         RPC_CHECK,
         RPC_FORGET,
@@ -84,56 +91,36 @@ def plan_steps(
         kw = encode_splice_kwargs(cur, d, namespace)
         if d.mode is Mode.AMORTIZE:
             head = cur[: d.start] + d.replacement
-            steps.append(SpliceStep(d, cur, after, head, kw, RPC_CHECK, RPC_METHOD))
+            steps.append(DirectiveCalls(d, cur, after, head, kw, RPC_CHECK, RPC_METHOD))
         else:
-            steps.append(SpliceStep(d, cur, after, after, kw, RPC_FORGET, None))
+            steps.append(DirectiveCalls(d, cur, after, after, kw, RPC_FORGET, None))
         cur = after
     return steps
 
 
-def compile_request(req: DirectivesRequest, tokenizer: Any) -> tuple[list[int], list[Directive]]:
+def compile_request(
+    req: DirectivesRequest, tokenizer: Any, model_type: str | None = None
+) -> tuple[list[int], list[Directive]]:
     """Token form as is (text replacements encoded); message form rendered with the model's
-    chat template and diffed per message (``directives.compile.diff_spans``).
+    chat template and diffed per message at the family's message boundary
+    (``directives.compile``, as the embedded engine does).
 
     SGLang caches a finished request's prompt and reply but not the reply's last token, so
     message-form spans are clipped to ``len(old) - 1`` tokens (a span past it is dropped:
     the next request prefills it anyway).
     """
-    from leyline_agent.directives.compile import clip_to_cached, diff_spans
-
     if req.tokens is not None and req.directives is not None:
-        out = []
-        for d in req.directives:
-            if isinstance(d.replacement, str):
-                ids = list(tokenizer.encode(d.replacement, add_special_tokens=False))
-                d = Directive(start=d.start, end=d.end, replacement=ids, mode=d.mode)
-            out.append(d)
-        return list(req.tokens), out
-    old = _render(tokenizer, req.old_messages or [], req.tools, "old_messages")
-    new = _render(tokenizer, req.new_messages or [], req.tools, "new_messages")
-    boundary = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    boundary = (
-        boundary if isinstance(boundary, int) and boundary != tokenizer.unk_token_id else None
+        return list(req.tokens), encode_replacements(req.directives, tokenizer)
+    boundary = token_id(tokenizer, chat_format(model_type).message_boundary)
+    edits = message_edits(
+        tokenizer, req.old_messages or [], req.new_messages or [], req.tools, boundary
     )
-    spans = clip_to_cached(diff_spans(old, new, boundary), max(0, len(old) - 1))
-    directives = [
-        Directive(start=s.start, end=s.end, replacement=s.replacement, mode=req.mode) for s in spans
-    ]
-    return old, directives
-
-
-def _render(tokenizer: Any, messages: list, tools: Any, where: str) -> list[int]:
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=False
-        )
-    except Exception as e:  # jinja raises many types
-        raise TrajectoryError(f"{where}: the chat template cannot render them: {e}") from e
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    spans = clip_to_cached(edits.spans, max(0, len(edits.old) - 1))
+    return edits.old, to_directives(spans, req.mode)
 
 
 def response_for(
-    steps: Sequence[SpliceStep], tokens: Sequence[int], *, fallback: bool = False
+    steps: Sequence[DirectiveCalls], tokens: Sequence[int], *, fallback: bool = False
 ) -> DirectivesResponse:
     """Counts are what the steps asked for; each scheduler rank logs what it did."""
     splices = {"amortize": 0, "forget": 0}

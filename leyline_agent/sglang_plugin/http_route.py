@@ -6,7 +6,8 @@ uvicorn starts) adds the two routes to SGLang's FastAPI ``app``. The route speak
 wire models as ``leyline serve`` (``leyline_agent.wire``), so the agent-side
 ``HTTPRuntime`` works against either server.
 
-Execution per step (``batch.plan_steps``): ``RpcReqInput("leyline_check")`` (read-only),
+Execution per directive (``batch.plan_calls``, run by ``executor``):
+``RpcReqInput("leyline_check")`` (read-only),
 the head through the server's own ``TokenizerManager.generate_request`` (SGLang's
 prefill, caching it), then ``RpcReqInput("leyline_splice")``; a FORGET is
 ``RpcReqInput("leyline_forget")`` then a request for ``T'``. The RPCs go to scheduler rank 0
@@ -24,26 +25,20 @@ same header, mapped by ``routing.before_generate_request``.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import structlog
 from fastapi import Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from leyline_agent.errors import CacheMissError, LeylineError, RuntimeUnavailableError
+from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.http_errors import classify, error_body, validation_answer
 from leyline_agent.namespaces import SESSION_HEADER
-from leyline_agent.sglang_plugin.batch import (
-    PREFILL_PARAMS,
-    compile_request,
-    plan_steps,
-    response_for,
-)
-from leyline_agent.sglang_plugin.client import SpliceCounters
-from leyline_agent.sglang_plugin.routing import request_namespace
+from leyline_agent.sglang_plugin.batch import PREFILL_PARAMS
+from leyline_agent.sglang_plugin.client import model_type_of
+from leyline_agent.sglang_plugin.executor import DirectiveExecutor
 from leyline_agent.sglang_plugin.scheduler_hook import error_from_message
-from leyline_agent.wire import DirectivesRequest, ErrorBody
+from leyline_agent.wire import DirectivesRequest
 
 __all__ = ["LeylineRoute", "before_http_server"]
 
@@ -51,57 +46,55 @@ log = structlog.get_logger(__name__)
 
 
 class LeylineRoute:
+    """The executor's transport on SGLang's HTTP server: requests through the server's own
+    ``TokenizerManager``, RPCs over the scheduler's RPC socket; one directive at a time."""
+
     def __init__(self, tokenizer_manager: Any, rpc_ipc_name: str) -> None:
         self.tm = tokenizer_manager
         self.rpc_ipc_name = rpc_ipc_name
-        self.counters = SpliceCounters()
+        self.executor = DirectiveExecutor(self)
         self._lock = asyncio.Lock()
         self._sock: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tm.tokenizer
+
+    @property
+    def model_type(self) -> str | None:
+        return model_type_of(self.tm)
+
+    @property
+    def counters(self) -> Any:
+        return self.executor.counters
 
     async def directives(
         self, body: Any, session_header: str | None = None
     ) -> tuple[int, dict[str, Any]]:
-        """(status, JSON body): the server's mapping (``leyline_agent.server.errors.classify``)."""
+        """(status, JSON body), errors mapped as ``leyline serve`` maps them (``http_errors``)."""
         from pydantic import ValidationError
 
         try:
             req = DirectivesRequest.model_validate(body)
         except ValidationError as e:
             self.counters.directive_errors += 1
-            return _error(RequestValidationError(e.errors()))
-        t0 = time.perf_counter()
+            return _validation_error(e.errors())
         async with self._lock:
             try:
-                key = request_namespace(req.session, session_header).key
-                tokens, directives = compile_request(req, self.tm.tokenizer)
-                steps = plan_steps(tokens, directives, key)
-                try:
-                    for st in steps:
-                        await self._rpc(st.rpc_kwargs, st.rpc_before)  # check / forget
-                        await self._prefill(st.prefill_ids, key)
-                        if st.rpc_after is not None:
-                            await self._rpc(st.rpc_kwargs, st.rpc_after)
-                    resp = response_for(steps, tokens)
-                except CacheMissError:
-                    if not req.fallback:
-                        raise
-                    resp = response_for(steps, tokens, fallback=True)
+                resp = await self.executor.execute(req, session_header)
             except LeylineError as e:
-                self.counters.directive_errors += 1
                 return _error(e)
-        resp = resp.model_copy(update={"elapsed_s": time.perf_counter() - t0})
-        self.counters.add(resp)
         return 200, resp.model_dump(mode="json")
 
-    async def _prefill(self, ids: list[int], extra_key: str) -> None:
+    async def prefill(self, token_ids: list[int], extra_key: str) -> None:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         obj = GenerateReqInput(
-            input_ids=list(ids), sampling_params=dict(PREFILL_PARAMS), extra_key=extra_key
+            input_ids=list(token_ids), sampling_params=dict(PREFILL_PARAMS), extra_key=extra_key
         )
         await self.tm.generate_request(obj, None).__anext__()
 
-    async def _rpc(self, kwargs: dict[str, Any], method: str) -> None:
+    async def rpc(self, method: str, kwargs: dict[str, Any]) -> None:
         from sglang.srt.managers.io_struct import RpcReqInput, async_sock_recv, async_sock_send
 
         if self._sock is None:
@@ -118,11 +111,15 @@ class LeylineRoute:
 
 
 def _error(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    from leyline_agent.server.errors import classify
+    return _answer(*classify(exc))
 
-    status, kind, message, field = classify(exc)
-    body = ErrorBody(type=kind, message=message, field=field)
-    return status, {"error": body.model_dump(mode="json")}
+
+def _validation_error(errors: Any) -> tuple[int, dict[str, Any]]:
+    return _answer(*validation_answer(errors))
+
+
+def _answer(status: int, type_: str, message: str, field: str | None) -> tuple[int, dict[str, Any]]:
+    return status, {"error": error_body(type_, message, field).model_dump(mode="json")}
 
 
 def add_routes(app: Any, route: LeylineRoute) -> None:
@@ -130,15 +127,13 @@ def add_routes(app: Any, route: LeylineRoute) -> None:
         try:
             body = await request.json()
         except ValueError:
-            status, content = _error(
-                RequestValidationError([{"loc": ("body",), "msg": "not valid JSON"}])
-            )
+            status, content = _validation_error([{"loc": ("body",), "msg": "not valid JSON"}])
             return JSONResponse(content, status_code=status)
         status, content = await route.directives(body, request.headers.get(SESSION_HEADER))
         return JSONResponse(content, status_code=status)
 
     async def stats() -> JSONResponse:
-        return JSONResponse(route.counters.stats().model_dump(mode="json"))
+        return JSONResponse(route.counters.to_stats().model_dump(mode="json"))
 
     app.add_api_route("/leyline/v1/directives", directives, methods=["POST"])
     app.add_api_route("/leyline/v1/stats", stats, methods=["GET"])

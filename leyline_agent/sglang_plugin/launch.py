@@ -49,7 +49,7 @@ def server_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         )
     if getattr(args, "device", "auto") == "cpu":
         raise RuntimeUnavailableError("--device cpu: use --engine embedded on CPU")
-    from leyline_agent.sglang_plugin import RADIX_CACHE_BACKEND
+    from leyline_agent.sglang_plugin.radix_backend import RADIX_CACHE_BACKEND
 
     return {
         "model_path": str(args.model),

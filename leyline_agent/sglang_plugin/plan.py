@@ -31,13 +31,13 @@ import torch
 from leyline_agent.directives import Directive, Mode
 from leyline_agent.errors import CacheMissError, DirectiveError
 
-__all__ = ["SplicePlan", "check_base", "plan_amortize", "spliced_tokens"]
+__all__ = ["TreeSplicePlan", "check_base", "plan_amortize", "spliced_tokens"]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(slots=True, frozen=True)
-class SplicePlan:
+class TreeSplicePlan:
     new_token_ids: tuple[int, ...]  # the key inserted into the tree: T'[: reuse_len + num_new]
     head_len: int  # start + |R|: the prefilled part of T'
     reuse_len: int  # tokens of T' the session's tree holds already (kept, not freed)
@@ -109,7 +109,7 @@ def plan_amortize(
     old: tuple[int, torch.Tensor],
     own: tuple[int, torch.Tensor],
     plain: tuple[int, torch.Tensor] = (0, _EMPTY),
-) -> SplicePlan:
+) -> TreeSplicePlan:
     """Plan the splice of ``directive`` on ``tokens`` (T); see the module docstring.
     ``old``, ``own``, ``plain``: ``(cached length, slots)`` of T, T' (session), T' (plain)."""
     (old_len, old_slots), (own_len, own_slots), (plain_len, plain_slots) = old, own, plain
@@ -133,7 +133,7 @@ def plan_amortize(
             f"{max(own_len, plain_len)} of {head_len} tokens cached); send it as a request first"
         )
     skip = max(0, reuse - head_len)  # tail tokens of T' the session holds (an earlier splice)
-    return SplicePlan(
+    return TreeSplicePlan(
         new_token_ids=tuple(new_ids),
         head_len=head_len,
         reuse_len=reuse,

@@ -46,17 +46,22 @@ import torch
 from leyline_agent.directives import Directive
 from leyline_agent.errors import RuntimeUnavailableError
 from leyline_agent.sglang_plugin.kv_write import check_pool, copy_rows, write_tail
-from leyline_agent.sglang_plugin.plan import SplicePlan, check_base, plan_amortize, spliced_tokens
+from leyline_agent.sglang_plugin.plan import (
+    TreeSplicePlan,
+    check_base,
+    plan_amortize,
+    spliced_tokens,
+)
 from leyline_agent.sglang_plugin.routing import ANONYMOUS_KEY, check_namespace
 from leyline_agent.sglang_plugin.treeview import PrefixPeek, check_tree, peek_prefix, radix_key
 
 __all__ = [
-    "SpliceLookups",
-    "SpliceResult",
+    "TreeLookups",
+    "TreeSpliceResult",
     "SpliceTarget",
     "base_of",
     "check_splice_base",
-    "plan_splice",
+    "plan_tree_splice",
     "splice_amortize",
 ]
 
@@ -74,7 +79,7 @@ class SpliceTarget:
 
 
 @dataclass(slots=True, frozen=True)
-class SpliceResult:
+class TreeSpliceResult:
     new_token_ids: tuple[int, ...]  # what the session's tree now holds of T'
     reused_tokens: int  # tokens of T' already in the session's tree (prefix + R, ...)
     copied_tokens: int  # head rows copied from the plain tree into new slots
@@ -111,18 +116,18 @@ def base_of(tree: Any, tokens: Sequence[int], end: int, namespace: str) -> Prefi
 
 
 @dataclass(slots=True, frozen=True)
-class SpliceLookups:
+class TreeLookups:
     old: PrefixPeek  # T in the session's tree, or else the plain one (``base_of``)
     own: PrefixPeek  # T' in the session's tree
     plain: PrefixPeek  # T' in the plain tree (read only when the session lacks the head)
 
 
-def plan_splice(
+def plan_tree_splice(
     target: SpliceTarget,
     tokens: Sequence[int],
     directive: Directive,
     namespace: str = ANONYMOUS_KEY,
-) -> tuple[SplicePlan, SpliceLookups]:
+) -> tuple[TreeSplicePlan, TreeLookups]:
     """Validate and plan without mutating anything."""
     check_tree(target.tree)
     check_pool(target.kv_pool, target.spec)
@@ -143,7 +148,7 @@ def plan_splice(
         (own.length, own.slots),
         (plain.length, plain.slots),
     )
-    return plan, SpliceLookups(old, own, plain)
+    return plan, TreeLookups(old, own, plain)
 
 
 def splice_amortize(
@@ -151,8 +156,8 @@ def splice_amortize(
     tokens: Sequence[int],
     directive: Directive,
     namespace: str = ANONYMOUS_KEY,
-) -> SpliceResult:
-    plan, found = plan_splice(target, tokens, directive, namespace)
+) -> TreeSpliceResult:
+    plan, found = plan_tree_splice(target, tokens, directive, namespace)
     if plan.num_new == 0:
         return _result(plan, namespace)
     tree, allocator = target.tree, target.allocator
@@ -202,7 +207,7 @@ def _alloc(tree: Any, allocator: Any, n: int) -> torch.Tensor:
     return slots
 
 
-def _insert(tree: Any, allocator: Any, plan: SplicePlan, dst: torch.Tensor, namespace: str) -> None:
+def _insert(tree: Any, allocator: Any, plan: TreeSplicePlan, dst: torch.Tensor, namespace: str) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
     value = torch.cat([plan.reuse_slots.to(dst.device), dst]).to(torch.int64)
@@ -213,8 +218,8 @@ def _insert(tree: Any, allocator: Any, plan: SplicePlan, dst: torch.Tensor, name
         allocator.free(dst[:dup])
 
 
-def _result(plan: SplicePlan, namespace: str) -> SpliceResult:
-    return SpliceResult(
+def _result(plan: TreeSplicePlan, namespace: str) -> TreeSpliceResult:
+    return TreeSpliceResult(
         new_token_ids=plan.new_token_ids[: plan.reuse_len + plan.num_new],
         reused_tokens=plan.reuse_len,
         copied_tokens=plan.num_copy,
