@@ -22,7 +22,8 @@ from leyline_agent.errors import LeylineError, RuntimeUnavailableError  # noqa: 
 from leyline_agent.experiments.dataset import installed_task_root  # noqa: E402
 from leyline_agent.experiments.eval_config import load_eval_config  # noqa: E402
 from leyline_agent.experiments.eval_run import run_eval  # noqa: E402
-from leyline_agent.testing.scripted_llm import ScriptedLLMServer  # noqa: E402
+from leyline_agent.testing.scripted import ReplayModel  # noqa: E402
+from leyline_agent.testing.stub_server import StubServer  # noqa: E402
 
 # The purr bug: the `> 10` branch shadows the `> 20` one (lines 27-32 of purr_code.py).
 PURR_FIX = (
@@ -52,7 +53,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model("llama", "tiny", tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
-def _eval(server: ScriptedLLMServer, out: Path, tok: Path, **kw):
+def _eval(server: StubServer, out: Path, tok: Path, **kw):
     if "base_url" not in kw:
         kw["base_url"] = server.base_url
     args = dict(
@@ -76,9 +77,9 @@ def _records(out: Path) -> list[dict]:
 
 def test_known_fix_is_solved_and_rerun_skips_it(tmp_path: Path, tokenizer_dir: Path) -> None:
     assert "elif self.hunger > 20" in (installed_task_root() / "purr" / "purr_code.py").read_text()
-    with ScriptedLLMServer(FIX_TURNS) as server:
+    with StubServer(ReplayModel(FIX_TURNS), directive_answer="fallback") as server:
         summary = _eval(server, tmp_path, tokenizer_dir)
-        sent = len(server.requests)
+        sent = len(server.chat_bodies())
         [rec] = _records(tmp_path)
         assert rec["solved"] is True and rec["status"] == "done"
         assert rec["steps"] == 3 == sent  # view, edit, eval -> terminated on resolution
@@ -91,16 +92,16 @@ def test_known_fix_is_solved_and_rerun_skips_it(tmp_path: Path, tokenizer_dir: P
         assert [m["role"] for m in traj["messages"]][-1] == "assistant"
         assert any(m["role"] == "tool" for m in traj["messages"])
         _eval(server, tmp_path, tokenizer_dir)  # rerun: nothing left to do
-        assert len(server.requests) == sent
+        assert len(server.chat_bodies()) == sent
         assert len(_records(tmp_path)) == 1
 
 
 def test_looking_only_is_not_solved(tmp_path: Path, tokenizer_dir: Path) -> None:
-    with ScriptedLLMServer([VIEW]) as server:
+    with StubServer(ReplayModel([VIEW]), directive_answer="fallback") as server:
         _eval(server, tmp_path, tokenizer_dir, max_steps=3)
         [rec] = _records(tmp_path)
         assert rec["solved"] is False and rec["status"] == "done"
-        assert rec["steps"] == len(server.requests) == 3  # --max-steps counts actions
+        assert rec["steps"] == len(server.chat_bodies()) == 3  # --max-steps counts actions
         assert rec["score"] == 0
 
 
@@ -108,13 +109,13 @@ def test_stale_tool_arm_edits_what_the_server_receives(tmp_path: Path, tokenizer
     # Replies without a tool call (as a weak model gives) in between: debug-gym answers
     # them as tool results too, and their call ids must not collide.
     text_only = {"content": "Hmm, thinking."}
-    with ScriptedLLMServer([VIEW, text_only, text_only]) as server:
+    with StubServer(ReplayModel([VIEW, text_only, text_only]), directive_answer="fallback") as server:
         _eval(server, tmp_path, tokenizer_dir, arms="baseline,stale-tool", max_steps=4)
-        assert len(server.requests) == 8
+        assert len(server.chat_bodies()) == 8
         # Requests 0-3 are the baseline episode, 4-7 the stale-tool one; the 4th request of
         # each carries three view results. keep=2: only the stale-tool arm stubs the oldest.
-        base_tools = [m for m in server.requests[3]["messages"] if m["role"] == "tool"]
-        arm_tools = [m for m in server.requests[7]["messages"] if m["role"] == "tool"]
+        base_tools = [m for m in server.chat_bodies()[3]["messages"] if m["role"] == "tool"]
+        arm_tools = [m for m in server.chat_bodies()[7]["messages"] if m["role"] == "tool"]
         assert len(base_tools) == len(arm_tools) == 3
         assert "class Cat" in base_tools[0]["content"]
         assert "class Cat" not in arm_tools[0]["content"]
@@ -123,7 +124,7 @@ def test_stale_tool_arm_edits_what_the_server_receives(tmp_path: Path, tokenizer
 
 
 def test_timeout_is_recorded_and_earlier_episodes_kept(tmp_path: Path, tokenizer_dir: Path) -> None:
-    with ScriptedLLMServer([VIEW]) as server:
+    with StubServer(ReplayModel([VIEW]), directive_answer="fallback") as server:
         _eval(server, tmp_path, tokenizer_dir, max_steps=1)
         slow = load_eval_config(task_timeout_s=0.5)
         _eval(server, tmp_path, tokenizer_dir, max_steps=1, runs=2, config=slow)
@@ -133,7 +134,7 @@ def test_timeout_is_recorded_and_earlier_episodes_kept(tmp_path: Path, tokenizer
 
 
 def test_bad_input_is_named(tmp_path: Path, tokenizer_dir: Path) -> None:
-    with ScriptedLLMServer([VIEW]) as server:
+    with StubServer(ReplayModel([VIEW]), directive_answer="fallback") as server:
         with pytest.raises(LeylineError, match="--arms: unknown arm.*nope"):
             _eval(server, tmp_path, tokenizer_dir, arms="baseline,nope")
         with pytest.raises(LeylineError, match="--tasks: unknown task.*nosuch"):

@@ -18,9 +18,6 @@ import httpx
 import openai
 
 from leyline_agent.agent.wrappers import wrap_openai
-from leyline_agent.testing.served_fixtures import served_model_fixtures
-
-model_dir, tok, stop_ids, server, client, name = served_model_fixtures("deepseek_v2")
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "trajectory_10turn.json"
 

@@ -15,15 +15,14 @@ import numpy as np
 import pytest
 
 from leyline_agent.reference.hf_reference import hf_greedy
-from leyline_agent.testing.served_fixtures import random_ids, served_model_fixtures
 from leyline_agent.testing.server import wait_ready
+from leyline_agent.testing.token_ids import random_ids
 from leyline_agent.wire import DirectivesRequest
 
 ARCH = "deepseek_v2"
 K = 2
 
 
-model_dir, tok, stop_ids, server, client, name = served_model_fixtures(ARCH)
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,8 @@ import httpx
 import pytest
 
 from leyline_agent.reference.hf_reference import hf_greedy
-from leyline_agent.testing.served_fixtures import random_ids, served_model_fixtures
 from leyline_agent.testing.server import serve_in_thread
-
-model_dir, tok, stop_ids, server, client, name = served_model_fixtures("deepseek_v2")
+from leyline_agent.testing.token_ids import random_ids
 
 LONE = "\\ud800"  # as written in the JSON text: a lone high surrogate
 DIRS = "/leyline/v1/directives"

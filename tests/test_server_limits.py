@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
-from leyline_agent.testing.served_fixtures import random_ids
 from leyline_agent.testing.server import serve_in_thread
+from leyline_agent.testing.token_ids import random_ids
 
 MIB = 1024 * 1024
 PROMPT_LIMIT = 64

@@ -14,14 +14,13 @@ import openai
 import pytest
 
 from leyline_agent.reference.hf_reference import hf_greedy
-from leyline_agent.testing.served_fixtures import random_ids, served_model_fixtures
 from leyline_agent.testing.server import serve_in_thread
+from leyline_agent.testing.token_ids import random_ids
 
 ARCH = "deepseek_v2"
 K = 3  # top logprobs
 
 
-model_dir, tok, stop_ids, server, client, name = served_model_fixtures(ARCH)
 
 
 def _template_ids(tok, messages, tools=None) -> list[int]:

@@ -10,10 +10,6 @@ import httpx
 import openai
 import pytest
 
-from leyline_agent.testing.served_fixtures import served_model_fixtures
-
-model_dir, tok, stop_ids, server, client, name = served_model_fixtures("deepseek_v2")
-
 HELLO = [{"role": "user", "content": "hello"}]
 
 

@@ -19,7 +19,8 @@ from leyline_agent.integrations.debug_gym import (  # noqa: E402
     LeylineHuggingFaceLLM,
     make_llm_config,
 )
-from leyline_agent.testing.scripted_llm import ScriptedLLMServer  # noqa: E402
+from leyline_agent.testing.scripted import ReplayModel  # noqa: E402
+from leyline_agent.testing.stub_server import StubServer  # noqa: E402
 
 VIEW = {"content": "Let me look.", "tool": "view", "arguments": {"path": "a.py"}}
 
@@ -36,7 +37,7 @@ def episode(llm: LeylineHuggingFaceLLM, turns: int) -> None:
 
 @pytest.mark.parametrize("session_id", ["dg-episode-1", None])
 def test_every_request_of_the_wrapped_llm_names_the_session(session_id):
-    with ScriptedLLMServer([VIEW]) as server:
+    with StubServer(ReplayModel([VIEW]), directive_answer="fallback") as server:
         config = make_llm_config(
             server.model, server.url, "unused-tokenizer", context_limit_k=8, api_key="key-1"
         )
@@ -48,16 +49,16 @@ def test_every_request_of_the_wrapped_llm_names_the_session(session_id):
         )
         episode(llm, 4)
         expected = session_id or llm.client.leyline.default_session
-        assert [h.get("x-leyline-session") for h in server.request_headers] == [expected] * 4
-        assert len(server.directive_requests) == 2  # the results of tool turns 0 and 1 went stale
-        for body, headers in zip(server.directive_requests, server.directive_headers, strict=True):
+        assert [h.get("x-leyline-session") for h in server.chat_headers()] == [expected] * 4
+        assert len(server.directive_bodies()) == 2  # the results of tool turns 0 and 1 went stale
+        for body, headers in zip(server.directive_bodies(), server.directive_headers(), strict=True):
             assert body["session"] == headers.get("x-leyline-session") == expected
             assert headers.get("authorization") == "Bearer key-1"
 
 
 def test_the_baseline_llm_is_not_wrapped():
-    with ScriptedLLMServer([VIEW]) as server:
+    with StubServer(ReplayModel([VIEW]), directive_answer="fallback") as server:
         config = make_llm_config(server.model, server.url, "unused-tokenizer", context_limit_k=8)
         episode(LeylineHuggingFaceLLM(server.model, config), 2)
-        assert [h.get("x-leyline-session") for h in server.request_headers] == [None, None]
-        assert server.directive_requests == []
+        assert [h.get("x-leyline-session") for h in server.chat_headers()] == [None, None]
+        assert server.directive_bodies() == []

@@ -49,7 +49,7 @@ def test_server_root():
 
 def test_apply_and_stats_round_trip():
     with StubServer(ScriptedModel([])) as server:
-        rt = HTTPRuntime(server.base_url + "/v1/", api_key="k")
+        rt = HTTPRuntime(server.base_url + "/", api_key="k")
         resp = rt.apply_directives(request())
         assert resp.splices == {"amortize": 1}
         [body] = server.directive_bodies()
@@ -79,7 +79,7 @@ def test_server_errors_map_to_leyline_errors():
     with StubServer(ScriptedModel([])) as server:
         rt = HTTPRuntime(server.base_url)
         bad = {"old_messages": OLD}  # message form missing new_messages: the server says 400
-        resp = rt._client.post(server.base_url + "/leyline/v1/directives", json=bad)
+        resp = rt._client.post(server.url + "/leyline/v1/directives", json=bad)
         assert resp.status_code == 400
         with pytest.raises(DirectiveError, match="new_messages"):
             rt._parse("/leyline/v1/directives", resp, DirectivesRequest)

@@ -149,7 +149,7 @@ def check_diffing(
 @pytest.mark.parametrize("stream_every", [0, 2, 1], ids=["json", "mixed", "stream"])
 def test_sync_client_sends_edited_history_and_forwards_new_edits(stream_every):
     with StubServer(script()) as server:
-        base = openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0)
+        base = openai.OpenAI(base_url=server.base_url, api_key="stub", max_retries=0)
         client = wrap_openai(base, policies=[StaleToolTruncation(keep=2)], session_id="agent-1")
         assert type(client) is type(base) and client is not base
         history = sync_loop(client, 7, stream_every=stream_every)
@@ -186,7 +186,7 @@ def test_async_client_streamed_and_not():
         return history
 
     with StubServer(script()) as server:
-        base = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0)
+        base = openai.AsyncOpenAI(base_url=server.base_url, api_key="stub", max_retries=0)
         client = wrap_openai(base, policies=["stale-tool"], session_id="a")
         assert type(client) is openai.AsyncOpenAI
         history = asyncio.run(loop(client, 7))
@@ -196,7 +196,7 @@ def test_async_client_streamed_and_not():
 def test_plain_endpoint_gets_edited_history_and_no_directives():
     with StubServer(script(), leyline_routes=False) as server:
         client = wrap_openai(
-            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            openai.OpenAI(base_url=server.base_url, api_key="stub", max_retries=0),
             policies=["stale-tool"],
         )
         history = sync_loop(client, 6)
@@ -210,7 +210,7 @@ def test_plain_endpoint_gets_edited_history_and_no_directives():
 def test_failing_directives_route_lets_calls_through():
     with StubServer(script(), directives_status=500) as server:
         client = wrap_openai(
-            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            openai.OpenAI(base_url=server.base_url, api_key="stub", max_retries=0),
             policies=["stale-tool"],
         )
         history = sync_loop(client, 6)
@@ -229,7 +229,7 @@ def test_sessions_by_extra_body_are_diffed_separately_and_the_key_is_stripped():
         ScriptedModel([tool_turn("bash", {"cmd": f"s{k}"}) for k in range(10)])
     ) as server:
         client = wrap_openai(
-            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            openai.OpenAI(base_url=server.base_url, api_key="stub", max_retries=0),
             policies=[StaleToolTruncation(keep=1)],
         )
         raws = {
@@ -257,7 +257,7 @@ def test_sessions_by_extra_body_are_diffed_separately_and_the_key_is_stripped():
 
 def test_original_client_untouched_and_other_endpoints_pass_through():
     with StubServer(script(3)) as server:
-        base = openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0)
+        base = openai.OpenAI(base_url=server.base_url, api_key="stub", max_retries=0)
         client = wrap_openai(base, policies=["stale-tool"], runtime="off")
         assert [m.id for m in client.models.list()] == ["scripted"]
         raw = [{"role": "user", "content": "x"}]
@@ -272,7 +272,7 @@ def test_bad_history_goes_through_unedited_or_raises_when_strict():
         {"role": "tool", "tool_call_id": "nope", "content": "y"},
     ]
     with StubServer(script(3)) as server:
-        url = server.base_url + "/v1"
+        url = server.base_url
         client = wrap_openai(
             openai.OpenAI(base_url=url, api_key="stub", max_retries=0), policies=["stale-tool"]
         )
@@ -291,7 +291,7 @@ def test_bad_history_goes_through_unedited_or_raises_when_strict():
 def test_sdk_message_objects_in_the_history_are_accepted():
     with StubServer(script(5)) as server:
         client = wrap_openai(
-            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            openai.OpenAI(base_url=server.base_url, api_key="stub", max_retries=0),
             policies=[StaleToolTruncation(keep=1)],
         )
         raw: list = [{"role": "user", "content": "go"}]
@@ -316,7 +316,7 @@ def test_sdk_message_objects_in_the_history_are_accepted():
 def test_stream_as_context_manager_and_a_stream_left_unconsumed():
     with StubServer(script(4)) as server:
         client = wrap_openai(
-            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            openai.OpenAI(base_url=server.base_url, api_key="stub", max_retries=0),
             policies=[StaleToolTruncation(keep=1)],
         )
         raw: list = [{"role": "user", "content": "go"}]
@@ -359,7 +359,7 @@ def test_user_headers_are_kept_and_a_users_session_header_is_the_calls_session()
         ScriptedModel([tool_turn("bash", {"cmd": f"s{k}"}) for k in range(10)])
     ) as server:
         client = wrap_openai(
-            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            openai.OpenAI(base_url=server.base_url, api_key="stub", max_retries=0),
             policies=[StaleToolTruncation(keep=1)],
             session_id="default",
         )
@@ -397,7 +397,7 @@ def test_user_headers_are_kept_and_a_users_session_header_is_the_calls_session()
 def test_the_clients_default_session_header_names_the_session():
     with StubServer(script(3)) as server:
         base = openai.OpenAI(
-            base_url=server.base_url + "/v1",
+            base_url=server.base_url,
             api_key="stub",
             max_retries=0,
             default_headers={"X-Leyline-Session": "from-client"},
@@ -423,7 +423,7 @@ def test_the_clients_default_session_header_names_the_session():
 )
 def test_bad_session_ids_are_named_before_anything_is_sent(where, value, needle):
     with StubServer(script(3)) as server:
-        base = openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0)
+        base = openai.OpenAI(base_url=server.base_url, api_key="stub", max_retries=0)
         msgs = [{"role": "user", "content": "x"}]
         with pytest.raises(LeylineError, match=needle):
             if where == "session_id":
@@ -441,7 +441,7 @@ def test_bad_session_ids_are_named_before_anything_is_sent(where, value, needle)
 def test_copies_of_the_wrapped_client_are_wrapped_and_share_its_sessions():
     with StubServer(script(4)) as server:
         client = wrap_openai(
-            openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub", max_retries=0),
+            openai.OpenAI(base_url=server.base_url, api_key="stub", max_retries=0),
             policies=[StaleToolTruncation(keep=1)],
             session_id="s1",
         )

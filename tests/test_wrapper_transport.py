@@ -75,7 +75,7 @@ def test_every_sdk_path_goes_through_the_transport():
     with StubServer(script(5)) as stub:
         t = LeylineTransport([{"name": "stale-tool", "keep": KEEP}])
         client = openai.OpenAI(
-            base_url=stub.base_url + "/v1", api_key="k", http_client=httpx.Client(transport=t)
+            base_url=stub.base_url, api_key="k", http_client=httpx.Client(transport=t)
         )
         history = [{"role": "user", "content": "go"}]
         for k, call in enumerate(_calls(client)):
@@ -108,7 +108,7 @@ def test_every_sdk_path_goes_through_the_transport():
 def test_streamed_and_async_share_one_transport():
     async def run(t, stub):
         client = openai.AsyncOpenAI(
-            base_url=stub.base_url + "/v1", api_key="k", http_client=httpx.AsyncClient(transport=t)
+            base_url=stub.base_url, api_key="k", http_client=httpx.AsyncClient(transport=t)
         )
         history = [{"role": "user", "content": "go"}]
         for k in range(4):
@@ -140,7 +140,7 @@ def test_named_sessions_and_contradictions():
     with StubServer(script(3)) as stub:
         t = LeylineTransport(["stale-tool"])
         client = openai.OpenAI(
-            base_url=stub.base_url + "/v1", api_key="k", http_client=httpx.Client(transport=t),
+            base_url=stub.base_url, api_key="k", http_client=httpx.Client(transport=t),
             default_headers={"X-Leyline-Session": "mine"},
         )  # fmt: skip
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
@@ -157,7 +157,7 @@ def test_named_sessions_and_contradictions():
 def test_plain_endpoint_gets_no_directives_and_no_leyline_field():
     with StubServer(script(4), leyline_routes=False) as stub:
         t = LeylineTransport([{"name": "stale-tool", "keep": KEEP}])
-        client = openai.OpenAI(base_url=stub.base_url + "/v1", api_key="k", http_client=httpx.Client(transport=t))  # fmt: skip
+        client = openai.OpenAI(base_url=stub.base_url, api_key="k", http_client=httpx.Client(transport=t))  # fmt: skip
         history = [{"role": "user", "content": "go"}]
         for k in range(4):
             msg = message_of(client.chat.completions.create(model="m", messages=history, tools=TOOLS))

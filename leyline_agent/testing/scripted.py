@@ -1,11 +1,12 @@
-"""A scripted model: canned assistant turns, in order, for tests of agent-side logic.
+"""Scripted models: canned assistant turns, for tests of agent-side logic.
 
     model = ScriptedModel([tool_turn("bash", {"cmd": "ls"}), text_turn("done")])
     reply = model(messages)          # the next canned turn (an assistant message dict)
 
 A turn may also be a callable ``messages -> assistant message`` (to react to the prompt).
 Every prompt is recorded in ``model.prompts``. Running out of turns raises ``ScriptExhausted``.
-Tool-call ids are deterministic (``call_<turn>_<k>``) unless given.
+Tool-call ids are deterministic (``call_<turn>_<k>``) unless given. ``ReplayModel`` replays
+a debug-gym-style script per conversation instead (``testing.stub_server`` serves either).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["ScriptExhausted", "ScriptedModel", "text_turn", "tool_turn"]
+__all__ = ["ReplayModel", "ScriptExhausted", "ScriptedModel", "text_turn", "tool_turn"]
 
 Turn = dict[str, Any] | Callable[[list[dict[str, Any]]], dict[str, Any]]
 
@@ -76,4 +77,39 @@ class ScriptedModel:
         for j, call in enumerate(reply.get("tool_calls") or ()):
             call.setdefault("id", f"call_{k}_{j}")
             call.setdefault("type", "function")
+        return reply
+
+
+class ReplayModel:
+    """A debug-gym-style script, replayed for every conversation from its start.
+
+    A turn is ``{"content": str | None, "tool": name, "arguments": {...}}``; the turn played
+    is chosen by the number of assistant messages already in the prompt, so several
+    episodes can share one server; past the end of the script the last turn repeats.
+    Tool-call ids are ``call_<n>``, ``n`` counting the replies made so far.
+    """
+
+    def __init__(self, turns: Sequence[dict[str, Any]]) -> None:
+        if not turns:
+            raise ValueError("turns: a replay needs at least one turn")
+        self.turns = list(turns)
+        self._calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, messages: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        with self._lock:
+            n = self._calls
+            self._calls += 1
+        step = sum(1 for m in messages if m.get("role") == "assistant")
+        turn = self.turns[min(step, len(self.turns) - 1)]
+        reply: dict[str, Any] = {"role": "assistant", "content": turn.get("content")}
+        if turn.get("tool"):
+            args = json.dumps(turn.get("arguments", {}))
+            reply["tool_calls"] = [
+                {
+                    "id": f"call_{n}",
+                    "type": "function",
+                    "function": {"name": turn["tool"], "arguments": args},
+                }
+            ]
         return reply

@@ -1,21 +1,27 @@
-"""A small OpenAI-compatible stub server on loopback, for tests of the agent side.
+"""The OpenAI-compatible stub server on loopback, for tests of the agent side.
 
     with StubServer(ScriptedModel([...])) as server:
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="stub")
+        client = openai.OpenAI(base_url=server.base_url, api_key="stub")  # .../v1
         ...
         server.chat_bodies()        # every /v1/chat/completions body, as received
         server.directive_bodies()   # every /leyline/v1/directives body, as received
         server.chat_headers()       # their headers (names lower-cased), same order
 
 A real HTTP server (stdlib ``ThreadingHTTPServer`` in a daemon thread) on 127.0.0.1 and a
-random port. Routes:
-- ``POST /v1/chat/completions``: the scripted model's next turn, as JSON or (``stream``)
-  as server-sent events (content in small pieces, tool-call arguments in pieces).
-- ``GET /v1/models``.
+random port; ``url`` is its root, ``base_url`` the OpenAI base URL (``url + "/v1"``), as
+``testing.server.ThreadServer`` has them. ``script`` is any ``messages -> assistant
+message`` callable (``testing.scripted``: ``ScriptedModel`` plays turns in order,
+``ReplayModel`` replays a debug-gym-style script per conversation). Routes:
+- ``POST /v1/chat/completions``: the script's reply, as JSON or (``stream``) as server-sent
+  events (content in small pieces, tool-call arguments in pieces). ``usage`` counts the
+  prompt's JSON characters / 4 as its tokens, none of them cached.
+- ``GET /v1/models``: ``model`` (the served name).
 - ``POST /leyline/v1/directives``: validated as a ``DirectivesRequest`` (400 with an
   ``ErrorBody`` if not), recorded, answered with a ``DirectivesResponse`` (no tokens: the
-  stub has no tokenizer; ``splices[mode]`` counts the messages that differ).
-- ``GET /leyline/v1/stats``: a ``StatsResponse`` of what the stub saw.
+  stub has no tokenizer): ``directive_answer="splices"`` counts the messages that differ
+  in ``splices[mode]``; ``"fallback"`` answers ``fallback=True`` (nothing cached here).
+- ``GET /leyline/v1/stats``: a ``StatsResponse`` of what the stub saw (chat requests, their
+  prompt tokens, the splices it answered).
 ``leyline_routes=False`` makes it a plain OpenAI-compatible endpoint (404 on /leyline/...);
 ``directives_status=500`` makes the directives route fail (to test fallbacks);
 ``directives_delay_s`` makes it answer late (to test client timeouts);
@@ -44,7 +50,7 @@ from pydantic import ValidationError
 
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, ErrorBody, StatsResponse
 
-__all__ = ["RecordedRequest", "StubServer"]
+__all__ = ["RecordedRequest", "StubServer", "prompt_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +64,10 @@ class RecordedRequest:
 class StubServer:
     def __init__(
         self,
-        model: Callable[[list[dict[str, Any]]], dict[str, Any]],
+        script: Callable[[list[dict[str, Any]]], dict[str, Any]],
         *,
+        model: str = "scripted",
+        directive_answer: str = "splices",
         leyline_routes: bool = True,
         directives_status: int = 200,
         directives_delay_s: float = 0.0,
@@ -68,7 +76,11 @@ class StubServer:
         api_key: str | None = None,
         chunk_chars: int = 7,
     ) -> None:
+        if directive_answer not in ("splices", "fallback"):
+            raise ValueError(f"directive_answer: {directive_answer!r} is not splices or fallback")
+        self.script = script
         self.model = model
+        self.directive_answer = directive_answer
         self.leyline_routes = leyline_routes
         self.directives_status = directives_status
         self.directives_delay_s = directives_delay_s
@@ -103,11 +115,16 @@ class StubServer:
         self.stop()
 
     @property
-    def base_url(self) -> str:
+    def url(self) -> str:
         if self._httpd is None:
             raise RuntimeError("StubServer is not started")
         host, port = self._httpd.server_address[:2]
         return f"http://{host}:{port}"
+
+    @property
+    def base_url(self) -> str:
+        """What the OpenAI client takes: ``http://host:port/v1``."""
+        return f"{self.url}/v1"
 
     # -- what was received ------------------------------------------------------------------
     def record(
@@ -142,10 +159,19 @@ class StubServer:
 
     def stats(self) -> StatsResponse:
         splices: dict[str, int] = {"amortize": 0, "forget": 0}
-        for body in self.directive_bodies():
-            mode = body.get("mode", "amortize")
-            splices[mode] = splices.get(mode, 0) + 1
-        return StatsResponse(requests=len(self.chat_bodies()), splices=splices)
+        if self.directive_answer == "splices":
+            for body in self.directive_bodies():
+                mode = body.get("mode", "amortize")
+                splices[mode] = splices.get(mode, 0) + 1
+        chats = self.chat_bodies()
+        prompt = sum(prompt_tokens(b) for b in chats)
+        return StatsResponse(requests=len(chats), prompt_tokens=prompt, splices=splices)
+
+
+def prompt_tokens(body: Any) -> int:
+    """The stub's token count of a chat request: its messages' JSON characters / 4."""
+    messages = body.get("messages", []) if isinstance(body, dict) else []
+    return len(json.dumps(messages)) // 4
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -229,7 +255,7 @@ class _Handler(BaseHTTPRequestHandler):
                 {
                     "object": "list",
                     "data": [
-                        {"id": "scripted", "object": "model", "created": 0, "owned_by": "stub"}
+                        {"id": self.stub.model, "object": "model", "created": 0, "owned_by": "stub"}
                     ],
                 },
             )
@@ -268,6 +294,9 @@ class _Handler(BaseHTTPRequestHandler):
             err = e.errors()[0]
             field = ".".join(str(x) for x in err.get("loc", ())) or None
             return self._error(400, "DirectiveError", err.get("msg", str(e)), field)
+        if self.stub.directive_answer == "fallback":
+            resp = DirectivesResponse(outcome="fallback", tokens=[], applied=[], fallback=True)
+            return self._send_json(200, resp.model_dump(mode="json"))
         changed = 0
         if req.old_messages is not None and req.new_messages is not None:
             changed = sum(
@@ -278,14 +307,20 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _chat(self, body: dict[str, Any]) -> None:
         try:
-            reply = self.stub.model(list(body.get("messages") or []))
+            reply = self.stub.script(list(body.get("messages") or []))
         except Exception as e:  # noqa: BLE001 - report to the client
             return self._error(500, type(e).__name__, str(e))
         finish = "tool_calls" if reply.get("tool_calls") else "stop"
         n = len(self.stub.chat_bodies())
-        base = {"id": f"chatcmpl-stub-{n}", "created": 0, "model": body.get("model", "scripted")}
+        base = {"id": f"chatcmpl-stub-{n}", "created": 0, "model": body.get("model", self.stub.model)}
         if not body.get("stream"):
-            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            p = prompt_tokens(body)
+            usage = {
+                "prompt_tokens": p,
+                "completion_tokens": 1,
+                "total_tokens": p + 1,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
             choice = {"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}
             return self._send_json(
                 200, {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
