@@ -13,15 +13,11 @@ from dataclasses import dataclass
 
 import httpx
 
+from leyline_agent.agent.http_runtime import openai_base_url, server_root
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 from leyline_agent.wire import StatsResponse
 
 __all__ = ["Endpoint", "stats_delta"]
-
-
-def _root(base_url: str) -> str:
-    url = base_url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 @dataclass(slots=True)
@@ -31,11 +27,11 @@ class Endpoint:
 
     @property
     def root(self) -> str:
-        return _root(self.base_url)
+        return server_root(self.base_url)
 
     @property
     def openai_base_url(self) -> str:
-        return self.root + "/v1"
+        return openai_base_url(self.base_url)
 
     def models(self) -> list[str]:
         url = self.openai_base_url + "/models"

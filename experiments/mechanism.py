@@ -110,7 +110,7 @@ def cap_messages(
     return traj.model_copy(update={"messages": msgs})
 
 
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
     xs = sorted(xs)
@@ -162,10 +162,10 @@ def _run_row(
         "prefilled_tokens": sum(s.prefilled_tokens for s in sm) + res.runtime.prefilled_tokens,
         "directive_prefilled_tokens": res.runtime.prefilled_tokens,
         "rotated_tokens": res.runtime.rotated_tokens,
-        "ttft_p50_s": _pct(ttft, 0.5),
-        "ttft_p90_s": _pct(ttft, 0.9),
-        "e2e_p50_s": _pct(e2e, 0.5),
-        "e2e_p90_s": _pct(e2e, 0.9),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p90_s": percentile(ttft, 0.9),
+        "e2e_p50_s": percentile(e2e, 0.5),
+        "e2e_p90_s": percentile(e2e, 0.9),
         "directive_s": sum(s.directive_s for s in sm),
         "splices": dict(stats.splices),
         "fallbacks": stats.fallbacks,

@@ -38,7 +38,15 @@ from .dataset import provision
 from .endpoint import Endpoint, stats_delta
 from .eval_config import ArmSpec, EvalConfig
 
-__all__ = ["EpisodeRecord", "EpisodeStore", "EpisodeTimeout", "run_episode"]
+__all__ = [
+    "EpisodeRecord",
+    "EpisodeStore",
+    "EpisodeTimeout",
+    "load_tasks",
+    "make_env",
+    "quiet_debug_gym",
+    "run_episode",
+]
 
 log = structlog.get_logger(__name__)
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # debug-gym imports litellm
@@ -119,7 +127,7 @@ def _alarm(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def _quiet_debug_gym() -> None:
+def quiet_debug_gym() -> None:
     """debug-gym's first logger prints to the console (rich); keep it to errors."""
     from debug_gym.logger import DebugGymLogger
 
@@ -194,7 +202,7 @@ def scrub_durations(output: str) -> str:
     return _PYTEST_DURATION.sub(r"\1 \2", output)
 
 
-def _make_env(task_data: dict[str, Any], config: EvalConfig, logger: Any) -> Any:
+def make_env(task_data: dict[str, Any], config: EvalConfig, logger: Any) -> Any:
     from debug_gym.experiment import add_tools
     from debug_gym.gym.entities import EvalOutput
     from debug_gym.gym.envs.mini_nightmare import MiniNightmareEnv
@@ -274,7 +282,7 @@ def run_episode(
     from debug_gym.agents.base_agent import create_agent
     from debug_gym.logger import DebugGymLogger
 
-    _quiet_debug_gym()
+    quiet_debug_gym()
     arm = config.arms[arm_name]
     ep_dir = out / "episodes" / arm_name / f"{task}-r{run}"
     logger = DebugGymLogger(
@@ -288,7 +296,7 @@ def run_episode(
     status, error, env, agent, llm = "done", None, None, None, None
     try:
         with _alarm(config.task_timeout_s):
-            env = _make_env(task_data, config, logger)
+            env = make_env(task_data, config, logger)
             llm = _make_llm(
                 arm,
                 endpoint,

@@ -30,7 +30,8 @@ from typing import Any
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 
 from .http_replay import replay_http
-from .mechanism import POLICIES, _pct, cap_messages
+from .mechanism import POLICIES, cap_messages
+from .mechanism import percentile as _pct
 from .trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
 
 __all__ = ["TARGETS", "main", "main_http", "run_target"]

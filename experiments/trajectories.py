@@ -196,15 +196,15 @@ def generate_one(task: str, seed: int, turns: int, data_dir: Path) -> Trajectory
     from debug_gym.gym.tools.tool import ToolCall
 
     from .eval_config import load_eval_config
-    from .nightmare import _make_env, _quiet_debug_gym, load_tasks
+    from .nightmare import make_env, quiet_debug_gym, load_tasks
 
-    _quiet_debug_gym()
+    quiet_debug_gym()
     from debug_gym.logger import DebugGymLogger
 
     rng = random.Random(f"{task}:{seed}")
     logger = DebugGymLogger(f"gen-{task}-{seed}", level="ERROR")
     task_data = load_tasks(data_dir, [task])[task]
-    env = _make_env(task_data, load_eval_config(), logger)
+    env = make_env(task_data, load_eval_config(), logger)
     try:
         info = env.reset()
         norm = _normaliser(str(env.working_dir))

@@ -20,7 +20,8 @@ engine caches which pair layout and where the band sits in a cache row, and
 
 from leyline_agent.kernels.plan import KERNEL_ENV, RotationPlan, plan_rotation
 from leyline_agent.kernels.rope_spec import RopeSpec, band_offset_for
-from leyline_agent.kernels.rotate_band import LAUNCHES, apply_plan, rotate_band, rotate_band_torch
+from leyline_agent.kernels.launches import LAUNCHES
+from leyline_agent.kernels.rotate_band import apply_plan, rotate_band, rotate_band_torch
 
 __all__ = [
     "KERNEL_ENV",

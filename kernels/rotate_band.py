@@ -27,23 +27,11 @@ flops per (row, pair) in a memory-bound kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from leyline_agent.kernels.launches import LAUNCHES
 from leyline_agent.kernels.plan import RotationPlan, check_plan_fits, plan_rotation
 from leyline_agent.kernels.rope_spec import RopeSpec
-
-
-@dataclass(slots=True)
-class LaunchCounter:
-    """How many times each backend actually ran (read by tests and benchmarks)."""
-
-    triton: int = 0
-    torch: int = 0
-
-
-LAUNCHES = LaunchCounter()
 
 
 def rotate_band(

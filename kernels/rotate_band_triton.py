@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from leyline_agent.kernels.launches import LAUNCHES
 from leyline_agent.kernels.plan import RotationPlan
 from leyline_agent.kernels.rope_spec import RopeSpec
-from leyline_agent.kernels.rotate_band import LAUNCHES
 
 
 def _fp32(x: float) -> float:

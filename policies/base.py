@@ -22,8 +22,6 @@ bad knob into a ``PolicyError`` naming ``<policy>.<knob>``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -32,7 +30,9 @@ from leyline_agent.directives import MessageEdit
 from leyline_agent.errors import PolicyError
 from leyline_agent.trajectory import Trajectory
 
-__all__ = ["PipelineView", "Policy", "PolicyConfig", "validate_knobs"]
+from .view import PipelineView
+
+__all__ = ["Policy", "PolicyConfig", "validate_knobs"]
 
 
 class PolicyConfig(BaseModel):
@@ -100,23 +100,3 @@ def validate_knobs[C: PolicyConfig](config_cls: type[C], policy: str, knobs: dic
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err.get("loc", ()))
         raise PolicyError(f"{policy}.{loc}: {err.get('msg', e)} (got {err.get('input')!r})") from e
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineView(Trajectory):
-    """A trajectory as one policy of a pipeline sees it, with ``elided``: the tool results
-    whose content is a stub of some policy of the pipeline (``Policy.is_stub``)."""
-
-    elided: frozenset[int] = frozenset()
-    policies: tuple[Policy, ...] = ()  # the pipeline's (observation_view recomputes elided)
-
-    @classmethod
-    def of(cls, trajectory: Trajectory, policies: Iterable[Policy]) -> PipelineView:
-        policies = tuple(policies)
-        elided = frozenset(
-            index
-            for index, call in trajectory.result_of.items()
-            if any(p.is_stub(trajectory.text(index), call.name) for p in policies)
-        )
-        base = {f.name: getattr(trajectory, f.name) for f in fields(Trajectory)}
-        return cls(**base, elided=elided, policies=policies)

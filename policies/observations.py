@@ -19,14 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 from leyline_agent.trajectory import ToolCall, ToolTurn, Trajectory
 
-from .base import PipelineView
-
-if TYPE_CHECKING:
-    from .base import Policy
+from .view import PipelineView, StubRecognizer
 
 __all__ = ["OBSERVATION_TOOL", "ObservationView", "observation_view", "result_content"]
 
@@ -56,7 +52,7 @@ def result_content(trajectory: Trajectory, index: int, text: str) -> str:
 
 
 def observation_view(
-    trajectory: Trajectory, prefix: str | None, policies: Iterable[Policy] = ()
+    trajectory: Trajectory, prefix: str | None, policies: Iterable[StubRecognizer] = ()
 ) -> Trajectory:
     """``trajectory`` with its observation messages paired as tool results (``prefix``
     None or empty: ``trajectory`` itself). ``policies``: whose stubs count as elided (the

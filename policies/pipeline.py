@@ -28,7 +28,8 @@ from leyline_agent.errors import PolicyError
 from leyline_agent.logs import get_logger
 from leyline_agent.trajectory import Trajectory, apply_edit
 
-from .base import PipelineView, Policy
+from .base import Policy
+from .view import PipelineView
 
 __all__ = ["PipelineResult", "PolicyPipeline"]
 

@@ -3,7 +3,8 @@
     POST {base}/leyline/v1/directives   DirectivesRequest -> DirectivesResponse
     GET  {base}/leyline/v1/stats        -> StatsResponse
 
-``base`` is the server root; a trailing ``/v1`` (an OpenAI client's base URL) is stripped.
+``base`` is the server root; a trailing ``/v1`` (an OpenAI client's base URL) is stripped
+(``server_root``: the one place in the package that does it; ``openai_base_url`` adds it).
 
 Headers: ``Authorization: Bearer <api_key>`` on every request when a key is given (a
 server without ``--api-key`` ignores it); a directive request that names a ``session``
@@ -66,6 +67,7 @@ __all__ = [
     "HTTPRuntime",
     "NoLeylineRoutesError",
     "retry_after_s",
+    "openai_base_url",
     "server_root",
 ]
 
@@ -134,6 +136,12 @@ def server_root(base_url: Any) -> str:
     if not url.startswith(("http://", "https://")):
         raise RuntimeUnavailableError(f"base_url: {base_url!r} is not an http(s) URL")
     return url
+
+
+def openai_base_url(base_url: Any) -> str:
+    """``http://host:port`` or ``http://host:port/v1`` -> ``http://host:port/v1`` (what an
+    OpenAI client takes)."""
+    return server_root(base_url) + "/v1"
 
 
 class _HTTPRuntimeBase:

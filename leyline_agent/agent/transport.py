@@ -90,13 +90,13 @@ class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
         transport: httpx.BaseTransport | None = None,
         async_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        from leyline_agent.agent.wrappers import _session_id
+        from leyline_agent.agent.wrappers import client_session_id
         from leyline_agent.policies import load_policy
 
         self.policies = [load_policy(p, where=f"policies[{k}]") for k, p in enumerate(policies)]
         self.mode = Mode(mode)
         self.strict = strict
-        self.session_id = _session_id(session_id, "session_id")
+        self.session_id = client_session_id(session_id, "session_id")
         if not (runtime is None or runtime in ("auto", "off") or isinstance(runtime, Runtime)):
             raise LeylineError(f"runtime: expected a Runtime, 'auto', 'off' or None, got {runtime!r}")
         self._runtime_spec = runtime
@@ -228,15 +228,15 @@ class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
     # -- sessions -------------------------------------------------------------------------------
     def _entry(self, request: httpx.Request, body: dict[str, Any]) -> _Entry:
         """The session of this request (marked busy): named, or found by content, or new."""
-        from leyline_agent.agent.wrappers import _session_id
+        from leyline_agent.agent.wrappers import client_session_id
 
         root = server_root(str(request.url).split(CHAT_PATH)[0])
         sid = asked = None
         if SESSION_KEY in body:
-            sid = asked = _session_id(body.pop(SESSION_KEY), f"body.{SESSION_KEY}")
+            sid = asked = client_session_id(body.pop(SESSION_KEY), f"body.{SESSION_KEY}")
         header = request.headers.get(SESSION_HEADER)
         if header is not None:
-            sid = _session_id(header, f"headers[{SESSION_HEADER!r}]")
+            sid = client_session_id(header, f"headers[{SESSION_HEADER!r}]")
             if asked is not None and sid != asked:
                 raise LeylineError(f"{SESSION_HEADER} {sid!r} contradicts {SESSION_KEY} {asked!r}")
         sid = sid or self.session_id

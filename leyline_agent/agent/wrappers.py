@@ -59,7 +59,14 @@ from leyline_agent.protocols import AsyncRuntime, Runtime
 if TYPE_CHECKING:
     from openai import AsyncOpenAI, OpenAI
 
-__all__ = ["LeylineState", "LeylineWrapped", "SESSION_KEY", "leyline_state", "wrap_openai"]
+__all__ = [
+    "LeylineState",
+    "LeylineWrapped",
+    "SESSION_KEY",
+    "client_session_id",
+    "leyline_state",
+    "wrap_openai",
+]
 
 log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
@@ -120,7 +127,7 @@ class LeylineState:
         sid = None
         if isinstance(extra, dict) and SESSION_KEY in extra:
             extra = dict(extra)
-            sid = _session_id(extra.pop(SESSION_KEY), f"extra_body.{SESSION_KEY}")
+            sid = client_session_id(extra.pop(SESSION_KEY), f"extra_body.{SESSION_KEY}")
             if extra:
                 kwargs["extra_body"] = extra
             else:
@@ -130,7 +137,7 @@ class LeylineState:
         if name is None:
             headers[SESSION_HEADER] = sid or self.default_session
         elif isinstance(headers[name], str):  # the user's own header names the session
-            own = _session_id(headers[name], f"extra_headers[{name!r}]")
+            own = client_session_id(headers[name], f"extra_headers[{name!r}]")
             if sid is not None and own != sid:
                 raise LeylineError(
                     f"extra_headers[{name!r}]: {own!r} contradicts extra_body.{SESSION_KEY} {sid!r}"
@@ -187,7 +194,7 @@ class LeylineState:
         return response
 
 
-def _session_id(value: object, where: str) -> str | None:
+def client_session_id(value: object, where: str) -> str | None:
     """A session id given by the user, checked as the server checks it, and ASCII (it
     travels in a header); ``LeylineError`` naming ``where`` otherwise."""
     try:
@@ -206,12 +213,12 @@ def _header_name(headers: Any, name: str) -> str | None:
 
 def _default_session(client: Any, session_id: str | None) -> str:
     """``session_id``, or the client's own ``X-Leyline-Session`` default header, or a new id."""
-    sid = _session_id(session_id, "session_id")
+    sid = client_session_id(session_id, "session_id")
     defaults = getattr(client, "default_headers", None) or {}
     name = _header_name(defaults, SESSION_HEADER)
     own = defaults[name] if name is not None and isinstance(defaults[name], str) else None
     if own is not None:
-        own = _session_id(own, f"default_headers[{name!r}]")
+        own = client_session_id(own, f"default_headers[{name!r}]")
         if sid is not None and own != sid:
             raise LeylineError(
                 f"session_id: {sid!r} contradicts the client's {name} header {own!r}"

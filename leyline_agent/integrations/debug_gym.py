@@ -40,23 +40,12 @@ import openai  # noqa: E402
 from debug_gym.llms.base import LLMConfig  # noqa: E402
 from debug_gym.llms.huggingface import HuggingFaceLLM  # noqa: E402
 
+from leyline_agent.agent.http_runtime import openai_base_url  # noqa: E402
 from leyline_agent.errors import RuntimeUnavailableError  # noqa: E402
 
-__all__ = ["LeylineHuggingFaceLLM", "make_llm_config", "openai_base_url", "server_root"]
+__all__ = ["LeylineHuggingFaceLLM", "make_llm_config"]
 
 ClientWrapper = Callable[[openai.OpenAI], openai.OpenAI]
-
-
-def openai_base_url(base_url: str) -> str:
-    """``http://h:p`` or ``http://h:p/v1`` -> the OpenAI base URL (ending in ``/v1``)."""
-    url = base_url.rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
-
-
-def server_root(base_url: str) -> str:
-    """``http://h:p/v1`` -> ``http://h:p`` (where the ``/leyline/v1/...`` routes live)."""
-    url = base_url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 def _context_limit_k(tokenizer_dir: str | Path) -> int:
