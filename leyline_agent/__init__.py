@@ -3,15 +3,20 @@
 The agent-side API (directives, policies, wrappers) imports no torch. The package is one
 folder per layer, the contracts at the bottom (see the README's layout table)::
 
-    errors, namespaces, families, wire, protocols, trajectory, directives.core   contracts
+    errors, namespaces, families, wire, protocols, trajectory, chat_input,
+    http_errors, directives.core     contracts
     directives (compile, checks)     message edits -> token directives, torch-free
     policies                         trajectory -> message edits (PolicyPipeline)
     agent                            ContextSession, wrap_openai, HTTPRuntime
     kernels                          the delta-rotation of cached RoPE keys
     engine                           the embedded inference engine (torch)
     sglang_plugin                    the same directives inside SGLang
+    vllm_plugin                      the same directives inside vLLM
     server                           ``leyline serve``: the engine over HTTP
     reference                        ground-truth oracles (tests, ``leyline check``)
+    testing                          test doubles and helpers (never imported by shipped code)
+
+``tests/test_layers.py`` checks that every import goes down this list.
 
 Deprecated names: ``PolicyEngine`` and ``EngineResult`` are ``PolicyPipeline`` and
 ``PipelineResult`` (a ``DeprecationWarning`` says so).

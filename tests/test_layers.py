@@ -350,3 +350,13 @@ def test_the_checker_resolves_relative_imports():
     assert found == [
         "leyline_agent.policies.base:1: the policies layer imports leyline_agent.engine (engine)"
     ]
+
+
+def test_pyproject_lists_every_sub_package(package):
+    """setuptools installs only the packages pyproject names: a new folder must be added."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    listed = set(config["tool"]["setuptools"]["packages"])
+    found = {m.name for m in package.values() if m.is_package}
+    assert found == listed, f"missing: {sorted(found - listed)}, extra: {sorted(listed - found)}"

@@ -6,6 +6,8 @@
 - ``compile``: message edits -> token directives (render with the chat template, diff the
   token ids per message, clip to the cached prefix; text replacements -> token ids). Shared
   by the embedded engine and the SGLang plugin.
+- ``checks``: what a request hands a serving side, checked once: the messages to render
+  (roles, content) and token ids.
 
 Torch-free. This package's own namespace re-exports ``core`` only.
 """
