@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from leyline_agent.directives import Directive, Mode, check_mode
+from leyline_agent.directives import Directive, ImplementedMode, Mode
 
 __all__ = ["Counters", "DirectivesRequest", "DirectivesResponse", "ErrorBody", "StatsResponse"]
 
@@ -44,7 +44,7 @@ class DirectivesRequest(BaseModel):
     old_messages: list[dict[str, Any]] | None = None
     new_messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
-    mode: Mode = Field(default=Mode.AMORTIZE, strict=False)
+    mode: ImplementedMode = Field(default=Mode.AMORTIZE, strict=False)
     fallback: bool = False
     session: str | None = Field(
         default=None,
@@ -56,11 +56,6 @@ class DirectivesRequest(BaseModel):
         description="idempotency key: a retry with the same id (same tenant) gets the first "
         "answer and executes nothing",
     )
-
-    @field_validator("mode")
-    @classmethod
-    def _mode_implemented(cls, v: Mode) -> Mode:
-        return check_mode(v)
 
     @model_validator(mode="after")
     def _one_form(self) -> DirectivesRequest:

@@ -15,6 +15,7 @@ Torch-free. This package's own namespace re-exports ``core`` only.
 from leyline_agent.directives.core import (
     RESERVED_MODES,
     Directive,
+    ImplementedMode,
     MessageEdit,
     Mode,
     check_mode,
@@ -25,6 +26,7 @@ from leyline_agent.directives.core import (
 __all__ = [
     "RESERVED_MODES",
     "Directive",
+    "ImplementedMode",
     "MessageEdit",
     "Mode",
     "check_mode",

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from leyline_agent.errors import DirectiveError, UnsupportedModeError
 
 __all__ = [
     "Directive",
+    "ImplementedMode",
     "MessageEdit",
     "Mode",
     "RESERVED_MODES",
@@ -63,6 +64,9 @@ def check_mode(mode: Mode) -> Mode:
     return mode
 
 
+# A mode that is implemented: a reserved one is refused by name.
+ImplementedMode = Annotated[Mode, AfterValidator(check_mode)]
+
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 # Strict: no coercion ("812", 5.0 and true are not positions or token ids). ``mode`` alone is
 # lax, so that its string value ("amortize") is accepted from Python as from JSON.
@@ -81,7 +85,7 @@ class Directive(BaseModel):
     start: int = Field(ge=0, description="first replaced position (inclusive)")
     end: int = Field(ge=0, description="one past the last replaced position")
     replacement: list[int] | str = Field(default_factory=list)
-    mode: Mode = Field(default=Mode.AMORTIZE, strict=False)
+    mode: ImplementedMode = Field(default=Mode.AMORTIZE, strict=False)
 
     @field_validator("replacement")
     @classmethod
@@ -91,11 +95,6 @@ class Directive(BaseModel):
                 if t < 0:
                     raise ValueError(f"replacement[{k}] = {t} is not a token id (must be >= 0)")
         return v
-
-    @field_validator("mode")
-    @classmethod
-    def _mode_implemented(cls, v: Mode) -> Mode:
-        return check_mode(v)
 
     @model_validator(mode="after")
     def _ordered(self) -> Directive:

@@ -119,18 +119,7 @@ class Engine:
         """The token ids of ``messages`` under the model's chat template (between steps:
         the tokenizer is shared with the step loop's detokenizer)."""
         with self.stepper.exclusive():
-            return self._render(messages, tools, add_generation_prompt, where=where)
-
-    def _render(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict] | None = None,
-        add_generation_prompt: bool = True,
-        *,
-        where: str = "messages",
-    ) -> list[int]:
-        """The token ids of ``messages`` under the model's chat template."""
-        return render(self.tokenizer, messages, tools, add_generation_prompt, where=where)
+            return render(self.tokenizer, messages, tools, add_generation_prompt, where=where)
 
     def check_ids(self, ids: Sequence[int], where: str, allow_empty: bool = False) -> list[int]:
         return check_token_ids(ids, self.vocab_size, where, allow_empty=allow_empty)

@@ -94,12 +94,9 @@ def deepseek_v3_interleaved_yarn() -> DeepseekV3Config:
 
 
 def deepseek_v2_lite_yarn() -> DeepseekV2Config:
-    """DeepSeek-V2-Lite's attention and RoPE settings (latent 512, k_pe 64, 16 heads)."""
+    """DeepSeek-V2-Lite's attention and RoPE settings (latent 512, k_pe 64, 16 heads): the
+    ``mla_dims`` widths, scaled up."""
     return deepseek_v2_yarn(
-        hidden_size=2048,
-        num_attention_heads=16,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
+        hidden_size=2048, num_attention_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
         v_head_dim=128,
-    )
+    )  # fmt: skip

@@ -98,9 +98,7 @@ def _finish(result: Any, called_tools: bool = False) -> str:
 # ---- chat ------------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
-    st = state(request)
-    ns = namespace(request)
-    st.model.check(req.model)
+    st, ns = _request_context(request, req.model)
     tools = check_messages(req)
     choice = parse_tool_choice(req.tool_choice, tools)  # see tool_choice.py
     forced = choice.forced_prefix() if tools is not None else ""
@@ -162,36 +160,19 @@ async def _chat_events(
     tools_on: ToolChoice | None,
     ctx: PreparedChat | None = None,
 ) -> AsyncIterator[str]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    head = {
-        "id": new_id("chatcmpl"),
-        "object": "chat.completion.chunk",
-        "created": now(),
-        "model": st.model.id,
-        "system_fingerprint": None,
-    }
-    first = {**head, **ctx.body} if ctx is not None else head  # what the server edited
+    out = _Stream(st, req, "chatcmpl", "chat.completion.chunk", {"system_fingerprint": None})
+    first = {**out.head, **ctx.body} if ctx is not None else out.head  # what the server edited
 
     def chunk(
         delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, top: Any = None
     ) -> str:
-        body = {
-            **(top or head),
-            "choices": [
-                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            ],
-        }
-        return sse({**body, "usage": None} if include_usage else body)
+        choice = {"delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return out.frame(choice, top)
 
     yield chunk({"role": "assistant", "content": ""}, top=first)
-    result = None
-    async with aclosing(events):
-        async for event in events:
-            if isinstance(event, StreamEnd):
-                result = event.result
-            elif event:
-                yield chunk({"content": event})
-    assert result is not None  # _generate always ends with StreamEnd or raises
+    async for delta in out.deltas(events):
+        yield chunk({"content": delta})
+    result = out.result
     parsed = parse_answer(tools_on, result.text) if tools_on else None
     calls = parsed.tool_calls if parsed else []
     rest = text.finish((parsed.content or "") if parsed and calls else result.text)
@@ -204,16 +185,14 @@ async def _chat_events(
     if ctx is not None:
         reply = {"role": "assistant", "content": parsed.content if calls else result.text}
         ctx.commit({**reply, "tool_calls": calls} if calls else reply)
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": _usage(result, ctx)})
+    if out.include_usage:
+        yield out.usage(_usage(result, ctx))
 
 
 # ---- completions -----------------------------------------------------------------------
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request) -> Any:
-    st = state(request)
-    ns = namespace(request)
-    st.model.check(req.model)
+    st, ns = _request_context(request, req.model)
     prompt = completion_prompt(req)
     if isinstance(prompt, str):
         size = len(prompt.encode("utf-8", "surrogatepass"))
@@ -257,37 +236,61 @@ async def _completion_events(
     params: Any,
     text: StreamedText,
 ) -> AsyncIterator[str]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    head = {
-        "id": new_id("cmpl"),
-        "object": "text_completion",
-        "created": now(),
-        "model": st.model.id,
-    }
+    out = _Stream(st, req, "cmpl", "text_completion")
 
     def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> str:
-        body = {
-            **head,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-        }
-        return sse({**body, "usage": None} if include_usage else body)
+        return out.frame({"text": text, "logprobs": logprobs, "finish_reason": finish})
 
-    result = None
-    async with aclosing(events):
-        async for event in events:
-            if isinstance(event, StreamEnd):
-                result = event.result
-            elif event:
-                yield chunk(event)
-    assert result is not None
+    async for delta in out.deltas(events):
+        yield chunk(delta)
+    result = out.result
     rest = text.finish(result.text)
     logprobs = lp.legacy(result.logprobs, params.top_logprobs) if params.logprobs else None
     yield chunk(rest, finish=_finish(result), logprobs=logprobs)
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": _usage(result)})
+    if out.include_usage:
+        yield out.usage(_usage(result))
 
 
 # ---- shared ----------------------------------------------------------------------------
+def _request_context(request: Request, model: str) -> tuple[ServerState, Namespace]:
+    """The server's state and the request's namespace (its session checked), then the
+    model name checked against the served one."""
+    st = state(request)
+    ns = namespace(request)
+    st.model.check(model)
+    return st, ns
+
+
+class _Stream:
+    """What the chat and the completion event streams share: the chunks' head, their
+    framing (``usage: null`` on each chunk when the last one carries it), the deltas."""
+
+    def __init__(
+        self, st: ServerState, req: Any, prefix: str, obj: str, extra: dict[str, Any] | None = None
+    ) -> None:
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.head = {"id": new_id(prefix), "object": obj, "created": now(), "model": st.model.id}
+        self.head.update(extra or {})
+        self.result: Any = None
+
+    def frame(self, choice: dict[str, Any], top: dict[str, Any] | None = None) -> str:
+        body = {**(top or self.head), "choices": [{"index": 0, **choice}]}
+        return sse({**body, "usage": None} if self.include_usage else body)
+
+    def usage(self, usage: dict[str, Any]) -> str:
+        return sse({**self.head, "choices": [], "usage": usage})
+
+    async def deltas(self, events: AsyncIterator[str | StreamEnd]) -> AsyncIterator[str]:
+        """The text deltas of ``events``; ``result`` is the generation's once they end."""
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, StreamEnd):
+                    self.result = event.result
+                elif event:
+                    yield event
+        assert self.result is not None  # _generate always ends with StreamEnd or raises
+
+
 async def _generate_once(
     request: Request, st: ServerState, ids: list[int], params: Any, ns: Namespace
 ) -> Any:

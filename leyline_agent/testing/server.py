@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -46,12 +46,11 @@ def wait_ready(base_url: str, timeout: float, alive: Any = None) -> None:
     raise TimeoutError(f"the server at {base_url} was not ready after {timeout}s ({last})")
 
 
-@dataclass
-class ThreadServer:
+class _Served:
+    """A server on ``host:port``: its URLs, and ``stop`` on leaving a ``with`` block."""
+
     host: str
     port: int
-    _server: Any = field(repr=False)
-    _thread: threading.Thread = field(repr=False)
 
     @property
     def url(self) -> str:
@@ -63,14 +62,25 @@ class ThreadServer:
         return f"{self.url}/v1"
 
     def stop(self, timeout: float = 30.0) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout)
+        raise NotImplementedError
 
-    def __enter__(self) -> ThreadServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class ThreadServer(_Served):
+    host: str
+    port: int
+    _server: Any = field(repr=False)
+    _thread: threading.Thread = field(repr=False)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
 
 
 def serve_in_thread(
@@ -107,19 +117,11 @@ def serve_in_thread(
 
 
 @dataclass
-class ServerProcess:
+class ServerProcess(_Served):
     host: str
     port: int
     process: subprocess.Popen = field(repr=False)
     log_path: Path | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return f"{self.url}/v1"
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.process.poll() is None:
@@ -129,12 +131,6 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout)
-
-    def __enter__(self) -> ServerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def serve_in_process(

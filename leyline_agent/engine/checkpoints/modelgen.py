@@ -20,62 +20,38 @@ __all__ = ["ARCHS", "SIZES", "make_model", "model_config"]
 ARCHS = ("deepseek_v2", "deepseek_v3", "llama", "qwen3")
 SIZES = ("tiny", "mini")
 
-# initializer_range is larger than a real model's so that random logits have a real spread
-# (greedy argmax is not decided by 1e-6 noise in tests).
-_TINY_MLA = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    moe_intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=32,
-    q_lora_rank=None,
-    qk_rope_head_dim=16,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    initializer_range=0.08,
-)
-_MINI_MLA = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    moe_intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    kv_lora_rank=512,
-    q_lora_rank=None,
-    qk_rope_head_dim=64,
-    qk_nope_head_dim=128,
-    v_head_dim=128,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    initializer_range=0.04,
-)
-_TINY_GQA = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    initializer_range=0.08,
-)
-_MINI_GQA = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=4,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=64,
-    initializer_range=0.04,
-)
+# (tiny, mini) of each knob. initializer_range is larger than a real model's so that random
+# logits have a real spread (greedy argmax is not decided by 1e-6 noise in tests).
+_EVERY: dict[str, tuple[Any, Any]] = {
+    "hidden_size": (128, 1024),
+    "intermediate_size": (256, 2816),
+    "num_hidden_layers": (2, 4),
+    "initializer_range": (0.08, 0.04),
+}
+_MLA: dict[str, tuple[Any, Any]] = {
+    "moe_intermediate_size": (64, 512),
+    "num_attention_heads": (4, 8),
+    "num_key_value_heads": (4, 8),
+    "kv_lora_rank": (32, 512),
+    "q_lora_rank": (None, None),
+    "qk_rope_head_dim": (16, 64),
+    "qk_nope_head_dim": (16, 128),
+    "v_head_dim": (16, 128),
+    "n_routed_experts": (4, 8),
+    "num_experts_per_tok": (2, 2),
+    "n_shared_experts": (1, 1),
+    "first_k_dense_replace": (1, 1),
+}
+_GQA: dict[str, tuple[Any, Any]] = {
+    "num_attention_heads": (4, 16),
+    "num_key_value_heads": (2, 4),
+    "head_dim": (32, 64),
+}
+
+
+def _shape(knobs: dict[str, tuple[Any, Any]], size: str) -> dict[str, Any]:
+    k = SIZES.index(size)
+    return {name: values[k] for name, values in {**_EVERY, **knobs}.items()}
 
 
 def model_config(arch: str, size: str, vocab_size: int, special: dict[str, int]) -> Any:
@@ -96,7 +72,7 @@ def model_config(arch: str, size: str, vocab_size: int, special: dict[str, int])
         rms_norm_eps=1e-6,
     )
     if arch.startswith("deepseek"):
-        shape = dict(_TINY_MLA if size == "tiny" else _MINI_MLA)
+        shape = _shape(_MLA, size)
         rope = {"rope_type": "default", "rope_theta": 10000.0}
         if arch == "deepseek_v2":
             return tf.DeepseekV2Config(
@@ -107,7 +83,7 @@ def model_config(arch: str, size: str, vocab_size: int, special: dict[str, int])
         return tf.DeepseekV3Config(
             **common, **shape, rope_parameters=rope, rope_interleave=True, n_group=1, topk_group=1
         )
-    shape = dict(_TINY_GQA if size == "tiny" else _MINI_GQA)
+    shape = _shape(_GQA, size)
     rope = {"rope_type": "default", "rope_theta": 10000.0 if arch == "llama" else 1000000.0}
     if arch == "llama":
         return tf.LlamaConfig(**common, **shape, rope_parameters=rope)
