@@ -22,7 +22,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ANONYMOUS", "DEFAULT_TENANT", "Namespace", "SESSION_HEADER", "check_session_id"]
+from leyline_agent.errors import DirectiveError
+
+__all__ = [
+    "ANONYMOUS",
+    "DEFAULT_TENANT",
+    "Namespace",
+    "SESSION_HEADER",
+    "check_session_id",
+    "named_namespace",
+]
 
 SESSION_HEADER = "X-Leyline-Session"
 DEFAULT_TENANT = ""
@@ -68,3 +77,23 @@ def check_session_id(value: object, where: str = "session") -> str | None:
     if not value or len(value) > _MAX_ID or not value.isprintable():
         raise ValueError(f"{where}: must be 1 to {_MAX_ID} printable characters")
     return value
+
+
+def named_namespace(
+    body_session: object, header_session: object, tenant: str = DEFAULT_TENANT
+) -> Namespace:
+    """The namespace a request names: the ``X-Leyline-Session`` header or the body's
+    ``session`` (both given: they must agree); neither: the tenant's anonymous session.
+    ``DirectiveError`` whose message starts with the field at fault (``session`` or the
+    header)."""
+    try:
+        header = check_session_id(header_session, SESSION_HEADER)
+        body = check_session_id(body_session, "session")
+    except ValueError as e:
+        raise DirectiveError(str(e)) from e
+    if header is not None and body is not None and header != body:
+        raise DirectiveError(
+            f"session: the {SESSION_HEADER} header ({header!r}) and the body ({body!r}) "
+            "name different sessions"
+        )
+    return Namespace(tenant=tenant, session=header if header is not None else body)

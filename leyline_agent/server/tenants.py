@@ -27,7 +27,14 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from leyline_agent.namespaces import DEFAULT_TENANT, SESSION_HEADER, Namespace, check_session_id
+from leyline_agent.errors import DirectiveError
+from leyline_agent.namespaces import (
+    DEFAULT_TENANT,
+    SESSION_HEADER,
+    Namespace,
+    check_session_id,
+    named_namespace,
+)
 from leyline_agent.server.errors import RequestError, error_response
 
 __all__ = [
@@ -192,16 +199,9 @@ def session_header(request: Request) -> str | None:
 def namespace(request: Request, body_session: str | None = None) -> Namespace:
     """The request's ``Namespace``: its key's tenant, and the session named by the header or
     by the body's ``session`` field (both given and different: 400 naming ``session``)."""
-    header = session_header(request)
-    try:
-        body = check_session_id(body_session, "session")
-    except ValueError as e:
-        raise RequestError(str(e).partition(": ")[2] or str(e), "session") from e
-    if header is not None and body is not None and header != body:
-        raise RequestError(
-            f"the {SESSION_HEADER} header ({header!r}) and the body ({body!r}) name "
-            "different sessions",
-            "session",
-        )
     tenant = request.scope.get(SCOPE_TENANT, DEFAULT_TENANT)
-    return Namespace(tenant=tenant, session=header if header is not None else body)
+    try:
+        return named_namespace(body_session, request.headers.get(SESSION_HEADER), tenant)
+    except DirectiveError as e:
+        field, _, message = str(e).partition(": ")
+        raise RequestError(message, field) from e

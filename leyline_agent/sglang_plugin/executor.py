@@ -22,8 +22,8 @@ import time
 from typing import Any, Protocol
 
 from leyline_agent.errors import CacheMissError, LeylineError
+from leyline_agent.namespaces import named_namespace
 from leyline_agent.sglang_plugin.batch import compile_request, plan_calls, response_for
-from leyline_agent.sglang_plugin.routing import request_namespace
 from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse
 
 __all__ = ["DirectiveExecutor", "Transport"]
@@ -64,7 +64,7 @@ class DirectiveExecutor:
         self, req: DirectivesRequest, session_header: str | None
     ) -> DirectivesResponse:
         tr = self.transport
-        key = request_namespace(req.session, session_header).key
+        key = named_namespace(req.session, session_header).key
         tokens, directives = compile_request(req, tr.tokenizer, tr.model_type)
         calls = plan_calls(tokens, directives, key)
         try:

@@ -69,7 +69,6 @@ __all__ = [
     "before_scheduler_request",
     "check_namespace",
     "is_leyline_key",
-    "request_namespace",
     "route_key",
     "route_request",
 ]
@@ -118,19 +117,6 @@ def before_scheduler_request(scheduler: Any, recv_req: Any, *args: Any, **kwargs
     """``HookType.BEFORE`` on ``Scheduler.handle_generate_request``; args unchanged."""
     route_request(scheduler.tree_cache, recv_req)
     return None
-
-
-def request_namespace(body_session: object, header_session: object) -> Namespace:
-    """The namespace a directive request names: the ``X-Leyline-Session`` header or the
-    body's ``session`` (both: they must agree); neither: the anonymous session."""
-    try:
-        header = check_session_id(header_session, SESSION_HEADER)
-        body = check_session_id(body_session, "session")
-    except ValueError as e:
-        raise DirectiveError(str(e)) from e
-    if header is not None and body is not None and header != body:
-        raise DirectiveError(f"session: {body!r} differs from the {SESSION_HEADER} header")
-    return Namespace(session=header if header is not None else body)
 
 
 def before_generate_request(

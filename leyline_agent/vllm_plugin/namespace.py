@@ -30,10 +30,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from leyline_agent.errors import DirectiveError
-from leyline_agent.namespaces import SESSION_HEADER, Namespace, check_session_id
+from leyline_agent.namespaces import Namespace
 
-__all__ = ["SALT_PREFIX", "is_leyline_salt", "request_namespace", "route_salt", "salt_for"]
+__all__ = ["SALT_PREFIX", "is_leyline_salt", "route_salt", "salt_for"]
 
 SALT_PREFIX = "leyline-"
 
@@ -60,16 +59,3 @@ def route_salt(
         return salt
     target = salt if salt is not None else anonymous
     return target if holds_first_block(target) else None
-
-
-def request_namespace(body_session: object, header_session: object) -> Namespace:
-    """The namespace a directive request names: the ``X-Leyline-Session`` header or the
-    body's ``session`` (both: they must agree); neither: the anonymous session."""
-    try:
-        header = check_session_id(header_session, SESSION_HEADER)
-        body = check_session_id(body_session, "session")
-    except ValueError as e:
-        raise DirectiveError(str(e)) from e
-    if header is not None and body is not None and header != body:
-        raise DirectiveError(f"session: {body!r} differs from the {SESSION_HEADER} header")
-    return Namespace(session=header if header is not None else body)

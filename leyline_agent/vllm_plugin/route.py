@@ -35,10 +35,10 @@ from pydantic import ValidationError
 from leyline_agent.directives import Directive, Mode, plan_batch, splice_tokens
 from leyline_agent.directives.compile import clip_to_cached, diff_spans
 from leyline_agent.errors import CacheMissError, DirectiveError, RuntimeUnavailableError
-from leyline_agent.namespaces import SESSION_HEADER, Namespace, check_session_id
+from leyline_agent.namespaces import SESSION_HEADER, Namespace, check_session_id, named_namespace
 from leyline_agent.vllm_plugin.compile import render, token_form
 from leyline_agent.vllm_plugin.errors import ModelNotFoundError, error_content
-from leyline_agent.vllm_plugin.namespace import request_namespace, salt_for
+from leyline_agent.vllm_plugin.namespace import salt_for
 from leyline_agent.vllm_plugin.scheduler import HOLD_KEY
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
@@ -108,7 +108,7 @@ class LeylineRoute:
             return 200, self._answers[req.request_id]
         t0 = time.perf_counter()
         try:
-            key = salt_for(request_namespace(req.session, session_header))
+            key = salt_for(named_namespace(req.session, session_header))
         except Exception as e:  # noqa: BLE001 - a bad session id is an answer too
             self.directive_errors += 1
             return error_content(e)
@@ -142,7 +142,7 @@ class LeylineRoute:
         return self._locks.setdefault(key, asyncio.Lock())
 
     async def _run(self, req: DirectivesRequest, session_header: str | None) -> DirectivesResponse:
-        ns = request_namespace(req.session, session_header)
+        ns = named_namespace(req.session, session_header)
         salt = salt_for(ns)
         if req.model is not None and req.model not in self.model_names:
             raise ModelNotFoundError(
