@@ -44,6 +44,10 @@ __all__ = ["Engine", "GenerationResult", "SamplingParams"]
 log = structlog.get_logger(__name__)
 
 class Engine:
+    # Concurrent calls are safe (see the module doc): the server's worker may run several
+    # requests at once on it (``server.worker.ServedEngine``).
+    thread_safe = True
+
     def __init__(
         self,
         model: Any,
