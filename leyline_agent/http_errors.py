@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w]*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): ")
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w-]*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): ")
 _RESERVED = {m.value for m in RESERVED_MODES}
 _CODES = {
     "RequestError": "invalid_value",

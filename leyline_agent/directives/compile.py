@@ -6,7 +6,8 @@ alike:
 - ``render(tokenizer, messages, tools, add_generation_prompt)``: the token ids of a
   conversation under the tokenizer's chat template (messages checked and put in canonical
   form by ``checks.template_messages``, tools by ``chat_input.canonical_tools``).
-- ``encode_replacements(directives, tokenizer)``: token form, text replacements -> ids.
+- ``encode_replacements(directives, tokenizer)``: token form, text replacements -> ids;
+  ``token_form(tokens, directives, tokenizer, vocab_size)`` adds the vocabulary checks.
 - ``message_edits(tokenizer, old, new, tools, boundary)``: message form: both lists
   rendered (``add_generation_prompt=False``) and diffed per message (``diff_spans``).
 - ``to_directives(spans, mode)``.
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from leyline_agent.chat_input import canonical_tools
-from leyline_agent.directives.checks import template_messages
+from leyline_agent.directives.checks import check_token_ids, template_messages
 from leyline_agent.directives.core import Directive, Mode
 from leyline_agent.errors import TrajectoryError
 
@@ -49,6 +50,7 @@ __all__ = [
     "message_edits",
     "render",
     "to_directives",
+    "token_form",
 ]
 
 
@@ -148,6 +150,19 @@ def encode_replacements(directives: Sequence[Directive], tokenizer: Any) -> list
     return out
 
 
+def token_form(
+    tokens: Sequence[int], directives: Sequence[Directive], tokenizer: Any, vocab_size: int
+) -> tuple[list[int], list[Directive]]:
+    """A token-form request checked and compiled: ``tokens`` (not empty) and every
+    replacement (text encoded) inside the vocabulary, or ``InvalidRequestError`` naming
+    ``tokens[i]`` / ``directives[i].replacement[k]``."""
+    ids = check_token_ids(tokens, vocab_size, "tokens")
+    out = encode_replacements(directives, tokenizer)
+    for i, d in enumerate(out):
+        check_token_ids(d.replacement, vocab_size, f"directives[{i}].replacement", allow_empty=True)
+    return ids, out
+
+
 @dataclass(slots=True, frozen=True)
 class MessageEdits:
     old: list[int]  # the rendered old messages: the base T
@@ -169,4 +184,6 @@ def message_edits(
 
 
 def to_directives(spans: Sequence[Span], mode: Mode) -> list[Directive]:
-    return [Directive(start=s.start, end=s.end, replacement=s.replacement, mode=mode) for s in spans]
+    return [
+        Directive(start=s.start, end=s.end, replacement=s.replacement, mode=mode) for s in spans
+    ]

@@ -122,6 +122,7 @@ def _describe(engine: Any) -> dict[str, Any]:
         )
         out["field"] = "worker_extension_cls"
     out["max_model_len"] = cfg.model_config.max_model_len
+    out["model_type"] = getattr(cfg.model_config.hf_config, "model_type", None)
     out["vocab_size"] = cfg.model_config.get_vocab_size()
     return out
 

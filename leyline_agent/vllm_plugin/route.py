@@ -33,10 +33,15 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from leyline_agent.directives import Directive, Mode, plan_batch, splice_tokens
-from leyline_agent.directives.compile import clip_to_cached, diff_spans
+from leyline_agent.directives.compile import (
+    clip_to_cached,
+    message_edits,
+    to_directives,
+    token_form,
+)
 from leyline_agent.errors import CacheMissError, DirectiveError, RuntimeUnavailableError
+from leyline_agent.families import chat_format, token_id
 from leyline_agent.namespaces import SESSION_HEADER, Namespace, check_session_id, named_namespace
-from leyline_agent.vllm_plugin.compile import render, token_form
 from leyline_agent.vllm_plugin.errors import ModelNotFoundError, error_content
 from leyline_agent.vllm_plugin.namespace import salt_for
 from leyline_agent.vllm_plugin.scheduler import HOLD_KEY
@@ -174,13 +179,11 @@ class LeylineRoute:
                         f"(the prefix cache holds its first {cached} of {len(tokens)} tokens)",
                     )  # fmt: skip
         else:
-            old = render(tok, list(req.old_messages or []), req.tools, "old_messages")
-            new_tokens = render(tok, list(req.new_messages or []), req.tools, "new_messages")
-            boundary = tok.convert_tokens_to_ids("<|im_start|>")
-            boundary = (
-                boundary if isinstance(boundary, int) and boundary != tok.unk_token_id else None
+            boundary = token_id(tok, chat_format(info.get("model_type")).message_boundary)
+            edits = message_edits(
+                tok, list(req.old_messages or []), list(req.new_messages or []), req.tools, boundary
             )
-            spans = diff_spans(old, new_tokens, boundary)
+            old, new_tokens, spans = edits.old, edits.new, edits.spans
             if not spans:
                 return DirectivesResponse(outcome="noop", tokens=new_tokens, applied=[])
             lock = await self.rpc("lock", tokens=old, salt=salt)
@@ -193,11 +196,7 @@ class LeylineRoute:
                     f"old_messages: the edits start at token {spans[0].start} but only the "
                     f"first {cached} tokens of the rendered conversation are cached",
                 )  # fmt: skip
-            order = plan_batch(
-                [Directive(start=s.start, end=s.end, replacement=s.replacement, mode=req.mode)
-                 for s in kept],
-                seq_len=cached,
-            )  # fmt: skip
+            order = plan_batch(to_directives(kept, req.mode), seq_len=cached)
             tokens = old[:cached]
         return await self._execute(tokens, order, salt, new_tokens, cached)
 

@@ -30,8 +30,9 @@ from vllm.v1.request import Request
 
 from leyline_agent.namespaces import ANONYMOUS
 from leyline_agent.vllm_plugin.namespace import route_salt, salt_for
+from leyline_agent.wire import Counters
 
-__all__ = ["HOLD_KEY", "Held", "LeylineScheduler", "ServedCounters"]
+__all__ = ["HOLD_KEY", "Held", "LeylineScheduler"]
 
 HOLD_KEY = "leyline_hold"
 ANONYMOUS_SALT = salt_for(ANONYMOUS)
@@ -48,19 +49,11 @@ class Held:
     since: float = field(default_factory=time.monotonic)
 
 
-@dataclass(slots=True)
-class ServedCounters:
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-
-
 class LeylineScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.leyline_held: dict[str, Held] = {}
-        self.leyline_served = ServedCounters()
+        self.leyline_served = Counters()  # plain generations (directives: the route counts)
         self._leyline_cached: dict[str, int] = {}
         self._leyline_heads: dict[str, str] = {}  # request id -> hold id
 
@@ -139,11 +132,9 @@ class LeylineScheduler(Scheduler):
             self.block_pool.touch(blocks)
             self.leyline_held[hold_id] = Held(blocks, request.cache_salt, cached)
         else:
-            c = self.leyline_served
-            c.requests += 1
-            c.prompt_tokens += request.num_prompt_tokens
-            c.cached_tokens += cached
-            c.generated_tokens += request.num_output_tokens
+            self.leyline_served.count_generation(
+                request.num_prompt_tokens, cached, request.num_output_tokens
+            )
         return super()._free_request(request, delay_free_blocks)
 
     # -- holds ----------------------------------------------------------------------------
