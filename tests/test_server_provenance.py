@@ -27,6 +27,7 @@ from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.namespaces import SESSION_HEADER
 from leyline_agent.reference.kv_reference import RefState, logits_from_kv
 from leyline_agent.testing.server import serve_in_thread
+from leyline_agent.testing.threads import run_together
 
 ARCH = "deepseek_v2"
 
@@ -213,24 +214,9 @@ def test_sixteen_sessions_twenty_turns_identical_stubs_equal_their_solo_runs(mod
     for s in range(SESSIONS):  # each alone on a fresh server
         with _serve(model_dir) as srv:
             alone.append(run_session(s, srv.url, name))
-    together: list = [None] * SESSIONS
-    errors: list[BaseException] = []
-    start = threading.Barrier(SESSIONS)
-
-    def worker(s: int) -> None:
-        try:
-            together[s] = run_session(s, srv2.url, name, start)
-        except BaseException as e:  # reported below
-            errors.append(e)
-
     with _serve(model_dir) as srv2:
-        threads = [threading.Thread(target=worker, args=(s,)) for s in range(SESSIONS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
+        together = run_together(SESSIONS, lambda s, start: run_session(s, srv2.url, name, start))
         stats = httpx.get(f"{srv2.url}/leyline/v1/stats").json()
-    assert not errors, errors
     assert stats["splices"]["amortize"] >= SESSIONS * 3
     # after the first stub all sessions hold the same tokens; their answers still differ
     # (each keeps its own history), so contamination would show

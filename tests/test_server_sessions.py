@@ -20,6 +20,7 @@ import pytest
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.server import serve_in_thread
+from leyline_agent.testing.threads import run_together
 
 ARCH = "deepseek_v2"
 SESSIONS = 16
@@ -111,24 +112,9 @@ def test_sixteen_concurrent_sessions_equal_their_runs_alone(model_dir):
     with _serve(model_dir) as srv:
         alone = [run_session(s, srv.url, name) for s in range(SESSIONS)]
 
-    together: list[Transcript | None] = [None] * SESSIONS
-    errors: list[BaseException] = []
-    start = threading.Barrier(SESSIONS)
-
-    def worker(s: int) -> None:
-        try:
-            together[s] = run_session(s, srv2.url, name, start)
-        except BaseException as e:  # reported below, with the session
-            errors.append(e)
-
     with _serve(model_dir) as srv2:
-        threads = [threading.Thread(target=worker, args=(s,)) for s in range(SESSIONS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
+        together = run_together(SESSIONS, lambda s, start: run_session(s, srv2.url, name, start))
         stats = httpx.get(f"{srv2.url}/leyline/v1/stats").json()
-    assert not errors, errors
     assert stats["requests"] == 3 * SESSIONS and stats["directive_errors"] == 0
     assert stats["splices"]["amortize"] + stats["splices"]["forget"] == 2 * SESSIONS
 
