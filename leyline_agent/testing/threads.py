@@ -8,7 +8,7 @@ from collections.abc import Callable
 __all__ = ["run_together"]
 
 
-def run_together(
+def run_together[R](
     n: int, fn: Callable[[int, threading.Barrier], R], timeout: float = 600
 ) -> list[R]:
     """``[fn(0, start), ..., fn(n - 1, start)]``, each call on its own thread; ``start`` is a
