@@ -127,6 +127,7 @@ def test_three_concurrent_runs_on_one_transport_each_get_their_own_directives():
         for s in sessions:  # one session per conversation, each with its own directives
             assert s.stats.turns == N_CALLS + 1
             assert s.stats.resets == 0
+            assert s.stats.replaced_replies == 0  # its re-serialized echoes are the replies
             assert s.stats.forwarded_edits == N_CALLS - KEEP
             assert s.stats.server_fallbacks == 0
         # each served prompt is the stale-tool edit of one body pydantic-ai sent

@@ -472,3 +472,22 @@ def test_property_sent_history_is_append_only_except_at_forwarded_edits(
         ]
         prev_sent, prev_reply = sent, reply
     assert session.stats.resets == 0
+
+
+def test_a_reply_echoed_with_reserialized_arguments_is_the_same_reply():
+    """pydantic-ai sends the model's tool call back with its arguments re-serialized
+    (compact JSON): still the model's reply, not an agent turn in its place. Arguments that
+    differ as JSON values are another reply."""
+    for echoed, replaced in (('{"path":"a.py","n":[1,2]}', 0), ('{"path":"b.py","n":[1,2]}', 1)):
+        session = ContextSession([StaleToolTruncation(keep=1)])
+        raw = [{"role": "user", "content": "go"}]
+        session.plan(raw)
+        reply = _calls("c1")
+        reply["tool_calls"][0]["function"]["arguments"] = '{"path": "a.py", "n": [1, 2]}'
+        session.observe_reply(reply)
+        echo = _calls("c1")
+        echo["tool_calls"][0]["function"]["arguments"] = echoed
+        raw += [echo, {"role": "tool", "tool_call_id": "c1", "content": "X"}]
+        session.plan(raw)
+        assert session.stats.resets == 0
+        assert session.stats.replaced_replies == replaced, echoed

@@ -30,6 +30,7 @@ starts a fresh history. A retry of the same list (no reply observed) is not a di
 from __future__ import annotations
 
 import copy
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,12 +73,33 @@ def normalize_reply(message: Any) -> dict[str, Any]:
 
 
 def _same_reply(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """``b`` (what the agent sent back) is the reply ``a``: the same text and tool calls, the
+    calls' arguments compared as JSON values (frameworks re-serialize them: pydantic-ai
+    echoes ``{"path":"a"}`` for the model's ``{"path": "a"}``)."""
     if b.get("role") != "assistant":
         return False
     try:
-        return normalize_reply(a) == normalize_reply(b)
+        return _comparable(normalize_reply(a)) == _comparable(normalize_reply(b))
     except (KeyError, TypeError, AttributeError):
         return False
+
+
+def _comparable(reply: dict[str, Any]) -> dict[str, Any]:
+    calls = [
+        {
+            **tc,
+            "function": {**tc["function"], "arguments": _json_value(tc["function"]["arguments"])},
+        }
+        for tc in reply.get("tool_calls", [])
+    ]
+    return {**reply, "tool_calls": calls} if calls else reply
+
+
+def _json_value(text: Any) -> Any:
+    try:
+        return ("json", json.loads(text)) if isinstance(text, str) else ("raw", text)
+    except ValueError:
+        return ("raw", text)
 
 
 @dataclass(frozen=True, slots=True)
