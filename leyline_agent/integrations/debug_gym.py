@@ -4,7 +4,9 @@ debug-gym's agents (froggy, ...) call ``llm(messages, tools)``; its ``HuggingFac
 tokens with a local Hugging Face tokenizer and sends the request with an OpenAI client.
 ``LeylineHuggingFaceLLM`` changes exactly one thing: the OpenAI client it sends with is
 ``wrap_openai(OpenAI(...), policies=..., runtime=...)``, so the Leyline policies edit the
-agent's context and the serving side splices its KV cache before each request. Every
+agent's context and the serving side splices its KV cache before each request. Or it sends
+with ``OpenAI(http_client=...)`` given, e.g. ``httpx.Client(transport=LeylineTransport([...]))``
+(the transport recipe of the other frameworks; then no ``policies`` here). Every
 request of one LLM object names its session (``session_id``, default a fresh id per
 object; ``X-Leyline-Session`` on the chat calls and the directives), so the server reuses
 the spliced rows for it and for nobody else. The agent, its prompts, its history, its tools
@@ -36,6 +38,7 @@ from typing import Any
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no network at import
 
+import httpx  # noqa: E402
 import openai  # noqa: E402
 from debug_gym.llms.base import LLMConfig  # noqa: E402
 from debug_gym.llms.huggingface import HuggingFaceLLM  # noqa: E402
@@ -85,7 +88,8 @@ class LeylineHuggingFaceLLM(HuggingFaceLLM):
     ``wrap``: a function that wraps the plain client (``None``: send unwrapped, the
     baseline). ``policies`` / ``runtime`` build the default wrapper,
     ``wrap_openai(client, policies=..., runtime=..., session_id=...)``, when ``wrap`` is not
-    given (``runtime=None``: an ``HTTPRuntime`` at the client's base URL).
+    given (``runtime=None``: an ``HTTPRuntime`` at the client's base URL). ``http_client``:
+    the httpx client the OpenAI client sends with (default: the SDK's own).
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class LeylineHuggingFaceLLM(HuggingFaceLLM):
         logger: Any = None,
         runtime_generate_kwargs: dict[str, Any] | None = None,
         timeout_s: float = 300.0,
+        http_client: httpx.Client | None = None,
     ) -> None:
         super().__init__(
             name,
@@ -111,6 +116,7 @@ class LeylineHuggingFaceLLM(HuggingFaceLLM):
             wrap = _default_wrapper(list(policies), runtime, session_id)
         self._wrap = wrap
         self._timeout_s = timeout_s
+        self._http_client = http_client
         self.usage_log: list[dict[str, int]] = []
         self._empty_calls = 0
         self.transcript: list[dict[str, Any]] = []  # last prompt sent + the reply to it
@@ -124,6 +130,7 @@ class LeylineHuggingFaceLLM(HuggingFaceLLM):
                 base_url=self.config.endpoint,
                 timeout=self._timeout_s,
                 max_retries=1,
+                http_client=self._http_client,
             )
             self._client = self._wrap(plain) if self._wrap is not None else plain
         return self._client

@@ -10,7 +10,9 @@ directives, splices, counters and ``/leyline/v1/stats``. The turn played is chos
 number of assistant turns already in the prompt (so concurrent conversations each replay the
 script from its start; past its end the last turn repeats). The scripted answer is prefilled
 after the prompt by the real engine (``generate(prompt + answer)``), so the cache holds what a
-capable model would have left there. ``prompts`` records every prompt's token ids.
+capable model would have left there. ``prompts`` records every prompt's token ids. A prompt
+that already opens the answer (``tool_choice: "required"`` makes the server append
+``<tool_call>\\n``) gets the rest of the scripted turn, as a model would write it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ END = "<|im_end|>"
 def tool_call(name: str, arguments: dict[str, Any]) -> str:
     """The answer text of a model calling ``name`` (the tiny models' ``<tool_call>`` format)."""
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+def forced_rest(text: str, prompt: str) -> str:
+    """What the model still writes of ``text`` when the prompt already opens its answer (the
+    server's ``tool_choice`` prefix, e.g. ``<tool_call>\\n`` after the generation prompt)."""
+    opened = prompt.rsplit(ASSISTANT_TURN, 1)[-1].removeprefix("\n")
+    return text.removeprefix(opened) if opened and text.startswith(opened) else text
 
 
 class ScriptedEngine:
@@ -55,8 +64,9 @@ class ScriptedEngine:
         prompt = list(prompt_ids)
         with self._lock:
             self.prompts.append(prompt)
-        turn = tok.decode(prompt).count(ASSISTANT_TURN) - 1  # the generation prompt is one
-        text = self.script[min(max(turn, 0), len(self.script) - 1)]
+        decoded = tok.decode(prompt)
+        turn = decoded.count(ASSISTANT_TURN) - 1  # the generation prompt is one
+        text = forced_rest(self.script[min(max(turn, 0), len(self.script) - 1)], decoded)
         answer = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids(END)]
         kw = {} if namespace is None else {"namespace": namespace}
         real = self.engine.generate(prompt + answer, SamplingParams(max_tokens=0), **kw)
