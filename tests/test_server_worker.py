@@ -1,4 +1,5 @@
-"""The worker: one worker, FIFO, never two jobs at once, errors delivered, clean close.
+"""The worker: one thread FIFO, never two jobs at once; N threads: N at once, FIFO starts,
+one job at a time per key (session); errors delivered, timeouts, clean close.
 
 The "engine" here is a recorder object: the thing under test is the worker itself.
 """
@@ -13,7 +14,13 @@ from concurrent.futures import wait
 import pytest
 
 from leyline_agent.errors import RuntimeUnavailableError
-from leyline_agent.server.worker import StreamEnd, Worker
+from leyline_agent.server.worker import (
+    DEFAULT_CONCURRENCY,
+    QueueTimeoutError,
+    StreamEnd,
+    Worker,
+    concurrency_for,
+)
 
 
 class Recorder:
@@ -138,3 +145,148 @@ def test_close_can_cancel_what_is_still_queued():
     closer.join(5)
     assert first.result(5) is True
     assert rec.log == [] and not closer.is_alive()
+
+
+# ---- several threads -------------------------------------------------------------------
+class SafeRecorder(Recorder):
+    thread_safe = True
+
+
+def _gate_jobs(sched: Worker, rec: Recorder, keys: list, gate: threading.Event):
+    """One job per key (None: no key), each recording its start and waiting on ``gate``."""
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def job(engine, k: int):
+        with lock:
+            started.append(k)
+        engine.work(k, steps=1)
+        gate.wait(10)
+        engine.work(k, steps=1)
+        return k
+
+    return started, [sched.submit(lambda e, k=k: job(e, k), key) for k, key in enumerate(keys)]
+
+
+def test_n_threads_run_n_jobs_at_once_started_in_arrival_order():
+    rec = SafeRecorder()
+    sched = Worker(rec, concurrency=4)
+    gate = threading.Event()
+    started, futures = _gate_jobs(sched, rec, [None] * 6, gate)
+    deadline = time.monotonic() + 10
+    while len(started) < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)
+    assert sorted(started) == [0, 1, 2, 3]  # four at once; the fifth waits for a thread
+    gate.set()
+    assert [f.result(10) for f in futures] == list(range(6))
+    sched.close()
+    assert rec.max_active == 4 and len(rec.threads) == 4
+
+
+def test_jobs_of_one_key_never_overlap_and_keep_their_order_others_run_beside():
+    rec = SafeRecorder()
+    sched = Worker(rec, concurrency=4)
+    spans: dict[int, list[float]] = {}
+    lock = threading.Lock()
+
+    def job(engine, k: int):
+        t0 = time.monotonic()
+        time.sleep(0.05)
+        with lock:
+            spans[k] = [t0, time.monotonic()]
+        return k
+
+    keys = ["a", "a", "b", "a", None, "b"]
+    futures = [sched.submit(lambda e, k=k: job(e, k), key) for k, key in enumerate(keys)]
+    assert [f.result(10) for f in futures] == list(range(6))
+    sched.close()
+    for key in ("a", "b"):
+        mine = [k for k, x in enumerate(keys) if x == key]
+        for first, second in zip(mine, mine[1:], strict=False):
+            assert spans[first][1] <= spans[second][0], (key, spans)  # in order, no overlap
+    # different keys overlapped: job 2 ("b") and job 4 (no key) started while job 0 ran
+    assert spans[2][0] < spans[0][1] and spans[4][0] < spans[0][1], spans
+
+
+def test_a_parked_job_times_out_from_its_arrival_and_a_cancelled_one_never_runs():
+    rec = SafeRecorder()
+    sched = Worker(rec, concurrency=4, queue_timeout_s=0.2)
+    gate = threading.Event()
+    first = sched.submit(lambda e: gate.wait(10), "s")
+    late = sched.submit(lambda e: e.work(1), "s")  # parked behind "s" with threads free
+    dropped = sched.submit(lambda e: e.work(2), "s")
+    other = sched.submit(lambda e: e.work(3), "t")  # another key is not held up
+    assert other.result(5) == 30
+    assert dropped.cancel()
+    time.sleep(0.4)
+    gate.set()
+    assert first.result(5) is True
+    with pytest.raises(QueueTimeoutError):
+        late.result(5)
+    assert dropped.cancelled()
+    assert sched.submit(lambda e: e.work(4), "s").result(5) == 40  # the key was released
+    sched.close()
+    assert [tag for _, tag in rec.log[::3]] == [3, 4]
+
+
+def test_close_cancels_parked_jobs_too():
+    rec = SafeRecorder()
+    sched = Worker(rec, concurrency=2)
+    gate = threading.Event()
+    first = sched.submit(lambda e: gate.wait(10), "s")
+    parked = [sched.submit(lambda e, k=k: e.work(k), "s") for k in range(3)]
+    time.sleep(0.1)
+    closer = threading.Thread(target=sched.close, kwargs={"cancel_pending": True})
+    closer.start()
+    done, _ = wait(parked, timeout=5)
+    assert len(done) == 3 and all(f.cancelled() for f in parked)
+    gate.set()
+    closer.join(5)
+    assert first.result(5) is True and rec.log == [] and not closer.is_alive()
+
+
+def test_concurrency_for_needs_a_thread_safe_engine():
+    assert concurrency_for(SafeRecorder()) == DEFAULT_CONCURRENCY > 1
+    assert concurrency_for(Recorder()) == 1
+    assert concurrency_for(SafeRecorder(), 3) == 3
+    with pytest.raises(ValueError, match="not thread-safe"):
+        concurrency_for(Recorder(), 2)
+    with pytest.raises(ValueError):
+        concurrency_for(SafeRecorder(), 0)
+
+
+def test_directive_memory_runs_one_of_concurrent_retries():
+    from leyline_agent.namespaces import Namespace
+    from leyline_agent.server.directive_memory import DirectiveMemory
+    from leyline_agent.wire import DirectivesRequest, DirectivesResponse
+
+    memory = DirectiveMemory()
+    ns = Namespace("t", None)
+    req = DirectivesRequest.model_validate(
+        {
+            "tokens": [5, 6, 7, 8],
+            "directives": [{"start": 1, "end": 2, "replacement": [9]}],
+            "request_id": "r1",
+        }  # fmt: skip
+    )
+    calls: list[int] = []
+    entered = threading.Barrier(8)
+
+    def execute() -> DirectivesResponse:
+        calls.append(1)
+        time.sleep(0.1)  # the other retries arrive meanwhile
+        return DirectivesResponse(outcome="noop", tokens=[len(calls)], applied=[])
+
+    answers: list[DirectivesResponse] = []
+
+    def retry() -> None:
+        entered.wait(5)
+        answers.append(memory.run(req, ns, execute))
+
+    threads = [threading.Thread(target=retry) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(calls) == 1 and len(answers) == 8 and all(a.tokens == [1] for a in answers)

@@ -3,7 +3,8 @@
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (``openai_routes``),
 ``/leyline/v1/directives``, ``/leyline/v1/stats`` (``leyline_routes``), ``/health``.
 Every engine call goes through one ``Worker``; an app built from an engine owns its
-worker and closes it when the app shuts down.
+worker (``concurrency`` threads: by default 16 for a thread-safe engine, 1 for any other;
+``worker.concurrency_for``) and closes it when the app shuts down.
 
 Pure ASGI middleware, outermost first: ``HostAllowlist`` (only with ``allowed_hosts``),
 ``BearerAuth`` (only with ``api_keys``), ``BodyLimit``, ``ErrorGuard``. So a request from a
@@ -32,7 +33,12 @@ from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, longe
 from leyline_agent.server.openai_routes import router as openai_router
 from leyline_agent.server.state import ServerState
 from leyline_agent.server.tenants import ApiKeys, BearerAuth, HostAllowlist, session_header
-from leyline_agent.server.worker import DEFAULT_QUEUE_TIMEOUT_S, ServedEngine, Worker
+from leyline_agent.server.worker import (
+    DEFAULT_QUEUE_TIMEOUT_S,
+    ServedEngine,
+    Worker,
+    concurrency_for,
+)
 
 __all__ = ["create_app", "model_limits"]
 
@@ -70,6 +76,7 @@ def create_app(
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S,
     remembered_request_ids: int = DEFAULT_REMEMBERED,
     client_edits: str = "off",
+    concurrency: int | None = None,
 ) -> FastAPI:
     """The app serving one engine.
 
@@ -78,7 +85,9 @@ def create_app(
     pairs); none means no authentication and one tenant. ``allowed_hosts``: None turns the
     ``Host`` check off; a collection turns it on (loopback names plus these).
     ``max_prompt_tokens`` defaults to the model's context; ``max_tokens_cap`` to none.
-    ``queue_timeout_s`` applies to the worker the app builds from an engine.
+    ``queue_timeout_s`` and ``concurrency`` (requests run at once; None: 16 for an engine
+    that says it is ``thread_safe``, else 1) apply to the worker the app builds from an
+    engine (a given ``Worker`` has its own).
     ``client_edits``: how chat requests' in-place edits of a conversation the server has
     cached are spliced (``amortize``, ``forget``, ``off``; ``chat_context``). ``off`` (the
     library default) is the plain prefix cache; ``leyline serve`` defaults to ``amortize``.
@@ -86,9 +95,12 @@ def create_app(
     if client_edits not in CLIENT_EDIT_MODES:
         raise ValueError(f"client_edits: {client_edits!r} is not one of {CLIENT_EDIT_MODES}")
     if isinstance(engine_or_worker, Worker):
+        if concurrency is not None:
+            raise ValueError("concurrency: a given Worker keeps its own; set it on the Worker")
         worker, owned = engine_or_worker, False
     else:
-        worker = Worker(engine_or_worker, queue_timeout_s=queue_timeout_s)
+        threads = concurrency_for(engine_or_worker, concurrency)
+        worker = Worker(engine_or_worker, queue_timeout_s=queue_timeout_s, concurrency=threads)
         owned = True
     for name, value in (
         ("max_prompt_tokens", max_prompt_tokens),

@@ -32,6 +32,7 @@ from leyline_agent.server.conversations import Conversation
 from leyline_agent.server.disconnect import run_connected
 from leyline_agent.server.state import ServerState
 from leyline_agent.server.turns import applied_edits, execute_turn, plan_turn
+from leyline_agent.server.worker import session_key
 
 __all__ = ["PreparedChat", "prepare_chat"]
 
@@ -79,7 +80,9 @@ async def prepare_chat(
         edits = applied_edits(specs, messages, plan, count) if specs else []
         return plan, edits, execute_turn(engine, plan, conv_ns)
 
-    plan, edits, results = await run_connected(request, st.worker, job)
+    # one job per turn, in the conversation's session order: its directives never land in
+    # the middle of another request of the same conversation
+    plan, edits, results = await run_connected(request, st.worker, job, key=session_key(conv_ns))
     splices: dict[str, int] = {"amortize": 0, "forget": 0}
     rotated = 0
     done = []

@@ -68,6 +68,7 @@ _EMBEDDED_ONLY = {
     "max_tokens_cap": None,
     "queue_timeout_s": 300.0,
     "client_edits": "amortize",
+    "concurrency": None,
 }
 
 
@@ -121,6 +122,14 @@ def _add_limits_and_keys(p: argparse.ArgumentParser) -> None:
         type=float,
         default=_EMBEDDED_ONLY["queue_timeout_s"],
         help="a request that waited longer for the engine gets 503 + Retry-After (default: 300)",
+    )
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests the engine runs at once, their decode steps batched; requests of one "
+        "session (X-Leyline-Session) still run one after another (default: 16)",
     )
 
 

@@ -7,17 +7,21 @@ answer without executing anything. A retry whose body differs (another directive
 old id) is refused with 400 naming ``request_id``. Failed requests are not remembered: a
 failed directive changed nothing, so running its retry is safe.
 
-``DirectiveMemory.run`` is called on the worker thread, inside the job that executes
-the directive, so looking up, executing and remembering are one step: two concurrent
-retries cannot both execute. Bounded: at most ``per_tenant`` ids per tenant (LRU).
+``DirectiveMemory.run`` is called on a worker thread, inside the job that executes the
+directive, and holds the id (per tenant) from the lookup until the answer is remembered:
+with several worker threads, a concurrent retry of an id in flight waits for the first
+one, then gets its answer (or, if it failed, runs itself); two retries never both execute.
+Other ids are not held up. Bounded: at most ``per_tenant`` ids per tenant (LRU).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from leyline_agent.namespaces import Namespace
 from leyline_agent.server.errors import RequestError
@@ -43,13 +47,15 @@ def fingerprint(req: DirectivesRequest, ns: Namespace) -> str:
 
 
 class DirectiveMemory:
-    """``(tenant, request_id) -> (fingerprint, answer)``; used on the worker thread only."""
+    """``(tenant, request_id) -> (fingerprint, answer)``; thread-safe (see the module doc)."""
 
     def __init__(self, per_tenant: int = DEFAULT_REMEMBERED) -> None:
         if per_tenant < 1:
             raise ValueError(f"per_tenant: {per_tenant} must be >= 1")
         self.per_tenant = per_tenant
         self._tenants: dict[str, OrderedDict[str, tuple[str, DirectivesResponse]]] = {}
+        self._lock = threading.Lock()  # guards _tenants and _held
+        self._held: dict[tuple[str, str], list] = {}  # id in flight -> [its lock, holders]
 
     def run(
         self,
@@ -61,22 +67,42 @@ class DirectiveMemory:
         if req.request_id is None:
             return execute()
         digest = fingerprint(req, ns)
-        seen = self._tenants.setdefault(ns.tenant, OrderedDict())
-        if req.request_id in seen:
-            first, answer = seen[req.request_id]
-            if first != digest:
-                raise RequestError(
-                    f"{req.request_id!r} was already used for a different request; "
-                    "a retry must repeat the request unchanged, a new request needs a new id",
-                    "request_id",
-                )
-            seen.move_to_end(req.request_id)
+        with self._holding(ns.tenant, req.request_id):
+            with self._lock:
+                seen = self._tenants.setdefault(ns.tenant, OrderedDict())
+                if req.request_id in seen:
+                    first, answer = seen[req.request_id]
+                    if first != digest:
+                        raise RequestError(
+                            f"{req.request_id!r} was already used for a different request; a "
+                            "retry must repeat the request unchanged, a new request needs a new id",
+                            "request_id",
+                        )
+                    seen.move_to_end(req.request_id)
+                    return answer
+            answer = execute()
+            with self._lock:
+                seen[req.request_id] = (digest, answer)
+                while len(seen) > self.per_tenant:
+                    seen.popitem(last=False)
             return answer
-        answer = execute()
-        seen[req.request_id] = (digest, answer)
-        while len(seen) > self.per_tenant:
-            seen.popitem(last=False)
-        return answer
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self._tenants.values())
+        with self._lock:
+            return sum(len(v) for v in self._tenants.values())
+
+    @contextmanager
+    def _holding(self, tenant: str, request_id: str) -> Iterator[None]:
+        """Hold ``(tenant, request_id)``: one holder at a time, the others wait."""
+        key = (tenant, request_id)
+        with self._lock:
+            entry = self._held.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._held[key]

@@ -5,8 +5,9 @@ connection (the next ASGI message after the body is ``http.disconnect`` when the
 goes away). If the client leaves first, ``on_gone()`` runs (the route cancels its queued
 job and sets the event its ``on_token`` checks) and ``ClientDisconnected`` is raised.
 
-``run_connected(request, worker, fn)`` is that around one worker job: a job still in
-the queue is cancelled and never runs. A running generation is stopped at its next token by
+``run_connected(request, worker, fn, key=...)`` is that around one worker job (``key``:
+the worker's per-session order, ``worker.session_key``): a job still in the queue is
+cancelled and never runs. A running generation is stopped at its next token by
 ``on_token`` raising ``GenerationCancelled`` (before the engine caches or counts
 anything); a running directive finishes (it is atomic) and its answer is dropped.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 from starlette.requests import Request
@@ -78,9 +79,10 @@ async def run_connected[T](
     worker: Worker,
     fn: Callable[[Any], T],
     gone: threading.Event | None = None,
+    key: Hashable | None = None,
 ) -> T:
     """Run ``fn(engine)`` on the worker unless the client leaves first (see module doc)."""
-    future = worker.submit(fn)
+    future = worker.submit(fn, key)
 
     def on_gone() -> None:
         if gone is not None:

@@ -4,6 +4,8 @@ Everything that can be checked without the cache is checked here before the engi
 asked (model name, message shapes, token ids, directive spans against ``len(tokens)``), so
 a refused request costs the engine nothing and changes none of its counters. What needs
 the cache (is ``tokens`` cached?) is the engine's to say: ``CacheMissError`` -> 409.
+A directive runs in its session's order (``worker.session_key``): never in the middle of
+another request of the same session; the engine runs it between two steps of the others.
 
 Each request acts in its namespace: the key's tenant, and the session named by the
 ``X-Leyline-Session`` header or the ``session`` field. A directive whose client left before
@@ -36,6 +38,7 @@ from leyline_agent.server.limits import check_text_bound, message_text_bytes
 from leyline_agent.server.openai_api import ToolSpec
 from leyline_agent.server.state import state
 from leyline_agent.server.tenants import namespace
+from leyline_agent.server.worker import session_key
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
 __all__ = ["FlushResponse", "router"]
@@ -96,7 +99,7 @@ async def directives(req: DirectivesRequest, request: Request) -> DirectivesResp
     def job(engine: Any) -> DirectivesResponse:  # on the worker: lookup + execute, atomic
         return memory.run(req, ns, lambda: engine.apply_directives(ready, namespace=ns))
 
-    return await run_connected(request, st.worker, job)
+    return await run_connected(request, st.worker, job, key=session_key(ns))
 
 
 @router.get("/leyline/v1/stats", response_model=StatsResponse)

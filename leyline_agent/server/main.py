@@ -63,6 +63,9 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     for name, value in limits.items():
         if value is not None and not value > 0:
             raise ArgumentError(f"--{name.replace('_', '-')}: {value} must be > 0")
+    concurrency = getattr(args, "concurrency", None)
+    if concurrency is not None and concurrency < 1:
+        raise ArgumentError(f"--concurrency: {concurrency} must be >= 1")
     engine = Engine.from_pretrained(args.model, **kwargs)
     return create_app(
         engine,
@@ -71,6 +74,7 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
         api_keys=keys,
         allowed_hosts=allowed_hosts(args),
         client_edits=getattr(args, "client_edits", None) or "amortize",
+        concurrency=concurrency,
         **limits,
     )
 

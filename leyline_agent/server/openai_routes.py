@@ -11,7 +11,9 @@ client raises it).
 
 Every engine job watches its client: if it disconnects, a queued job never runs and a
 running generation stops at its next token, before the engine caches or counts anything
-(``disconnect``). Each request's namespace (tenant, session) goes to ``engine.generate``.
+(``disconnect``). Each request's namespace (tenant, session) goes to ``engine.generate``;
+a generation of a named session runs in that session's order (``worker.session_key``),
+other requests side by side on the worker's threads (their steps batched by the engine).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from leyline_agent.server.streaming import DONE, StreamedText, sse
 from leyline_agent.server.tenants import namespace
 from leyline_agent.server.tool_calls import OPEN_TAG
 from leyline_agent.server.tool_choice import ToolChoice, parse_answer, parse_tool_choice
-from leyline_agent.server.worker import StreamEnd
+from leyline_agent.server.worker import StreamEnd, session_key
 
 __all__ = ["router"]
 
@@ -113,8 +115,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     ids = await run_connected(
         request,
         st.worker,
-        lambda e: e.render(messages, tools=tools, add_generation_prompt=True)
-        + (list(e.tokenizer.encode(forced, add_special_tokens=False)) if forced else []),
+        lambda e: (
+            e.render(messages, tools=tools, add_generation_prompt=True)
+            + (list(e.tokenizer.encode(forced, add_special_tokens=False)) if forced else [])
+        ),
     )
     check_prompt_ids(ids, st.model.limits, "messages")
     params = sampling_params(req, len(ids), st.model, st.params_cls)
@@ -302,6 +306,7 @@ async def _generate_once(
         st.worker,
         lambda e: e.generate(ids, params, on_token=on_token, namespace=ns),
         gone,
+        key=session_key(ns),
     )
 
 
@@ -326,7 +331,7 @@ async def _generate(
         return engine.generate(ids, params, on_token=partial(on_token, emit), namespace=ns)
 
     try:
-        async with aclosing(st.worker.stream(job)) as events:
+        async with aclosing(st.worker.stream(job, key=session_key(ns))) as events:
             async for event in events:
                 yield event if isinstance(event, StreamEnd) else event[0]
     finally:

@@ -1,5 +1,5 @@
 """What every route reads: the worker, the served model, the engine's parameter class,
-the memory of directive request ids (used on the worker thread only), the splice mode of
+the memory of directive request ids (used on the worker threads), the splice mode of
 client-made edits and the conversations found by content (``chat_context``)."""
 
 from __future__ import annotations

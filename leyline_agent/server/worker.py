@@ -4,12 +4,20 @@ HTTP handlers run concurrently on the event loop; nothing but the worker's threa
 touches the engine: a handler wraps its work in a function ``fn(engine)`` (render a
 prompt, generate, apply directives, read stats), ``submit``s it and awaits the ``Future``.
 
-By default (``concurrency=1``) one thread runs one job at a time, to completion, in
-arrival order: what the routes' queue limits and request-id de-duplication assume.
-``concurrency=N`` (for a thread-safe engine: the embedded ``Engine``'s concurrent
-``generate`` calls share its batched steps, everything else runs between two steps under
-its lock) starts jobs in arrival order on N threads that run side by side, so eight
-streaming clients decode in one batched forward.
+Threads: ``concurrency=1`` (the default of a bare ``Worker``, and the only value for an
+engine that does not say it is ``thread_safe``) runs one job at a time, to completion, in
+arrival order. ``concurrency=N`` (``leyline serve`` on the embedded ``Engine``: its
+concurrent ``generate`` calls share batched steps, everything else runs between two steps
+under its lock) starts jobs in arrival order on N threads that run side by side, so eight
+streaming clients decode in one batched forward. ``concurrency_for`` picks N.
+
+Sessions: a job submitted with a ``key`` (the routes pass a named session's namespace,
+``session_key``) never runs beside another job of the same key: jobs of one key start in
+arrival order, each after the previous one ended, while other keys' jobs run on the other
+threads. A parked job holds no thread. So a directive of a session never lands in the
+middle of a generation of that session (it sees the session as its requests left it, as
+with one thread); requests that name no session share no key and run concurrently (each
+directive is still atomic: the engine runs it between two steps).
 
 Streaming: ``stream`` runs a generating job whose ``on_token`` callback (called on the
 worker thread) hands each event to the event loop through an ``asyncio.Queue``; the
@@ -18,8 +26,9 @@ A stream whose consumer stops before the job started cancels it (it never runs);
 running, the job itself decides when to stop (the routes raise from ``on_token``), so the
 engine is never interrupted half-way through a step.
 
-Queue timeout: a job that waited longer than ``queue_timeout_s`` before the worker reached it
-fails with ``QueueTimeoutError`` (503 with ``Retry-After``) without running.
+Queue timeout: a job that waited longer than ``queue_timeout_s`` from its arrival until a
+thread started it (behind other jobs, or parked behind its session's) fails with
+``QueueTimeoutError`` (503 with ``Retry-After``) without running.
 
 ``close()`` stops accepting work, lets queued jobs finish (or cancels them), and joins.
 """
@@ -31,7 +40,8 @@ import math
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -43,16 +53,34 @@ from leyline_agent.namespaces import ANONYMOUS, Namespace
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["DEFAULT_QUEUE_TIMEOUT_S", "ServedEngine", "QueueTimeoutError", "Worker", "StreamEnd"]
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_QUEUE_TIMEOUT_S",
+    "QueueTimeoutError",
+    "ServedEngine",
+    "StreamEnd",
+    "Worker",
+    "concurrency_for",
+    "session_key",
+]
 
 T = TypeVar("T")
 DEFAULT_QUEUE_TIMEOUT_S = 300.0
+# Threads for a thread-safe engine: requests in flight at once, so at most this many
+# sequences share a batched step. 16 is the largest concurrency the demo and the benchmarks
+# drive (C = 1..16), so none of their sessions waits for another's whole answer; a thread
+# that waits for the engine lock costs a stack and nothing else.
+DEFAULT_CONCURRENCY = 16
 
 
 class ServedEngine(Protocol):
     """What the server needs from an inference engine (``leyline_agent.engine.engine.Engine``
     is one; tests serve doubles). ``generate``'s ``on_token(token_id, text_delta)`` gets the
-    text each token adds, stop-safe: the deltas add up to the result's ``text``."""
+    text each token adds, stop-safe: the deltas add up to the result's ``text``.
+
+    An engine whose methods may be called from several threads at once says so with a
+    true ``thread_safe`` attribute (``Engine.thread_safe``); without it (doubles, wrappers
+    of engines that are not) the worker runs one job at a time (``concurrency_for``)."""
 
     model_name: str
 
@@ -94,11 +122,35 @@ class QueueTimeoutError(RuntimeUnavailableError):
         self.retry_after_s = max(1, min(60, math.ceil(timeout_s / 10)))
 
 
+def concurrency_for(engine: Any, requested: int | None = None) -> int:
+    """Worker threads for ``engine``: ``requested``, or by default ``DEFAULT_CONCURRENCY``
+    for a ``thread_safe`` engine and 1 for any other; more than 1 for an engine that is
+    not thread-safe is a ``ValueError`` (never a silent downgrade)."""
+    safe = bool(getattr(engine, "thread_safe", False))
+    if requested is None:
+        return DEFAULT_CONCURRENCY if safe else 1
+    if requested < 1:
+        raise ValueError(f"concurrency: {requested} must be >= 1")
+    if requested > 1 and not safe:
+        raise ValueError(
+            f"concurrency: {requested}: the engine {type(engine).__name__} is not thread-safe "
+            "(no true thread_safe attribute); it runs one request at a time"
+        )
+    return requested
+
+
+def session_key(ns: Namespace) -> Namespace | None:
+    """The ``key`` that orders a request's jobs: its namespace if it names a session
+    (requests without one share no key: see the module doc)."""
+    return ns if ns.session is not None else None
+
+
 @dataclass(slots=True)
 class _Job:
     fn: Callable[[Any], Any]
     future: Future
     queued_at: float
+    key: Hashable | None = None
 
 
 @dataclass(slots=True)
@@ -109,7 +161,8 @@ class StreamEnd[R]:
 
 
 class Worker:
-    """Runs all work on one engine: FIFO starts, on ``concurrency`` threads (default 1)."""
+    """Runs all work on one engine: FIFO starts, on ``concurrency`` threads (default 1),
+    one job at a time per ``key``."""
 
     def __init__(
         self,
@@ -126,35 +179,44 @@ class Worker:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        # key -> jobs parked behind its running job (a key is present while one runs)
+        self._keys: dict[Hashable, deque[_Job]] = {}
         if concurrency < 1:
             raise ValueError(f"concurrency: {concurrency} must be >= 1")
-        n = concurrency
+        self.concurrency = concurrency
         self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(n)
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(concurrency)
         ]
         for t in self._threads:
             t.start()
 
     # ---- public API --------------------------------------------------------------------
-    def submit(self, fn: Callable[[ServedEngine], T]) -> Future[T]:
-        """Queue ``fn(engine)``; its result or exception arrives in the returned future."""
+    def submit(self, fn: Callable[[ServedEngine], T], key: Hashable | None = None) -> Future[T]:
+        """Queue ``fn(engine)``; its result or exception arrives in the returned future.
+        ``key``: never run beside another job of the same key (see the module doc)."""
         future: Future[T] = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeUnavailableError("the server is shutting down; no new work accepted")
-            self._queue.put(_Job(fn, future, time.monotonic()))
+            self._queue.put(_Job(fn, future, time.monotonic(), key))
         return future
 
-    async def run(self, fn: Callable[[ServedEngine], T]) -> T:
+    async def run(self, fn: Callable[[ServedEngine], T], key: Hashable | None = None) -> T:
         """``submit`` and await the result from the event loop."""
-        return await asyncio.wrap_future(self.submit(fn))
+        return await asyncio.wrap_future(self.submit(fn, key))
 
-    def call(self, fn: Callable[[ServedEngine], T], timeout: float | None = None) -> T:
+    def call(
+        self,
+        fn: Callable[[ServedEngine], T],
+        timeout: float | None = None,
+        key: Hashable | None = None,
+    ) -> T:
         """``submit`` and block (for synchronous callers, never from the event loop)."""
-        return self.submit(fn).result(timeout)
+        return self.submit(fn, key).result(timeout)
 
     async def stream(
-        self, fn: Callable[[ServedEngine, Callable[..., None]], T]
+        self, fn: Callable[[ServedEngine, Callable[..., None]], T], key: Hashable | None = None
     ) -> AsyncIterator[tuple[Any, ...] | StreamEnd[T]]:
         """Run ``fn(engine, emit)``; yield each ``emit(*args)`` as a tuple, then ``StreamEnd``.
 
@@ -170,7 +232,7 @@ class Worker:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-        future = self.submit(lambda engine: fn(engine, lambda *args: post("event", args)))
+        future = self.submit(lambda engine: fn(engine, lambda *args: post("event", args)), key)
         future.add_done_callback(lambda f: post("done", f))
         try:
             while True:
@@ -204,13 +266,19 @@ class Worker:
         return self._closed
 
     # ---- worker ------------------------------------------------------------------------
-    def _cancel_queued(self) -> None:
+    def _cancel_queued(self) -> None:  # under self._lock
+        parked = [job for jobs in self._keys.values() for job in jobs]
+        for jobs in self._keys.values():
+            jobs.clear()  # never popped: a notified future cannot be started
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
-                return
-            if job is not None and job.future.cancel():
+                break
+            if job is not None:
+                parked.append(job)
+        for job in parked:
+            if job.future.cancel():
                 job.future.set_running_or_notify_cancel()  # wakes concurrent.futures.wait()
 
     def _work(self) -> None:
@@ -218,15 +286,37 @@ class Worker:
             job = self._queue.get()
             if job is None:
                 return
-            if not job.future.set_running_or_notify_cancel():
-                continue
-            waited = time.monotonic() - job.queued_at
-            if self.queue_timeout_s is not None and waited > self.queue_timeout_s:
-                job.future.set_exception(QueueTimeoutError(waited, self.queue_timeout_s))
-                continue
-            try:
-                result = job.fn(self.engine)
-            except Exception as exc:  # handed to the awaiting request, never lost
-                job.future.set_exception(exc)
-            else:
-                job.future.set_result(result)
+            if job.key is not None:
+                with self._lock:
+                    if job.key in self._keys:  # its key is running: park it behind
+                        self._keys[job.key].append(job)
+                        continue
+                    self._keys[job.key] = deque()
+            while job is not None:
+                self._run(job)
+                job = self._next_of(job.key)
+
+    def _next_of(self, key: Hashable | None) -> _Job | None:
+        """The job parked first behind ``key`` (it keeps the key), or None (key released)."""
+        if key is None:
+            return None
+        with self._lock:
+            parked = self._keys[key]
+            if parked:
+                return parked.popleft()
+            del self._keys[key]
+            return None
+
+    def _run(self, job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return  # cancelled while it waited
+        waited = time.monotonic() - job.queued_at
+        if self.queue_timeout_s is not None and waited > self.queue_timeout_s:
+            job.future.set_exception(QueueTimeoutError(waited, self.queue_timeout_s))
+            return
+        try:
+            result = job.fn(self.engine)
+        except Exception as exc:  # handed to the awaiting request, never lost
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(result)
