@@ -1,120 +1,211 @@
-"""Benchmark (not a test): AMORTIZE a tail vs re-prefilling it, mini MLA model, one run.
+"""Benchmark (not a test): an edit in the middle of the context, AMORTIZE vs FORGET vs a forward.
 
-    .venv/bin/python -m leyline_agent.experiments.bench_splice [--model DIR] [--tails 512,2048,8192]
+    .venv/bin/python -m leyline_agent.experiments.bench_splice [--archs deepseek_v2,llama]
+        [--halves 2048,4096,8192] [--span 256] [--replacement 16] [--reps 3] [--forget-reps 1]
+        [--switch] [--drift]
 
-For each tail length N, the cached sequence is ``T = prefix(256) + span(16) + tail(N)``.
-The directive replaces the span by 8 new tokens (delta = -8):
+For each ``mini`` model (built once, seeded) and each half length H, the cached sequence is
+``T = prefix(H) + span(256) + tail(H)`` (H = 2048 / 4096 / 8192: the "4k", "8k" and "16k"
+cases), and the directive replaces the span by 16 new tokens (delta = -240):
 
-- AMORTIZE: prefill the 8 tokens over the prefix, copy the tail's latents to fresh slots
-  and rotate its ``k_pe`` by delta (``rotate_band``): the engine's real path.
-- re-prefill: the same directive in FORGET mode: prefill the 8 tokens + the N tail tokens
-  over the prefix (what a prefix cache without splices costs the next request).
+- AMORTIZE: ``Engine.apply_directives``: R (16 tokens) prefilled over the prefix, the tail's
+  rows copied to fresh slots with their rotary band turned by delta, ``T'`` cached;
+- FORGET: the same directive in FORGET mode: R + the tail prefilled over the prefix;
+- forward64: a plain forward of 64 new tokens after the whole cached ``T``
+  (``Engine.logits_for``), the cost of an ordinary next turn.
 
-Both go through ``Engine.apply_directives`` on the same engine; the table prints the
-median of ``--reps`` AMORTIZE runs, one re-prefill per size (or ``--reps`` with
-``--full-reps``), and their ratio. Without ``--model``, the mini DeepSeek-V2 checkpoint is
-built once (seeded) into the test-model cache.
+The three run interleaved in one loop (best of ``--reps``; FORGET best of ``--forget-reps``)
+on the same engine; the table gives their ratios. AMORTIZE is split into its parts, timed
+alone in the same loop: R's forward over the prefix, the tail move (``KVPool.copy_rotated``),
+and the rest (lookups, plan, tree insert, pin). ``--switch`` measures the MLA
+expand-vs-absorb switch (``attention.py``); ``--drift`` the bf16 drift of a directive batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 
-def _median_time(fn, reps: int) -> float:
+def _csv(text: str) -> list[str]:
+    return [p for p in text.split(",") if p]
+
+
+def _best(fn: Callable[[], Any], k: int) -> float:
     times = []
-    for _ in range(reps):
+    for _ in range(k):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return min(times)
 
 
-def _tail_move(eng, tokens: list[int], start: int) -> None:
-    """The tail-dependent part alone: copy the tail to fresh slots, rotating k_pe (then free)."""
-    src = eng.cache.tree.match_prefix(tokens).slots[start:]
-    dst = eng.allocator.alloc(len(src))
-    eng.pool.copy_rotated(src, dst, -8)
-    eng.allocator.free(dst)
+def _engine(arch: str, dtype: str, budget: int) -> Any:
+    from leyline_agent.engine.checkpoints.store import model_dir
+    from leyline_agent.engine.engine import Engine
+
+    return Engine.from_pretrained(
+        model_dir(arch, "mini", 0), dtype=dtype, device="cpu", cache_budget_tokens=budget
+    )
+
+
+# ---------------------------------------------------------------------------- the table
+def measure(arch: str, half: int, a: argparse.Namespace) -> dict[str, float]:
+    from leyline_agent.engine.engine import SamplingParams
+    from leyline_agent.namespaces import ANONYMOUS
+    from leyline_agent.wire import DirectivesRequest
+
+    n = 2 * half + a.span
+    eng = _engine(arch, a.dtype, 4 * (n + 1024))
+    rng = random.Random(half)
+    T = [rng.randrange(3, eng.vocab_size - 2) for _ in range(n)]
+    R = [rng.randrange(3, eng.vocab_size - 2) for _ in range(a.replacement)]
+    X = [rng.randrange(3, eng.vocab_size - 2) for _ in range(64)]
+    s, e = half, half + a.span
+    t = time.perf_counter()
+    eng.generate(T, SamplingParams(max_tokens=0))
+    cache_s = time.perf_counter() - t
+
+    def directive(mode: str) -> None:
+        d = {"start": s, "end": e, "replacement": R, "mode": mode}
+        eng.apply_directives(DirectivesRequest(tokens=T, directives=[d]))
+
+    def r_forward() -> None:
+        with eng.stepper.exclusive():
+            m = eng.cache.match(T, ANONYMOUS)
+            eng.allocator.free(eng.runner.prefill_into_slots(m.slots[:s], R))
+
+    def tail_move() -> None:
+        with eng.stepper.exclusive():
+            src = eng.cache.match(T, ANONYMOUS).slots[e:]
+            dst = eng.allocator.alloc(len(src))
+            eng.pool.copy_rotated(src, dst, len(R) - a.span)
+            eng.allocator.free(dst)
+
+    directive("amortize")  # warm-up (allocations, first-call paths)
+    eng.logits_for(T + X)
+    best: dict[str, float] = {}
+    for rep in range(a.reps):
+        parts = [("amortize", lambda: directive("amortize")), ("forward64", lambda: eng.logits_for(T + X)),
+                 ("r_forward", r_forward), ("tail_move", tail_move)]  # fmt: skip
+        if rep < a.forget_reps:
+            parts.append(("forget", lambda: directive("forget")))
+        for name, fn in parts:
+            best[name] = min(best.get(name, float("inf")), _best(fn, 1))
+    best["cache_s"] = cache_s
+    best["other"] = max(0.0, best["amortize"] - best["r_forward"] - best["tail_move"])
+    return best
+
+
+def table(a: argparse.Namespace) -> None:
+    print(
+        "| model | T tokens (prefix+span+tail) | AMORTIZE ms | R forward ms | tail move ms "
+        "| other ms | FORGET ms | forward64 ms | FORGET/AMORTIZE | AMORTIZE/forward64 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for arch in _csv(a.archs):
+        for half in map(int, _csv(a.halves)):
+            m = measure(arch, half, a)
+            ms = {k: 1e3 * v for k, v in m.items()}
+            print(
+                f"| {arch} mini | {2 * half + a.span} ({half}+{a.span}+{half}) "
+                f"| {ms['amortize']:.1f} | {ms['r_forward']:.1f} | {ms['tail_move']:.1f} "
+                f"| {ms['other']:.1f} | {ms['forget']:.0f} | {ms['forward64']:.1f} "
+                f"| {m['forget'] / m['amortize']:.0f}x | {m['amortize'] / m['forward64']:.2f}x |",
+                flush=True,
+            )
+
+
+# ---------------------------------------------------------------------------- the MLA switch
+def switch(a: argparse.Namespace) -> int:
+    """Absorbed vs expanded MLA attention of one chunk, on layer 0 of the mini DeepSeek-V2
+    (its own weights), chunk sizes 16..512, with nothing cached and with ``--switch-cached``
+    rows cached. Prints the smallest chunk from which expanding its own chunk is faster with
+    nothing cached (the engine's ``EXPAND_MIN_TOKENS``)."""
+    from leyline_agent.engine.model import attention as att
+
+    eng = _engine("deepseek_v2", a.dtype, 1024)
+    mod = eng.model.model.layers[0].self_attn
+    h, dt = mod.num_heads, eng.dtype
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dt)
+
+    sizes = [16, 32, 64, 128, 256, 512]
+    cached = a.switch_cached
+    print(f"MLA switch, {eng.config.model_type} mini layer 0, {a.dtype}, "
+          f"{torch.get_num_threads()} thread(s), best of {a.reps}")  # fmt: skip
+    print("| chunk | cached | absorbed ms | expanded ms | expanded/absorbed |")
+    print("|---|---|---|---|---|")
+    first = None
+    with torch.inference_mode():
+        for c in (0, cached):
+            for t in sizes:
+                qn, qp = rnd(h, t, mod.qk_nope_head_dim), rnd(h, t, mod.qk_rope_head_dim)
+                ckv, kpe = rnd(c + t, mod.kv_lora_rank), rnd(c + t, mod.qk_rope_head_dim)
+                xs = (mod, qn, qp, ckv, kpe)
+                ab = _best(lambda xs=xs: att.mla_absorbed(*xs), a.reps)
+                ex = _best(lambda xs=xs: _expanded_over(*xs), a.reps)
+                if c == 0 and ex < ab and first is None:
+                    first = t  # smallest size from which expanding wins at every larger one
+                if c == 0 and ex >= ab:
+                    first = None
+                print(f"| {t} | {c} | {1e3 * ab:.2f} | {1e3 * ex:.2f} | {ex / ab:.2f} |",
+                      flush=True)  # fmt: skip
+    print(
+        f"switch point (nothing cached): expanding is faster from {first} tokens on "
+        f"(engine: EXPAND_MIN_TOKENS = {att.EXPAND_MIN_TOKENS}); with {cached} rows cached the "
+        "column shows re-expanding the cached latents, which the engine never does"
+    )
+    return 0
+
+
+def _expanded_over(mod: Any, q_nope: Any, q_pe: Any, c_kv: Any, k_pe: Any) -> Any:
+    """Expanded MLA of t queries over all n rows (the engine's own-chunk path when n == t;
+    with rows cached it re-expands them, which the engine does not: for comparison only)."""
+    from leyline_agent.engine.model import attention as att
+
+    h, t, _ = q_nope.shape
+    n = c_kv.shape[0]
+    if n == t:
+        return att._mla_expanded(mod, q_nope, q_pe, c_kv, k_pe)
+    kv = mod.kv_b_proj(c_kv).view(n, h, -1).transpose(0, 1)
+    k_nope, v = torch.split(kv, [mod.qk_nope_head_dim, mod.v_head_dim], dim=-1)
+    k = torch.cat([k_nope, k_pe[None].expand(h, -1, -1)], dim=-1)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    mask = torch.arange(n)[None, :] <= torch.arange(n - t, n)[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, scale=mod.scaling
+    )[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", help="model dir (default: build the mini deepseek_v2)")
-    ap.add_argument("--tails", default="512,2048,8192")
-    ap.add_argument("--prefix", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--full-reps", action="store_true", help="repeat the re-prefill too")
+    ap.add_argument("--archs", default="deepseek_v2,llama", help="mini models to run")
+    ap.add_argument("--halves", default="2048,4096,8192", help="prefix = tail lengths")
+    ap.add_argument("--span", type=int, default=256, help="tokens the directive replaces")
+    ap.add_argument("--replacement", type=int, default=16, help="tokens of R")
+    ap.add_argument("--reps", type=int, default=3, help="best of this many (AMORTIZE, forward)")
+    ap.add_argument("--forget-reps", type=int, default=1, help="best of this many FORGETs")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads (0: torch default; 1 is steadiest on a shared machine)",
-    )
-    args = ap.parse_args(argv)
-
-    import torch
-
-    from leyline_agent.engine.engine import Engine, SamplingParams
-    from leyline_agent.wire import DirectivesRequest
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.model:
-        path = args.model
-    else:
-        from leyline_agent.engine.checkpoints.store import model_dir
-
-        path = model_dir("deepseek_v2", "mini", 0)
-    tails = [int(x) for x in args.tails.split(",")]
-    eng = Engine.from_pretrained(
-        path, dtype=args.dtype, device="cpu", cache_budget_tokens=4 * (max(tails) + 1024)
-    )
-    cfg = eng.config
-    print(
-        f"model {path}: {cfg.model_type}, layers={cfg.num_hidden_layers}, hidden={cfg.hidden_size}, "
-        f"kv_lora_rank={cfg.kv_lora_rank}, rope_dim={cfg.qk_rope_head_dim}, dtype={args.dtype}, "
-        f"threads={torch.get_num_threads()}"
-    )
-    rng = random.Random(0)
-    rows = []
-    for n in tails:
-        T = [rng.randrange(3, eng.vocab_size - 2) for _ in range(args.prefix + 16 + n)]
-        s, e = args.prefix, args.prefix + 16
-        R = [rng.randrange(3, eng.vocab_size - 2) for _ in range(8)]
-        t = time.perf_counter()
-        eng.generate(T, SamplingParams(max_tokens=0))
-        cache_s = time.perf_counter() - t
-
-        def run(mode: str, T=T, s=s, e=e, R=R) -> None:
-            d = {"start": s, "end": e, "replacement": R, "mode": mode}
-            eng.apply_directives(DirectivesRequest(tokens=T, directives=[d]))
-
-        run("amortize")  # warm-up
-        amortize = _median_time(lambda: run("amortize"), args.reps)
-        forget = _median_time(lambda: run("forget"), args.reps if args.full_reps else 1)
-        move = _median_time(lambda T=T, e=e: _tail_move(eng, T, e), args.reps)
-        rows.append((n, amortize, forget, move))
-        print(
-            f"  tail {n}: cache T {cache_s:.1f} s, amortize {amortize * 1e3:.1f} ms "
-            f"(tail move {move * 1e3:.1f} ms), re-prefill {forget * 1e3:.1f} ms",
-            flush=True,
-        )
-    print()
-    print(
-        f"{'tail':>6} | {'AMORTIZE ms':>11} | {'tail move ms':>12} | {'re-prefill ms':>13} | {'ratio':>7}"
-    )
-    print(f"{'-' * 6}-+-{'-' * 11}-+-{'-' * 12}-+-{'-' * 13}-+-{'-' * 7}")
-    for n, a, f, mv in rows:
-        print(f"{n:>6} | {a * 1e3:>11.1f} | {mv * 1e3:>12.2f} | {f * 1e3:>13.1f} | {f / a:>6.1f}x")
-    st = eng.stats()
-    print(f"\nsplices {st.splices}, rotated tokens {st.rotated_tokens}")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
+    ap.add_argument("--switch", action="store_true", help="only the MLA expand/absorb switch")
+    ap.add_argument("--switch-cached", type=int, default=4096, help="cached rows for --switch")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    print(f"dtype {a.dtype}, {torch.get_num_threads()} thread(s)")
+    if a.switch:
+        return switch(a)
+    table(a)
     return 0
 
 

@@ -18,9 +18,9 @@ engine caches which pair layout and where the band sits in a cache row, and
 ``rotate_band.py`` for the exact semantics, backends and precision.
 """
 
+from leyline_agent.kernels.launches import LAUNCHES
 from leyline_agent.kernels.plan import KERNEL_ENV, RotationPlan, plan_rotation
 from leyline_agent.kernels.rope_spec import RopeSpec, band_offset_for
-from leyline_agent.kernels.launches import LAUNCHES
 from leyline_agent.kernels.rotate_band import apply_plan, rotate_band, rotate_band_torch
 
 __all__ = [

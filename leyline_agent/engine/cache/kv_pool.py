@@ -136,6 +136,12 @@ class KVPool:
             else (self.keys, self.values)
         )
         rotate_band(rot, s, d, dl, self.rope_spec, band_offset=0)
+        s0, d0 = _run_start(s), _run_start(d)
+        if s0 >= 0 and d0 >= 0:  # one run each (the usual tail -> fresh run): a single copy
+            k = len(src)
+            if abs(s0 - d0) >= k:  # disjoint (fresh destinations)
+                plain.narrow(2, d0, k).copy_(plain.narrow(2, s0, k))
+                return
         plain.index_copy_(2, d, plain.index_select(2, s))
 
     def snapshot(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +153,15 @@ class KVPool:
         lo = self.layout
         per = lo.num_layers * (lo.k_heads * lo.k_dim + lo.v_heads * lo.v_dim)
         return per * self.keys.element_size()
+
+
+def _run_start(idx: torch.Tensor) -> int:
+    """The first index if ``idx`` is one ascending run of consecutive indices, else -1."""
+    n = idx.numel()
+    first = int(idx[0])
+    if int(idx[-1]) - first != n - 1 or (n > 2 and not bool((idx.diff() == 1).all())):
+        return -1
+    return first
 
 
 def _extend(t: torch.Tensor, new_cap: int) -> torch.Tensor:

@@ -13,7 +13,10 @@ Shapes (one packed forward of N new tokens, ``context.py``; H query heads):
   ``q_lat = q_nope · W_uk`` (``kv_b_proj``'s key half), scores ``q_lat·c_kv + q_pe·k_pe``,
   output ``(p · c_kv) · W_uv`` (the value half). Cached latents are never re-expanded. A
   sequence with nothing cached and at least ``EXPAND_MIN_TOKENS`` new tokens expands its
-  own chunk instead (cheaper there: head dim 192 instead of 576; measured, see README).
+  own chunk instead (cheaper there: head dim 192 instead of 576). Measured by
+  ``bench_splice --switch`` (README): with nothing cached, expanding wins from 32 tokens
+  on; with rows cached, re-expanding them loses at every chunk size up to 512, so chunks
+  with a cached context always stay absorbed.
 
 With no context set both fall through to transformers' own code (sdpa), so the model
 object still serves plain forwards (the tests' ground truth) unchanged.
@@ -33,8 +36,8 @@ from leyline_agent.engine.model.context import SeqRows, current
 __all__ = ["ATTN_IMPLEMENTATION", "EXPAND_MIN_TOKENS", "install", "mla_absorbed", "mla_project"]
 
 ATTN_IMPLEMENTATION = "leyline"
-EXPAND_MIN_TOKENS = 64
-_MANUAL_MAX_Q = 16  # up to this many query rows: explicit GEMMs; above: fused SDPA
+EXPAND_MIN_TOKENS = 32  # measured: bench_splice --switch
+_SCORE_BLOCK = 1 << 22  # absorbed path: scores per block of queries (16 MiB in fp32)
 
 
 def install(model: Any) -> None:
@@ -153,27 +156,28 @@ def mla_absorbed(
     self: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
 ) -> torch.Tensor:
     """Latent-space MLA of t queries over n rows (the last t are the queries' own):
-    ``q_nope [H,t,nope]``, ``q_pe [H,t,rope]``, ``c_kv [n,r]``, ``k_pe [n,rope]`` -> ``[H,t,v]``."""
+    ``q_nope [H,t,nope]``, ``q_pe [H,t,rope]``, ``c_kv [n,r]``, ``k_pe [n,rope]`` -> ``[H,t,v]``.
+
+    Explicit GEMMs over blocks of queries (at most ``_SCORE_BLOCK`` scores at a time): on
+    CPU they beat SDPA's GQA path at every chunk size the engine runs (``bench_splice
+    --switch``; SDPA would broadcast the one latent head to H heads)."""
     h, t, _ = q_nope.shape
     n, r = c_kv.shape
     w = self.kv_b_proj.weight.view(h, self.qk_nope_head_dim + self.v_head_dim, r)
     w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
     q_lat = torch.bmm(q_nope, w_uk)  # [H, t, r]
-    if t <= _MANUAL_MAX_Q:
-        scores = q_lat.reshape(h * t, r) @ c_kv.T
-        scores.addmm_(q_pe.reshape(h * t, -1), k_pe.T)
-        scores = scores.view(h, t, n).float() * self.scaling
-        if t > 1:
-            scores.masked_fill_(~_allowed(t, n, scores.device), float("-inf"))
+    o_lat = q_lat.new_empty(h, t, r)
+    step = max(1, _SCORE_BLOCK // (h * n))
+    for i in range(0, t, step):
+        j = min(t, i + step)
+        b = j - i
+        scores = q_lat[:, i:j].reshape(h * b, r) @ c_kv.T
+        scores.addmm_(q_pe[:, i:j].reshape(h * b, -1), k_pe.T)
+        scores = scores.view(h, b, n).float().mul_(self.scaling)
+        if t > 1:  # query i sits at position n - t + i: it sees rows 0..n - t + i
+            scores.masked_fill_(~_allowed_rows(n - t + i, b, n, scores.device), float("-inf"))
         p = torch.softmax(scores, dim=-1).to(c_kv.dtype)
-        o_lat = (p.view(h * t, n) @ c_kv).view(h, t, r)
-    else:
-        q = torch.cat([q_lat, q_pe], dim=-1)[None]  # [1, H, t, r+rope]
-        k = torch.cat([c_kv, k_pe], dim=-1)[None, None]  # [1, 1, n, r+rope]
-        o_lat = F.scaled_dot_product_attention(
-            q, k, c_kv[None, None], attn_mask=_allowed(t, n, q.device),
-            scale=self.scaling, enable_gqa=True,
-        )[0]  # fmt: skip
+        o_lat[:, i:j] = (p.view(h * b, n) @ c_kv).view(h, b, r)
     return torch.bmm(o_lat, w_uv.transpose(1, 2))  # [H, t, v]
 
 
@@ -201,8 +205,13 @@ def _rows(t: torch.Tensor, s: SeqRows, dim: int) -> torch.Tensor:
 
 def _allowed(t: int, n: int, device: torch.device) -> torch.Tensor:
     """``[t, n]``: query i (position n - t + i) sees rows 0..n - t + i."""
+    return _allowed_rows(n - t, t, n, device)
+
+
+def _allowed_rows(first: int, t: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[t, n]``: query i (position first + i) sees rows 0..first + i."""
     cols = torch.arange(n, device=device)
-    rows = torch.arange(n - t, n, device=device)
+    rows = torch.arange(first, first + t, device=device)
     return cols[None, :] <= rows[:, None]
 
 
