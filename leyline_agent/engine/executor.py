@@ -76,7 +76,7 @@ class _Backend:
     ) -> list[int]:
         return self.host.runner.prefill_into_slots(prefix_slots, token_ids)
 
-    def rotate_into_fresh(self, src: Sequence[int], delta: int) -> list[int]:
+    def rotate_into_fresh(self, src: Sequence[int], delta: int | Sequence[int]) -> list[int]:
         dst = self.host.allocator.alloc(len(src))
         try:
             self.host.pool.copy_rotated(src, dst, delta)
@@ -96,15 +96,20 @@ def _compile_token_form(
     return tokens, compiled
 
 
-def apply_request(host: SpliceHost, req: DirectivesRequest, ns: Namespace) -> DirectivesResponse:
+def apply_request(
+    host: SpliceHost, req: DirectivesRequest, ns: Namespace, *, per_directive: bool = False
+) -> DirectivesResponse:
     """Execute ``req`` in namespace ``ns``: its base is looked up as ``ns`` sees the cache
-    (its own spliced rows first), and ``T'`` is written back as ``ns``'s (``radix.py``)."""
-    resp = _apply(host, req, ns, time.perf_counter())
+    (its own spliced rows first), and ``T'`` is written back as ``ns``'s (``radix.py``).
+    ``per_directive``: run a batch's steps one by one (``splice.py``; for measurements)."""
+    resp = _apply(host, req, ns, time.perf_counter(), per_directive)
     host.counters(ns.tenant).count_directive(resp)
     return resp
 
 
-def _apply(host: SpliceHost, req: DirectivesRequest, ns: Namespace, t0: float) -> DirectivesResponse:
+def _apply(
+    host: SpliceHost, req: DirectivesRequest, ns: Namespace, t0: float, per_directive: bool
+) -> DirectivesResponse:
     cache = host.cache
     if req.tokens is not None:
         tokens, compiled = _compile_token_form(host, req)
@@ -140,7 +145,7 @@ def _apply(host: SpliceHost, req: DirectivesRequest, ns: Namespace, t0: float) -
     cache.arrive(ns)
     plan = plan_splice(base, order, exact_len=m.exact_len)
     if order:
-        _execute(host, plan, m, ns)
+        _execute(host, plan, m, ns, per_directive)
     outcome = "applied" if order else "noop"
     return _outcome(new_tokens, order, plan, outcome, m.length, t0)
 
@@ -173,11 +178,13 @@ def _miss(
     return DirectivesResponse(outcome="fallback", tokens=new_tokens, applied=order, fallback=True)
 
 
-def _execute(host: SpliceHost, plan: SplicePlan, m: Match, ns: Namespace) -> None:
+def _execute(
+    host: SpliceHost, plan: SplicePlan, m: Match, ns: Namespace, per_directive: bool
+) -> None:
     cache = host.cache
     cache.hold(m)
     try:
-        res = execute_splice(plan, m.slots, _Backend(host))
+        res = execute_splice(plan, m.slots, _Backend(host), per_directive=per_directive)
     except BaseException as e:
         host.allocator.free(getattr(e, "fresh_slots", []))
         raise

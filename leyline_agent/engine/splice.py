@@ -13,6 +13,16 @@ prefix. Tails are always written to NEW slots (copy-on-write): the old path may 
 by other sequences in the radix tree. Slots written for an intermediate step and superseded
 by a later one are returned as ``scratch`` for the caller to free.
 
+Execution moves each row once (``SplicePlan.pieces``): with the directives sorted left to
+right and ``D_k`` the sum of the deltas of the first k, directive k's R is prefilled over the
+original prefix ``T[:s_k]`` (as the reference does) and turned by ``D_{k-1}``; the base rows
+between directives k and k+1 are copied with their band turned by ``D_k``, in one rotation
+per row instead of one per directive. Rotations compose (R(a)R(b) = R(a+b)), so this is the
+reference up to rounding: fp32 ~1e-7; in bf16 one rounding per row instead of one per
+directive (``bench_splice --drift``). The leftmost FORGET prefills everything from its start
+(what the directives to its right wrote would be superseded: they are not executed).
+``per_directive=True`` runs the steps literally (for the drift measurement).
+
 ``plan_splice`` is pure (token ids and counts, no tensors); ``execute_splice`` drives a
 ``SpliceBackend`` (the engine's runner + pool) and only ever writes fresh slots.
 """
@@ -21,11 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from leyline_agent.directives import Directive, Mode
 
-__all__ = ["SpliceBackend", "SplicePlan", "SpliceStep", "execute_splice", "plan_splice"]
+__all__ = ["Piece", "SpliceBackend", "SplicePlan", "SpliceStep", "execute_splice", "plan_splice"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,11 +55,25 @@ class SpliceStep:
         return self.seq_len - self.end
 
 
+@dataclass(slots=True, frozen=True)
+class Piece:
+    """One run of ``T'``, left to right. ``keep``: base rows ``[lo, hi)`` as they are;
+    ``move``: base rows ``[lo, hi)`` copied, band turned by ``delta``; ``prefill``:
+    ``tokens`` forwarded over the base rows ``[:lo]``, then turned by ``delta``."""
+
+    kind: Literal["keep", "move", "prefill"]
+    lo: int
+    hi: int = 0
+    delta: int = 0
+    tokens: tuple[int, ...] = ()
+
+
 @dataclass(slots=True)
 class SplicePlan:
     base_tokens: list[int]
     steps: list[SpliceStep]
     tokens: list[int]  # T' over the cached base
+    pieces: list[Piece] = field(default_factory=list)  # T' left to right, each row moved once
     prefilled_tokens: int = 0  # forward work done by the splice
     rotated_tokens: int = 0  # rows moved by a rotation
     reused_tokens: int = 0  # rows of T' whose latent/values come from T
@@ -93,16 +117,46 @@ def plan_splice(
             if exact >= d.start:
                 exact = new_len
         tokens = tokens[: d.start] + r + tokens[d.end :]
+    pieces = _pieces(len(base_tokens), steps, tokens)
+    if pieces is not None:  # one move per row: count what the pieces do
+        prefilled = sum(len(p.tokens) for p in pieces if p.kind == "prefill")
+        rotated = sum(p.hi - p.lo for p in pieces if p.kind == "move")
+        rotated += sum(len(p.tokens) for p in pieces if p.kind == "prefill" and p.delta)
     return SplicePlan(
         base_tokens=list(base_tokens),
         steps=steps,
         tokens=tokens,
+        pieces=pieces or [],
         prefilled_tokens=prefilled,
         rotated_tokens=rotated,
         reused_tokens=sum(origin),
         splices=splices,
         exact_len=min(exact, len(tokens)),
     )
+
+
+def _pieces(n: int, steps: list[SpliceStep], final: list[int]) -> list[Piece] | None:
+    """``T'`` as pieces over the base (module docstring), or None if a step does not end
+    at or before the previous one's start (then its coordinates are not the base's)."""
+    for a, b in zip(steps, steps[1:], strict=False):
+        if b.end > a.start:
+            return None
+    out: list[Piece] = []
+    pos, shift = 0, 0  # next base row; cumulative delta of the directives to the left
+    kind: Literal["keep", "move"] = "keep"  # rows after a directive are copied (never shared)
+    for st in reversed(steps):  # left to right
+        if st.start > pos:
+            out.append(Piece(kind, pos, st.start, shift))
+        if st.mode is Mode.FORGET:
+            rest = tuple(final[st.start + shift :])
+            out.append(Piece("prefill", st.start, delta=shift, tokens=rest))
+            return out
+        if st.replacement:
+            out.append(Piece("prefill", st.start, delta=shift, tokens=st.replacement))
+        pos, shift, kind = st.end, shift + st.delta, "move"
+    if pos < n:
+        out.append(Piece(kind, pos, n, shift))
+    return out
 
 
 class SpliceBackend(Protocol):
@@ -112,8 +166,8 @@ class SpliceBackend(Protocol):
         """Forward ``token_ids`` after the prefix; fresh slots holding their KV."""
         ...
 
-    def rotate_into_fresh(self, src: Sequence[int], delta: int) -> list[int]:
-        """Copy rows to fresh slots, rotary band turned by ``delta``."""
+    def rotate_into_fresh(self, src: Sequence[int], delta: int | Sequence[int]) -> list[int]:
+        """Copy rows to fresh slots, rotary band turned by ``delta`` (one, or one per row)."""
         ...
 
 
@@ -125,10 +179,18 @@ class SpliceResult:
 
 
 def execute_splice(
-    plan: SplicePlan, base_slots: Sequence[int], backend: SpliceBackend
+    plan: SplicePlan,
+    base_slots: Sequence[int],
+    backend: SpliceBackend,
+    *,
+    per_directive: bool = False,
 ) -> SpliceResult:
     """Run the plan. On error the fresh slots written so far are reported via the exception
-    attribute ``fresh_slots`` so the caller can free them; old slots are never written."""
+    attribute ``fresh_slots`` so the caller can free them; old slots are never written.
+    Each row is moved once (``plan.pieces``) unless ``per_directive`` (or the plan has no
+    pieces): then the steps run one after another, as the reference reads."""
+    if plan.pieces and not per_directive:
+        return _execute_pieces(plan, base_slots, backend)
     slots = list(base_slots)
     tokens = list(plan.base_tokens)
     fresh: list[int] = []
@@ -155,3 +217,42 @@ def execute_splice(
     assert tokens == plan.tokens
     final = set(slots)
     return SpliceResult(slots=slots, fresh=fresh, scratch=[s for s in fresh if s not in final])
+
+
+def _execute_pieces(
+    plan: SplicePlan, base_slots: Sequence[int], backend: SpliceBackend
+) -> SpliceResult:
+    base = list(base_slots)
+    out: list[int] = []
+    fresh: list[int] = []
+    src: list[int] = []  # rows to move, with their delta and place in ``out``
+    deltas: list[int] = []
+    at: list[int] = []
+    try:
+        for p in plan.pieces:
+            if p.kind == "keep":
+                out += base[p.lo : p.hi]
+                continue
+            if p.kind == "prefill":
+                rows = backend.prefill_into_slots(base[: p.lo], list(p.tokens))
+                fresh += rows
+                if not p.delta:
+                    out += rows
+                    continue
+            else:
+                rows = base[p.lo : p.hi]
+            at += range(len(out), len(out) + len(rows))
+            src += rows
+            deltas += [p.delta] * len(rows)
+            out += [-1] * len(rows)
+        if src:
+            uniform = all(d == deltas[0] for d in deltas)
+            moved = backend.rotate_into_fresh(src, deltas[0] if uniform else deltas)
+            fresh += moved
+            for i, slot in zip(at, moved, strict=True):
+                out[i] = slot
+    except BaseException as e:
+        e.fresh_slots = fresh  # type: ignore[attr-defined]
+        raise
+    final = set(out)
+    return SpliceResult(slots=out, fresh=fresh, scratch=[s for s in fresh if s not in final])
