@@ -14,8 +14,9 @@ an httpx hook, which runs before the transport) with the stale rule applied here
 "required"``).
 
 smolagents' own edit (a ``step_callbacks`` hook clearing old observations) on a plain
-client is served as sent, but the server does not splice it (xfail, strict: see
-``SERVER_GAP``); under ``--client-edits off`` nothing is spliced.
+client is served as sent and spliced by the server (smolagents echoes the reply's call ids
+in assistant text and sends observations as user messages; the server believes the edit
+from those ids); under ``--client-edits off`` nothing is spliced.
 """
 
 from __future__ import annotations
@@ -123,17 +124,7 @@ def clear_old_observations(step, agent):
         old.observations = CLEARED
 
 
-SERVER_GAP = (
-    "server: smolagents' own edits are not matched as in-place edits (conversations.py: only "
-    "tool results and assistant turns with tool_calls are edited_in_place, and smolagents "
-    "echoes the reply's call ids in assistant text, not in tool_calls), so nothing is spliced"
-)
-
-
-@pytest.mark.parametrize(
-    "client_edits",
-    [pytest.param("amortize", marks=pytest.mark.xfail(strict=True, reason=SERVER_GAP)), "off"],
-)
+@pytest.mark.parametrize("client_edits", ["amortize", "off"])
 def test_step_callback_edits_are_spliced_by_the_server(client_edits):
     with scripted_server(SCRIPT, client_edits=client_edits) as (srv, engine):
         rec = Recorder()

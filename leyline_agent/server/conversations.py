@@ -5,12 +5,16 @@ the server renders.
 
 A chat request continues a conversation when its messages start with the prompt the client
 sent last time, message for message, except for messages *edited in place* (a tool result
-with the same ``tool_call_id``, an assistant message with the same tool call ids); edits
-are believed only when the next message echoes the reply the server gave (its random
-``call_...`` ids, or its text): a client that never saw that reply cannot pass its own
-history off as an edit of this one. A request equal to the last prompt (a retry) continues
-it too. Of all conversations a
-request continues, the longest wins, then the one with fewest edits, then the newest.
+with the same ``tool_call_id``, an assistant message with the same tool call ids, and a user
+message at the same place when the echo is proven by call ids, below); edits are believed
+only when the next message echoes the reply the server gave: its random ``call_...`` ids (in
+the echo's ``tool_calls``, or quoted in its text: smolagents echoes its calls as text and
+sends tool results as user messages), or, for a reply without calls, its text. A client
+that never saw that reply cannot pass its own history off as an edit of this one; a user
+message, which carries no call id of its own, is believed edited only by a client that
+proved it holds the reply's 96-bit call ids. A request equal to the last prompt (a retry)
+continues it too. Of all conversations a request continues, the longest wins, then the one
+with fewest edits, then the newest.
 
 Provenance: conversations are kept per tenant and, for requests that name a session
 (``X-Leyline-Session``), per session: a request is matched only into conversations of its
@@ -51,11 +55,14 @@ def _call_ids(m: Mapping[str, Any]) -> list[Any]:
     return [c.get("id") for c in m.get("tool_calls") or []]
 
 
-def edited_in_place(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+def edited_in_place(old: Mapping[str, Any], new: Mapping[str, Any], *, user: bool = False) -> bool:
     """``new`` is ``old`` with its content (or its calls' arguments) changed, not another
-    message: a tool result answering the same call, or an assistant turn with the same calls."""
+    message: a tool result answering the same call, an assistant turn with the same calls,
+    or (``user``: the caller has proof, see the module doc) a user message."""
     if old.get("role") != new.get("role"):
         return False
+    if old["role"] == "user":
+        return user
     if old["role"] == "tool":
         return bool(old.get("tool_call_id")) and old.get("tool_call_id") == new.get("tool_call_id")
     if old["role"] == "assistant":
@@ -67,17 +74,21 @@ def edited_in_place(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     return False
 
 
-def _same_reply(reply: Mapping[str, Any], echo: Mapping[str, Any]) -> bool:
-    """``echo`` is the client's copy of a reply the server produced: the same call ids, or
-    (a reply without calls) the same non-empty text, to which the client may have attached
-    tool calls of its own (a framework driving tools from the model's text)."""
+def _echo(reply: Mapping[str, Any], echo: Mapping[str, Any]) -> str | None:
+    """How ``echo`` shows it is the client's copy of a reply the server produced: ``"ids"``
+    (the reply's call ids, in the echo's ``tool_calls`` or quoted in its text), ``"text"``
+    (a reply without calls: the same non-empty text, to which the client may have attached
+    tool calls of its own, a framework driving tools from the model's text), or ``None``."""
     if echo.get("role") != "assistant":
-        return False
+        return None
     ids = _call_ids(reply)
     if ids:
-        return ids == _call_ids(echo)
+        if ids == _call_ids(echo):
+            return "ids"
+        quoted = message_text(echo)
+        return "ids" if all(isinstance(i, str) and i in quoted for i in ids) else None
     text = message_text(reply).strip()
-    return bool(text) and text == message_text(echo).strip()
+    return "text" if text and text == message_text(echo).strip() else None
 
 
 @dataclass(slots=True)
@@ -165,14 +176,15 @@ def _continues(c: Conversation, messages: Sequence[Mapping[str, Any]]) -> Match 
         return None
     if len(messages) <= len(c.raw):
         return Match(c, (), 0, retry=True) if list(messages) == c.raw else None
+    echo = _echo(c.reply, messages[len(c.raw)]) if c.reply is not None else None
     edited = []
     for i, (old, new) in enumerate(zip(c.raw, messages, strict=False)):
         if old == new:
             continue
-        if not edited_in_place(old, new):
+        if not edited_in_place(old, new, user=echo == "ids"):
             return None
         edited.append(i)
-    echoed = c.reply is not None and _same_reply(c.reply, messages[len(c.raw)])
+    echoed = echo is not None
     if edited and not echoed:
         return None  # an edit is only believed from the client that got the reply
     return Match(c, tuple(edited), len(c.raw) + int(echoed))

@@ -1,0 +1,56 @@
+"""Which requests continue a conversation with messages edited in place (``ConversationStore``).
+
+A user message (no call id of its own) is believed edited only when the echo carries the
+reply's random call ids: in ``tool_calls``, or quoted in the assistant text (smolagents).
+A text-only echo proves nothing about who edited a user message.
+"""
+
+from __future__ import annotations
+
+from leyline_agent.server.conversations import ConversationStore
+
+CALL = "call_0123456789abcdef01234567"
+REPLY_CALLS = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {"id": CALL, "type": "function", "function": {"name": "read", "arguments": "{}"}}
+    ],
+}
+REPLY_TEXT = {"role": "assistant", "content": "I will read it."}
+
+
+def _store(reply: dict) -> tuple[ConversationStore, list[dict]]:
+    store = ConversationStore()
+    conv = store.new("", None)
+    conv.raw = [
+        {"role": "user", "content": "task"},
+        {"role": "user", "content": "Observation: a long file"},
+    ]
+    conv.served, conv.reply = list(conv.raw), reply
+    store.save("", conv)
+    return store, conv.raw
+
+
+def _edited(raw: list[dict]) -> list[dict]:
+    return [raw[0], {"role": "user", "content": "Observation: [cleared]"}]
+
+
+def test_a_user_message_edit_is_believed_from_call_ids_echoed_in_tool_calls_or_text():
+    for echo in (
+        REPLY_CALLS,
+        {"role": "assistant", "content": f"Calling tools:\n[{{'id': '{CALL}', 'name': 'read'}}]"},
+    ):
+        store, raw = _store(REPLY_CALLS)
+        m = store.find("", None, [*_edited(raw), echo, {"role": "user", "content": "next"}])
+        assert m is not None and m.edited == (1,), echo
+
+
+def test_a_user_message_edit_is_not_believed_without_the_call_ids():
+    store, raw = _store(REPLY_CALLS)
+    wrong = {"role": "assistant", "content": "Calling tools:\n[{'id': 'call_other'}]"}
+    assert store.find("", None, [*_edited(raw), wrong]) is None
+    # a reply without calls: its text echo continues the conversation, but not a user edit
+    store, raw = _store(REPLY_TEXT)
+    assert store.find("", None, [*raw, REPLY_TEXT]) is not None
+    assert store.find("", None, [*_edited(raw), REPLY_TEXT]) is None
