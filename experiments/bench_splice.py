@@ -185,6 +185,93 @@ def _expanded_over(mod: Any, q_nope: Any, q_pe: Any, c_kv: Any, k_pe: Any) -> An
     )[0]
 
 
+# ---------------------------------------------------------------------------- bf16 drift
+def drift(a: argparse.Namespace) -> int:
+    """bf16 engine, one batch of ``--drift-directives`` AMORTIZEs (span 16 -> 4 tokens) over
+    ``--drift-tokens`` cached tokens, executed per directive (each tail rotated once per
+    directive to its left) and with one rotation per row (cumulative delta). Rel-L2 of the
+    rotary band of the last tail (rotated by every directive) against (a) the fp32
+    from-scratch reference (``RefState``: the model's own forwards and rotary functions;
+    includes bf16's forward error, shown alone as 'before' on the unspliced rows) and (b)
+    the exact (fp64) rotation of the rows as stored in bf16 (what the rotations add)."""
+    from transformers import AutoModelForCausalLM
+
+    from leyline_agent.engine.checkpoints.store import model_dir
+    from leyline_agent.engine.engine import SamplingParams
+    from leyline_agent.engine.executor import apply_request
+    from leyline_agent.kernels.rotate_band import pair_views
+    from leyline_agent.namespaces import DEFAULT_TENANT, Namespace
+    from leyline_agent.reference.kv_reference import RefState
+    from leyline_agent.wire import DirectivesRequest
+
+    k, n = a.drift_directives, a.drift_tokens
+    print(f"bf16 drift: {k} AMORTIZEs (span 16 -> 4) in one batch over {n} cached tokens; "
+          "rel-L2 of the last tail's rotary band")  # fmt: skip
+    print("| model | rows | before splice vs fp32 ref | per-directive vs fp32 ref "
+          "| cumulative vs fp32 ref | per-directive vs exact rotation "
+          "| cumulative vs exact rotation |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for arch in _csv(a.archs):
+        eng = _engine(arch, "bfloat16", 1 << 16)
+        ref_model = AutoModelForCausalLM.from_pretrained(
+            model_dir(arch, "mini", 0), dtype=torch.float32
+        ).eval()
+        rng = random.Random(5)
+        T = [rng.randrange(3, eng.vocab_size - 2) for _ in range(n)]
+        gap = (n - 64 - 16) // (k + 1)
+        ds = [
+            {"start": 64 + i * gap, "end": 64 + i * gap + 16, "mode": "amortize",
+             "replacement": [rng.randrange(3, eng.vocab_size - 2) for _ in range(4)]}
+            for i in range(k)
+        ]  # fmt: skip
+        eng.generate(T, SamplingParams(max_tokens=0))
+        e_last, shift = ds[-1]["end"], -12 * k
+        lo = e_last + shift  # the last tail in T'
+        band = (
+            (1, slice(None))
+            if eng.layout.kind == "mla"
+            else (0, slice(0, eng.rope_spec.rotary_dim))
+        )
+
+        def bands(tokens: list[int], ns: Namespace, start: int, eng=eng, band=band) -> Any:
+            m = eng.cache.tree.match_prefix(tokens, ns)
+            kv = eng.pool.as_cache_data(m.slots)
+            return torch.stack([lay[band[0]][0, :, start:, band[1]].double() for lay in kv])
+
+        ref = RefState.prefill(ref_model, T)
+        ref_t = torch.stack([lay[band[0]][0, :, e_last:, band[1]].double() for lay in ref.kv()])
+        stored = bands(T, Namespace(DEFAULT_TENANT, None), e_last)
+        for d in reversed(ds):
+            ref = ref.amortize(d["start"], d["end"], d["replacement"])
+        ref_s = torch.stack([lay[band[0]][0, :, lo:, band[1]].double() for lay in ref.kv()])
+        inv = eng.rope_spec.inv_freq_tensor().double()
+        ang = shift * inv
+        sa, sb = pair_views(stored, eng.rope_spec.layout)
+        exact = stored.clone()
+        ea, eb = pair_views(exact, eng.rope_spec.layout)
+        ea.copy_(sa * ang.cos() - sb * ang.sin())
+        eb.copy_(sb * ang.cos() + sa * ang.sin())
+        out = []
+        for label, per in (("per-directive", True), ("cumulative", False)):
+            ns = Namespace(DEFAULT_TENANT, label)
+            req = DirectivesRequest(tokens=T, directives=ds)
+            with eng.stepper.exclusive():
+                resp = apply_request(eng, req, ns, per_directive=per)
+            got = bands(resp.tokens, ns, lo)
+            out.append((rel(got, ref_s), rel(got, exact)))
+        print(
+            f"| {arch} mini | {n - e_last} | {rel(stored, ref_t):.2e} | {out[0][0]:.2e} "
+            f"| {out[1][0]:.2e} | {out[0][1]:.2e} | {out[1][1]:.2e} |",
+            flush=True,
+        )
+    return 0
+
+
+def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Relative L2 error of ``x`` against ``y``."""
+    return float((x - y).norm() / y.norm())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -199,12 +286,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
     ap.add_argument("--switch", action="store_true", help="only the MLA expand/absorb switch")
     ap.add_argument("--switch-cached", type=int, default=4096, help="cached rows for --switch")
+    ap.add_argument("--drift", action="store_true", help="only the bf16 drift of a batch")
+    ap.add_argument("--drift-directives", type=int, default=16)
+    ap.add_argument("--drift-tokens", type=int, default=1024)
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     print(f"dtype {a.dtype}, {torch.get_num_threads()} thread(s)")
     if a.switch:
         return switch(a)
+    if a.drift:
+        return drift(a)
     table(a)
     return 0
 
