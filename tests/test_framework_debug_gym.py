@@ -34,11 +34,17 @@ from leyline_agent.engine.checkpoints.store import tiny_model_dir  # noqa: E402
 from leyline_agent.experiments.eval_config import load_eval_config  # noqa: E402
 from leyline_agent.experiments.nightmare import load_tasks, make_env, quiet_debug_gym  # noqa: E402
 from leyline_agent.integrations.debug_gym import LeylineHuggingFaceLLM, make_llm_config  # noqa: E402
-from leyline_agent.testing.frameworks import ARCH, Recorder, rendered, scripted_server, stats  # noqa: E402
+from leyline_agent.testing.frameworks import (  # noqa: E402
+    ARCH,
+    Recorder,
+    rendered,
+    scripted_server,
+    stale_tool_results,
+    stats,
+)
 from leyline_agent.testing.scripted_engine import tool_call  # noqa: E402
 
 KEEP = 2
-STUB = "[stale output of {tool} elided]"
 # The purr bug: the `> 10` branch shadows the `> 20` one (lines 27-32 of purr_code.py).
 PURR_FIX = (
     "        if self.hunger > 20:\n"
@@ -56,22 +62,6 @@ SCRIPT = [
     tool_call("eval", {}),
 ]
 N_CALLS = len(SCRIPT)
-
-
-def stale(messages, keep=KEEP):
-    """Leyline's stale-tool rule, computed here: the results of all but the newest ``keep``
-    tool-calling turns replaced by the stub naming the tool."""
-    turns = [m for m in messages if m["role"] == "assistant" and m.get("tool_calls")]
-    names = {
-        tc["id"]: tc["function"]["name"]
-        for m in turns[: max(0, len(turns) - keep)]
-        for tc in m["tool_calls"]
-    }
-    return [
-        {**m, "content": STUB.format(tool=names[m["tool_call_id"]])}
-        if m["role"] == "tool" and m.get("tool_call_id") in names else m
-        for m in messages
-    ]  # fmt: skip
 
 
 def tool_results(body) -> list[str]:
@@ -120,7 +110,7 @@ def test_transport_in_http_client_edits_debug_gym_history(tmp_path: Path):
         assert session.stats.forwarded_edits == N_CALLS - 1 - KEEP
         tok = engine.tokenizer
         assert engine.prompts == [
-            rendered(tok, {**b, "messages": stale(b["messages"])}) for b in bodies
+            rendered(tok, {**b, "messages": stale_tool_results(b["messages"])}) for b in bodies
         ]
         s = stats(srv)
         assert s["splices"]["amortize"] == N_CALLS - 1 - KEEP, s
@@ -141,7 +131,7 @@ def test_policies_of_the_integration_are_spliced(tmp_path: Path):
             assert len(results) == k
             # the older results stubbed (naming their tools), the newest KEEP intact
             assert sum(r.startswith("[stale output of ") for r in results) == max(0, k - KEEP)
-            assert stale(body["messages"]) == body["messages"]
+            assert stale_tool_results(body["messages"]) == body["messages"]
         assert "class Cat" in tool_results(bodies[2])[0]
         [session] = llm.client.leyline.sessions.values()
         assert session.session_id == "purr-1" and session.stats.resets == 0

@@ -26,7 +26,13 @@ from langchain_core.tools import tool  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 
 from leyline_agent.agent.transport import LeylineTransport  # noqa: E402
-from leyline_agent.testing.frameworks import Recorder, rendered, scripted_server, stats  # noqa: E402
+from leyline_agent.testing.frameworks import (  # noqa: E402
+    Recorder,
+    rendered,
+    scripted_server,
+    stale_tool_results,
+    stats,
+)
 from leyline_agent.testing.scripted_engine import tool_call  # noqa: E402
 
 N_CALLS = 4
@@ -51,7 +57,9 @@ def test_clear_tool_uses_edit_is_spliced_by_the_server():
             http_client=httpx.Client(event_hooks={"request": [rec]}),
         )  # fmt: skip
         edit = ClearToolUsesEdit(trigger=0, keep=2)
-        agent = create_agent(llm, tools=[read_file], middleware=[ContextEditingMiddleware(edits=[edit])])
+        agent = create_agent(
+            llm, tools=[read_file], middleware=[ContextEditingMiddleware(edits=[edit])]
+        )
         out = agent.invoke({"messages": [{"role": "user", "content": "read four files"}]})
         assert out["messages"][-1].content == "All read."
         bodies = rec.bodies
@@ -67,18 +75,6 @@ def test_clear_tool_uses_edit_is_spliced_by_the_server():
         assert s["splices"]["amortize"] == N_CALLS + 1 - 3, s
 
 
-def stale(messages, keep=2):
-    """Leyline's stale-tool rule, computed here: tool results of all but the newest ``keep``
-    tool-calling turns replaced by the stub."""
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("tool_calls")]
-    old = {tc["id"] for i in turns[: max(0, len(turns) - keep)] for tc in messages[i]["tool_calls"]}
-    return [
-        {**m, "content": "[stale output of read_file elided]"}
-        if m["role"] == "tool" and m["tool_call_id"] in old else m
-        for m in messages
-    ]  # fmt: skip
-
-
 def test_transport_in_http_client_and_http_async_client():
     with scripted_server(SCRIPT, client_edits="off") as (srv, engine):
         t = LeylineTransport([{"name": "stale-tool", "keep": 2}])
@@ -89,13 +85,17 @@ def test_transport_in_http_client_and_http_async_client():
             http_async_client=httpx.AsyncClient(transport=t, event_hooks={"request": [rec.hook]}),
         )  # fmt: skip
         agent = create_agent(llm, tools=[read_file])
-        out = asyncio.run(agent.ainvoke({"messages": [{"role": "user", "content": "read four files"}]}))
+        out = asyncio.run(
+            agent.ainvoke({"messages": [{"role": "user", "content": "read four files"}]})
+        )
         assert out["messages"][-1].content == "All read."
         assert len(rec.bodies) == N_CALLS + 1
         [session] = t.sessions
         assert session.stats.resets == 0
         assert session.stats.forwarded_edits == N_CALLS - 2
         tok = engine.tokenizer
-        assert engine.prompts == [rendered(tok, {**b, "messages": stale(b["messages"])}) for b in rec.bodies]
+        assert engine.prompts == [
+            rendered(tok, {**b, "messages": stale_tool_results(b["messages"])}) for b in rec.bodies
+        ]
         s = stats(srv)
         assert s["splices"]["amortize"] == N_CALLS - 2, s

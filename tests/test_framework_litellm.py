@@ -28,7 +28,13 @@ litellm = pytest.importorskip("litellm", reason="the frameworks extra is not ins
 import openai  # noqa: E402
 
 from leyline_agent.agent.transport import LeylineTransport  # noqa: E402
-from leyline_agent.testing.frameworks import Recorder, rendered, scripted_server, stats  # noqa: E402
+from leyline_agent.testing.frameworks import (  # noqa: E402
+    Recorder,
+    rendered,
+    scripted_server,
+    stale_tool_results,
+    stats,
+)
 from leyline_agent.testing.scripted_engine import tool_call  # noqa: E402
 
 N_CALLS = 4
@@ -116,18 +122,6 @@ def test_client_stubbed_tool_results_are_spliced_by_the_server():
         assert s["splices"]["amortize"] == N_CALLS - KEEP, s
 
 
-def stale(messages, keep=KEEP):
-    """Leyline's stale-tool rule, computed here: tool results of all but the newest ``keep``
-    tool-calling turns replaced by the stub."""
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("tool_calls")]
-    old = {tc["id"] for i in turns[: max(0, len(turns) - keep)] for tc in messages[i]["tool_calls"]}
-    return [
-        {**m, "content": "[stale output of read_file elided]"}
-        if m["role"] == "tool" and m["tool_call_id"] in old else m
-        for m in messages
-    ]  # fmt: skip
-
-
 def test_transport_under_litellm_raw_response_path():
     with scripted_server(SCRIPT, client_edits="off") as (srv, engine):
         t = LeylineTransport([{"name": "stale-tool", "keep": KEEP}])
@@ -144,7 +138,7 @@ def test_transport_under_litellm_raw_response_path():
         assert session.stats.forwarded_edits == N_CALLS - KEEP
         tok = engine.tokenizer
         assert engine.prompts == [
-            rendered(tok, {**b, "messages": stale(b["messages"])}) for b in rec.bodies
+            rendered(tok, {**b, "messages": stale_tool_results(b["messages"])}) for b in rec.bodies
         ]
         s = stats(srv)
         assert s["splices"]["amortize"] == N_CALLS - KEEP, s

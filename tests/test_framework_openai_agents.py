@@ -34,7 +34,11 @@ from leyline_agent.testing.frameworks import Recorder, rendered, scripted_server
 from leyline_agent.testing.scripted_engine import tool_call  # noqa: E402
 
 USER_TURNS = 3
-SCRIPT = [t for k in range(USER_TURNS) for t in (tool_call("read_file", {"path": f"f{k}.py"}), f"Read f{k}.")]
+SCRIPT = [
+    t
+    for k in range(USER_TURNS)
+    for t in (tool_call("read_file", {"path": f"f{k}.py"}), f"Read f{k}.")
+]
 
 
 @function_tool
@@ -61,7 +65,9 @@ def test_tool_output_trimmer_is_spliced_by_the_server():
             items: list = []
             for k in range(USER_TURNS):
                 items = [*items, {"role": "user", "content": f"read f{k}.py"}]
-                result = await Runner.run(agent, items, run_config=RunConfig(call_model_input_filter=trimmer))
+                result = await Runner.run(
+                    agent, items, run_config=RunConfig(call_model_input_filter=trimmer)
+                )
                 assert result.final_output == f"Read f{k}."
                 items = result.to_input_list()
 
@@ -69,7 +75,9 @@ def test_tool_output_trimmer_is_spliced_by_the_server():
         bodies = rec.bodies
         assert len(bodies) == 2 * USER_TURNS
         # the SDK's trimmer shortened the outputs of older user turns (never the newest)
-        lengths = [[len(m["content"]) for m in b["messages"] if m["role"] == "tool"] for b in bodies]
+        lengths = [
+            [len(m["content"]) for m in b["messages"] if m["role"] == "tool"] for b in bodies
+        ]
         full = len(read_file_text("f0.py"))
         assert lengths[1] == [full]
         assert all(n < full for n in lengths[-1][:-1]) and lengths[-1][-1] == full

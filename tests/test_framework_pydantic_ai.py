@@ -32,7 +32,13 @@ from pydantic_ai.models.openai import OpenAIChatModel  # noqa: E402
 from pydantic_ai.providers.openai import OpenAIProvider  # noqa: E402
 
 from leyline_agent.agent.transport import LeylineTransport  # noqa: E402
-from leyline_agent.testing.frameworks import Recorder, rendered, scripted_server, stats  # noqa: E402
+from leyline_agent.testing.frameworks import (  # noqa: E402
+    Recorder,
+    rendered,
+    scripted_server,
+    stale_tool_results,
+    stats,
+)
 from leyline_agent.testing.scripted_engine import tool_call  # noqa: E402
 
 # pydantic-ai 2.x prefers httpx2 clients; LeylineTransport is an httpx one (still accepted)
@@ -96,18 +102,6 @@ def tool_contents(body):
     return [m["content"] for m in body["messages"] if m["role"] == "tool"]
 
 
-def stale(messages, keep=KEEP):
-    """Leyline's stale-tool rule, computed here: tool results of all but the newest ``keep``
-    tool-calling turns replaced by the stub."""
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("tool_calls")]
-    old = {tc["id"] for i in turns[: max(0, len(turns) - keep)] for tc in messages[i]["tool_calls"]}
-    return [
-        {**m, "content": "[stale output of read_file elided]"}
-        if m["role"] == "tool" and m["tool_call_id"] in old else m
-        for m in messages
-    ]  # fmt: skip
-
-
 def as_multiset(prompts) -> Counter:
     return Counter(tuple(p) for p in prompts)
 
@@ -132,7 +126,9 @@ def test_three_concurrent_runs_on_one_transport_each_get_their_own_directives():
             assert s.stats.server_fallbacks == 0
         # each served prompt is the stale-tool edit of one body pydantic-ai sent
         tok = engine.tokenizer
-        expected = [rendered(tok, {**b, "messages": stale(b["messages"])}) for b in bodies]
+        expected = [
+            rendered(tok, {**b, "messages": stale_tool_results(b["messages"])}) for b in bodies
+        ]
         assert as_multiset(engine.prompts) == as_multiset(expected)
         # the server spliced every session's directives: the sum of what each forwarded
         s = stats(srv)

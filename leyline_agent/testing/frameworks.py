@@ -4,8 +4,9 @@
 tiny engine answers the script (``ScriptedEngine``); yields ``(server, engine)``.
 ``Recorder``: an httpx request hook that keeps every ``/chat/completions`` body as the
 framework built it (before any transport: httpx runs request hooks first).
-``served_prompts_match(engine, tok, bodies, edit)``: the prompts the engine was given are the
-tokenizer's own chat template on ``edit(body)`` (an independent rendering), turn by turn.
+``rendered(tok, body)``: the prompt of a chat body by the tokenizer's own chat template (an
+independent rendering of what was sent). ``stale_tool_results(messages, keep)``: Leyline's
+stale-tool rule computed here, independently of ``policies``, for the expected prompts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import httpx
 from leyline_agent.testing.scripted_engine import ScriptedEngine
 from leyline_agent.testing.server import ThreadServer, serve_in_thread
 
-__all__ = ["Recorder", "rendered", "scripted_server", "stats"]
+__all__ = ["Recorder", "rendered", "scripted_server", "stale_tool_results", "stats"]
 
 ARCH = "deepseek_v2"
 
@@ -85,3 +86,21 @@ def _plain(m: dict[str, Any]) -> dict[str, Any]:
 
 def edited(body: dict[str, Any], edit: Callable[[list[dict]], list[dict]]) -> dict[str, Any]:
     return {**body, "messages": edit(body["messages"])}
+
+
+def stale_tool_results(
+    messages: list[dict[str, Any]], keep: int = 2, stub: str = "[stale output of {tool} elided]"
+) -> list[dict[str, Any]]:
+    """The results of all but the newest ``keep`` tool-calling turns replaced by ``stub``
+    (naming the tool), as the stale-tool policy's default does."""
+    turns = [m for m in messages if m["role"] == "assistant" and m.get("tool_calls")]
+    names = {
+        tc["id"]: tc["function"]["name"]
+        for m in turns[: max(0, len(turns) - keep)]
+        for tc in m["tool_calls"]
+    }
+    return [
+        {**m, "content": stub.format(tool=names[m["tool_call_id"]])}
+        if m["role"] == "tool" and m.get("tool_call_id") in names else m
+        for m in messages
+    ]  # fmt: skip
