@@ -22,18 +22,10 @@ from leyline_agent.errors import LeylineError, RuntimeUnavailableError  # noqa: 
 from leyline_agent.experiments.dataset import installed_task_root  # noqa: E402
 from leyline_agent.experiments.eval_config import load_eval_config  # noqa: E402
 from leyline_agent.experiments.eval_run import run_eval  # noqa: E402
+from leyline_agent.testing.purr import PURR_FIX  # noqa: E402
 from leyline_agent.testing.scripted import ReplayModel  # noqa: E402
 from leyline_agent.testing.stub_server import StubServer  # noqa: E402
 
-# The purr bug: the `> 10` branch shadows the `> 20` one (lines 27-32 of purr_code.py).
-PURR_FIX = (
-    "        if self.hunger > 20:\n"
-    "            result = self.intense_meow()\n"
-    '            self.feed("meat")\n'
-    "        elif self.hunger > 10:\n"
-    "            result = self.meow()\n"
-    '            self.feed("fish")'
-)
 VIEW = {"content": "Let me read the code.", "tool": "view", "arguments": {"path": "purr_code.py"}}
 FIX_TURNS = [
     VIEW,
@@ -109,7 +101,9 @@ def test_stale_tool_arm_edits_what_the_server_receives(tmp_path: Path, tokenizer
     # Replies without a tool call (as a weak model gives) in between: debug-gym answers
     # them as tool results too, and their call ids must not collide.
     text_only = {"content": "Hmm, thinking."}
-    with StubServer(ReplayModel([VIEW, text_only, text_only]), directive_answer="fallback") as server:
+    with StubServer(
+        ReplayModel([VIEW, text_only, text_only]), directive_answer="fallback"
+    ) as server:
         _eval(server, tmp_path, tokenizer_dir, arms="baseline,stale-tool", max_steps=4)
         assert len(server.chat_bodies()) == 8
         # Requests 0-3 are the baseline episode, 4-7 the stale-tool one; the 4th request of

@@ -42,18 +42,10 @@ from leyline_agent.testing.frameworks import (  # noqa: E402
     stale_tool_results,
     stats,
 )
+from leyline_agent.testing.purr import PURR_FIX  # noqa: E402
 from leyline_agent.testing.scripted_engine import tool_call  # noqa: E402
 
 KEEP = 2
-# The purr bug: the `> 10` branch shadows the `> 20` one (lines 27-32 of purr_code.py).
-PURR_FIX = (
-    "        if self.hunger > 20:\n"
-    "            result = self.intense_meow()\n"
-    '            self.feed("meat")\n'
-    "        elif self.hunger > 10:\n"
-    "            result = self.meow()\n"
-    '            self.feed("fish")'
-)
 SCRIPT = [
     tool_call("view", {"path": "purr_code.py"}),
     tool_call("view", {"path": "purr_test.py"}),
