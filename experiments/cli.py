@@ -99,6 +99,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="see bench_engine.py --help")
     p.set_defaults(func=_bench_engine)
 
+    from .bench_serve import add_arguments as bench_serve_arguments  # stdlib only
+
+    p = bench.add_parser("serve", help="leyline serve: aggregate tok/s of C streaming clients")
+    bench_serve_arguments(p)
+    p.set_defaults(func=_bench_serve)
+
     check = sub.add_parser("check", help="correctness reports").add_subparsers(
         dest="check", metavar="WHAT"
     )
@@ -238,6 +244,12 @@ def _bench_engine(args: argparse.Namespace) -> int:
     from .bench_engine import main
 
     return main(args.args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from .bench_serve import main
+
+    return main(args)
 
 
 def _check_correctness(args: argparse.Namespace) -> int:
