@@ -30,8 +30,13 @@ import argparse
 import json
 import os
 import random
+import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +118,49 @@ def run_clients(url: str, model: str, prompts: list[list[int]], decode: int) -> 
     return Run(n, wall, [o[0] for o in out], [o[1] for o in out], [o[2] for o in out])
 
 
+@contextmanager
+def leyline_serve(
+    model: Path, flags: list[str], env: dict[str, str] | None, log: Path | None
+) -> Iterator[str]:
+    """``leyline serve --model MODEL FLAGS`` in a child process on a free loopback port;
+    its base URL once ``/health`` answers. Stopped with SIGTERM (a clean shutdown)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "leyline_agent.cli", "serve", "--model", str(model)]
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), *flags], stdout=out, stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"leyline serve exited ({proc.returncode}); see --log")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("leyline serve was not ready after 300 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+        if log:
+            out.close()  # type: ignore[union-attr]
+
+
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -121,7 +169,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The options (``leyline bench serve`` registers them; stdlib only at import)."""
     ap.add_argument("--arch", default="deepseek_v2", help="mini model architecture")
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: mini)")
-    ap.add_argument("--clients", type=_csv_ints, default=[1, 2, 4, 8, 16])
+    ap.add_argument(
+        "--clients", type=_csv_ints, default=[1, 2, 4, 8, 16], help="comma list of C values"
+    )
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per client")
     ap.add_argument("--decode", type=int, default=64, help="max_tokens per client")
     ap.add_argument("--reps", type=int, default=2, help="runs per row (best is printed)")
@@ -151,7 +201,6 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
     import httpx
 
     from leyline_agent.engine.checkpoints.store import model_dir
-    from leyline_agent.testing.server import serve_in_process
 
     path = a.model or model_dir(a.arch, "mini")
     flags = ["--concurrency", str(a.concurrency)] if a.concurrency else []
@@ -159,8 +208,8 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
     print(f"load average before: {_load()} ({os.cpu_count()} cores)", flush=True)
     rng = random.Random(0)
     tables: dict[str, list[Run]] = {}
-    with serve_in_process(path, *flags, env=env, log_path=a.log, timeout=300) as srv:
-        model = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    with leyline_serve(path, flags, env, a.log) as url:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         vocab = 5990  # inside every mini vocabulary, clear of the special ids
 
         def ids(n: int) -> list[int]:
@@ -171,16 +220,16 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
                 return [ids(a.context) for _ in range(c)]
             # an agent's next turn: the context was cached by its previous request
             contexts = [ids(a.context) for _ in range(c)]
-            run_clients(srv.url, model, contexts, 1)  # not timed
+            run_clients(url, model, contexts, 1)  # not timed
             return [ctx + ids(NEW_TURN_TOKENS) for ctx in contexts]
 
-        run_clients(srv.url, model, prompts(1, "cold"), 4)  # warm-up (not reported)
+        run_clients(url, model, prompts(1, "cold"), 4)  # warm-up (not reported)
         for phase in phases:
             rows = tables[phase] = []
             for c in a.clients:
                 runs: list[Run] = []
                 for _ in range(3 * a.reps):  # a run where a client hit a stop token is redone
-                    runs.append(run_clients(srv.url, model, prompts(c, phase), a.decode))
+                    runs.append(run_clients(url, model, prompts(c, phase), a.decode))
                     if sum(r.full(a.decode) for r in runs) == a.reps:
                         break
                 best = max(runs, key=lambda r: (r.full(a.decode), r.tps))
