@@ -38,6 +38,10 @@ __all__ = ["ATTN_IMPLEMENTATION", "EXPAND_MIN_TOKENS", "install", "mla_absorbed"
 ATTN_IMPLEMENTATION = "leyline"
 EXPAND_MIN_TOKENS = 32  # measured: bench_splice --switch
 _SCORE_BLOCK = 1 << 22  # absorbed path: scores per block of queries (16 MiB in fp32)
+# Up to this many scores, one fused SDPA call instead of five GEMM/softmax ops: each op is a
+# parallel region, and on a busy machine with torch's default threads a region costs more
+# than the arithmetic of a small attention (tiny models, short contexts).
+_FUSED_MAX_SCORES = 1 << 15
 
 
 def install(model: Any) -> None:
@@ -160,12 +164,22 @@ def mla_absorbed(
 
     Explicit GEMMs over blocks of queries (at most ``_SCORE_BLOCK`` scores at a time): on
     CPU they beat SDPA's GQA path at every chunk size the engine runs (``bench_splice
-    --switch``; SDPA would broadcast the one latent head to H heads)."""
+    --switch``; SDPA would broadcast the one latent head to H heads). Small problems (at
+    most ``_FUSED_MAX_SCORES`` scores) take one SDPA call with the heads folded into the
+    query rows (one latent head: nothing broadcast)."""
     h, t, _ = q_nope.shape
     n, r = c_kv.shape
     w = self.kv_b_proj.weight.view(h, self.qk_nope_head_dim + self.v_head_dim, r)
     w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
     q_lat = torch.bmm(q_nope, w_uk)  # [H, t, r]
+    if h * t * n <= _FUSED_MAX_SCORES:  # small: one fused op (heads folded into query rows)
+        q = torch.cat([q_lat, q_pe], dim=-1).reshape(1, 1, h * t, -1)
+        k = torch.cat([c_kv, k_pe], dim=-1)[None, None]
+        mask = _allowed(t, n, q.device).repeat(h, 1) if t > 1 else None
+        o = F.scaled_dot_product_attention(
+            q, k, c_kv[None, None], attn_mask=mask, scale=self.scaling
+        )
+        return torch.bmm(o.view(h, t, r), w_uv.transpose(1, 2))
     o_lat = q_lat.new_empty(h, t, r)
     step = max(1, _SCORE_BLOCK // (h * n))
     for i in range(0, t, step):
