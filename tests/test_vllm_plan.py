@@ -11,7 +11,7 @@ import random
 import pytest
 
 from leyline_agent.errors import CacheMissError
-from leyline_agent.vllm_plugin.plan import plan_splice, row_copies
+from leyline_agent.vllm_plugin.plan import plan_block_splice, row_copies
 
 
 def _paged(n_rows: int, b: int, rng: random.Random, used: set[int]) -> list[int]:
@@ -47,11 +47,11 @@ def test_plan_assembles_the_amortize_rows(seed):
             content[bid * b + o] = ("H", j * b + o)
     if e > len(t_blocks) * b:
         with pytest.raises(CacheMissError):
-            plan_splice(
+            plan_block_splice(
                 b, tokens, s, e, r, t_blocks, head_blocks, t_in_target=t_in, head_in_target=h_in
             )
         return
-    plan = plan_splice(
+    plan = plan_block_splice(
         b, tokens, s, e, r, t_blocks, head_blocks, t_in_target=t_in, head_in_target=h_in
     )
     delta = len(r) - (e - s)

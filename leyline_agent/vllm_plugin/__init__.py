@@ -6,7 +6,7 @@ scheduler that hands blocks to requests, and the workers' KV tensors.
 
 - ``namespace``: which salt a request is served under (spliced blocks live in their
   session's namespace; unsalted blocks are exact prefills only).
-- ``plan``: pure, from a directive and two block lists to a ``SplicePlan`` of rows.
+- ``plan``: pure, from a directive and two block lists to a ``BlockSplicePlan`` of rows.
 - ``scheduler``: ``LeylineScheduler`` (routing, holding a directive's head, counters).
 - ``engine_ops``: ``EngineCore.leyline_rpc``, the ops that run between two engine steps.
 - ``worker`` / ``kv_rows``: ``LeylineWorkerExtension`` (rows copied, keys rotated with

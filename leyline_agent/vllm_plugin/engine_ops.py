@@ -36,7 +36,7 @@ from leyline_agent.errors import (
     RuntimeUnavailableError,
 )
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt
-from leyline_agent.vllm_plugin.plan import plan_splice, row_copies
+from leyline_agent.vllm_plugin.plan import plan_block_splice, row_copies
 
 __all__ = ["leyline_rpc"]
 
@@ -166,7 +166,7 @@ def _splice(
         base = sched.leyline_held.get(lock_id) if lock_id else None
         t_blocks = base.blocks if base is not None else []
         t_salt = base.salt if base is not None else None
-        plan = plan_splice(
+        plan = plan_block_splice(
             bs, tokens, start, end, replacement,
             [b.block_id for b in t_blocks], [b.block_id for b in head.blocks],
             t_in_target=t_salt == salt, head_in_target=head.salt == salt,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from leyline_agent.errors import CacheMissError, DirectiveError
 
-__all__ = ["BlockSource", "SplicePlan", "plan_splice", "row_copies"]
+__all__ = ["BlockSource", "BlockSplicePlan", "plan_block_splice", "row_copies"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,7 +38,7 @@ class BlockSource:
 
 
 @dataclass(slots=True, frozen=True)
-class SplicePlan:
+class BlockSplicePlan:
     tokens: list[int]  # T'[: len(blocks) * B]: what is registered
     blocks: list[BlockSource]
     rotated_tokens: int  # tail rows moved by delta (those that made it into full blocks)
@@ -49,7 +49,7 @@ class SplicePlan:
         return sum(1 for b in self.blocks if b.reuse is None)
 
 
-def plan_splice(
+def plan_block_splice(
     block_size: int,
     tokens: Sequence[int],
     start: int,
@@ -60,7 +60,7 @@ def plan_splice(
     *,
     t_in_target: bool,
     head_in_target: bool,
-) -> SplicePlan:
+) -> BlockSplicePlan:
     """The plan of ``AMORTIZE(start, end, replacement)`` on ``tokens`` (see the module doc).
 
     ``t_blocks``: ``T``'s cached full blocks, in order; ``head_blocks``: the head request's
@@ -109,11 +109,11 @@ def plan_splice(
                 rows.append((t_slot(p - delta), delta))
         out.append(BlockSource(rows=tuple(rows)))
     rotated = max(0, n_full * b - h)
-    return SplicePlan(tokens=new_tokens, blocks=out, rotated_tokens=rotated, delta=delta)
+    return BlockSplicePlan(tokens=new_tokens, blocks=out, rotated_tokens=rotated, delta=delta)
 
 
 def row_copies(
-    plan: SplicePlan, new_block_ids: Sequence[int], block_size: int
+    plan: BlockSplicePlan, new_block_ids: Sequence[int], block_size: int
 ) -> tuple[list[int], list[int], list[int]]:
     """``(src_slots, dst_slots, deltas)`` of the plan's fresh blocks, given their ids."""
     if len(new_block_ids) != plan.num_new_blocks:
