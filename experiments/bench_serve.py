@@ -18,9 +18,10 @@ with ``max_tokens=--decode``, all released together, in two phases:
 Aggregate tokens/s = generated tokens of all clients / wall time from the release to the
 last stream's end; per client the time to its first token and to its end. The row of
 C = 1 is "one client alone"; every other row prints its aggregate over that one, measured
-in the same run against the same server process. Best of ``--reps`` runs per row (fresh
-ids for every run; a run in which a client met a stop token before ``--decode`` tokens is
-redone, up to 3 x ``--reps`` runs; the table says whether all decoded ``--decode``).
+in the same run against the same server process. ``--reps`` rounds, each running every
+row once (so the machine's other load falls on all rows alike); the best of the rounds
+per row. Fresh ids for every run; a run in which a client met a stop token before
+``--decode`` tokens is redone (up to 3 times); the table says whether all decoded.
 The load average is printed before and after (the machine is shared).
 """
 
@@ -224,17 +225,21 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
             return [ctx + ids(NEW_TURN_TOKENS) for ctx in contexts]
 
         run_clients(url, model, prompts(1, "cold"), 4)  # warm-up (not reported)
+        # rounds: every C once per round, so the machine's other load falls on all rows alike
+        runs: dict[tuple[str, int], list[Run]] = {(ph, c): [] for ph in phases for c in a.clients}
+        for k in range(a.reps):
+            for phase in phases:
+                for c in a.clients:
+                    mine = runs[(phase, c)]
+                    for _ in range(3):  # a run where a client met a stop token is redone
+                        mine.append(run_clients(url, model, prompts(c, phase), a.decode))
+                        if mine[-1].full(a.decode):
+                            break
+                    print(f"  round {k + 1} {phase} C={c}: {mine[-1].tps:.1f} tok/s", flush=True)
         for phase in phases:
-            rows = tables[phase] = []
-            for c in a.clients:
-                runs: list[Run] = []
-                for _ in range(3 * a.reps):  # a run where a client hit a stop token is redone
-                    runs.append(run_clients(url, model, prompts(c, phase), a.decode))
-                    if sum(r.full(a.decode) for r in runs) == a.reps:
-                        break
-                best = max(runs, key=lambda r: (r.full(a.decode), r.tps))
-                rows.append(best)
-                print(f"  {phase} C={c}: {best.tps:.1f} tok/s", flush=True)
+            tables[phase] = [
+                max(runs[(phase, c)], key=lambda r: (r.full(a.decode), r.tps)) for c in a.clients
+            ]
     print(f"load average after: {_load()}")
     threads = a.concurrency or "16 (default)"
     for phase, rows in tables.items():
