@@ -168,10 +168,12 @@ def test_plain_endpoint_gets_no_directives_and_no_leyline_field():
         assert stub.directive_bodies() == []
 
 
-def test_three_concurrent_conversations_on_one_client_get_their_own_sessions():
+@pytest.mark.parametrize("wrapper", ["transport", "wrap_openai"])
+def test_three_concurrent_conversations_on_one_client_get_their_own_sessions(wrapper):
     """Real ``leyline serve`` (scripted tiny engine): three threads run their own tool loop
-    on one wrapped client, no session ids; each conversation is found by content, gets its
-    own session and its own directives, and nothing resets."""
+    on one client (``LeylineTransport``, or ``wrap_openai``), no session ids; each
+    conversation is found by content, gets its own session and its own directives, and
+    nothing resets."""
     import threading
 
     from leyline_agent.testing.frameworks import scripted_server, stats
@@ -180,8 +182,16 @@ def test_three_concurrent_conversations_on_one_client_get_their_own_sessions():
     turns = 5
     script = [tool_call("bash", {"cmd": f"step {k}"}) for k in range(turns)]
     with scripted_server(script, client_edits="off") as (srv, engine):
-        t = LeylineTransport([{"name": "stale-tool", "keep": KEEP}])
-        client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, http_client=httpx.Client(transport=t))  # fmt: skip
+        policies = [{"name": "stale-tool", "keep": KEEP}]
+        if wrapper == "transport":
+            t = LeylineTransport(policies)
+            client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, http_client=httpx.Client(transport=t))  # fmt: skip
+            sessions_of = lambda: t.sessions  # noqa: E731
+        else:
+            from leyline_agent import wrap_openai
+
+            client = wrap_openai(openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0), policies)  # fmt: skip
+            sessions_of = lambda: list(client.leyline.sessions.values())  # noqa: E731
         barrier = threading.Barrier(3)
         errors: list[BaseException] = []
 
@@ -202,7 +212,7 @@ def test_three_concurrent_conversations_on_one_client_get_their_own_sessions():
         for th in threads:
             th.join(120)
         assert not errors, errors
-        sessions = t.sessions
+        sessions = sessions_of()
         assert len(sessions) == 3
         per = turns - 1 - KEEP  # stale results per conversation: turns 2..4 each stub one
         for s in sessions:

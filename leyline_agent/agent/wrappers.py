@@ -10,10 +10,15 @@ on the incoming messages, forwards new edits of already-cached messages to the s
 side as directives, sends the edited list, and observes the reply (for streams: once the
 stream has been consumed). Everything else on the client passes through unchanged.
 
-Session identity: one session per wrapped client (``session_id=`` names it, or the
-client's own ``X-Leyline-Session`` default header; else a random id). A call can pick
-another session with ``extra_body={"leyline_session": "id"}`` (that key is removed before
-the request is forwarded) or with its own ``extra_headers={"X-Leyline-Session": "id"}``.
+Session identity: ``session_id=`` (or the client's own ``X-Leyline-Session`` default header)
+names the one session of every call. Without one, sessions are found by content, as
+``LeylineTransport`` does: a call continues the session whose last turn its messages repeat
+(the longest such, preferring one whose observed reply they echo; not one with a
+non-streamed call in flight), else it starts a new session (the first one's id is
+``state.default_session``). So concurrent conversations on one wrapped client each get their
+own session and their own directives. A call can pick a session with
+``extra_body={"leyline_session": "id"}`` (that key is removed before the request is
+forwarded) or with its own ``extra_headers={"X-Leyline-Session": "id"}``.
 The server reuses a session's spliced KV rows only for requests that name the session, so
 every call the wrapper makes for a session names it: the chat completion carries the
 ``X-Leyline-Session`` header (merged into the call's ``extra_headers``; a header the user
@@ -22,7 +27,8 @@ it in its ``session`` field and (``HTTPRuntime``) the same header. Session ids a
 printable ASCII characters (they travel in a header). ``leyline_state(wrapped)`` gives the
 state, typed ``LeylineState`` (``.session(id)``, ``.sessions``, ``.runtime``); it is also
 ``wrapped.leyline`` (typed through the ``LeylineWrapped`` protocol: ``wrap_openai`` returns
-the client's own type, which does not declare it).
+the client's own type, which does not declare it). At most ``MAX_SESSIONS`` sessions found by
+content are kept (the least recently used are dropped).
 
 Runtime: a ``Runtime`` / ``AsyncRuntime`` object, or ``None`` / ``"auto"``: an
 ``HTTPRuntime`` at the client's base URL (``/v1`` stripped) with the client's ``api_key`` as
@@ -71,6 +77,7 @@ __all__ = [
 log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
 SESSION_KEY = "leyline_session"
+MAX_SESSIONS = 256
 RuntimeSpec = Runtime | AsyncRuntime | Literal["auto", "off"] | None
 C = TypeVar("C")
 
@@ -93,7 +100,10 @@ class LeylineState:
         self.policies = [load_policy(p, where=f"policies[{k}]") for k, p in enumerate(policies)]
         self.mode = Mode(mode)
         self.default_session = _default_session(client, session_id)
+        self.by_content = session_id is None and not _client_session(client)
         self.sessions: dict[str, ContextSession] = {}
+        self._found: list[str] = []  # sessions found by content, least recently used first
+        self._busy: set[str] = set()
         self.strict = strict
         self.failures = 0  # policy-layer failures let through
         self._lock = threading.Lock()
@@ -114,10 +124,38 @@ class LeylineState:
         sid = session_id or self.default_session
         with self._lock:
             if sid not in self.sessions:
-                self.sessions[sid] = ContextSession(
-                    self.policies, None, mode=self.mode, session_id=sid, fallback=not self.strict
-                )
+                self.sessions[sid] = self._new_session(sid)
             return self.sessions[sid]
+
+    def by_messages(self, messages: list[Any]) -> ContextSession:
+        """The session ``messages`` continue (see the module doc), marked busy, or a new one."""
+        with self._lock:
+            best, best_key = None, None
+            for sid in self._found:
+                session = self.sessions[sid]
+                m = None if sid in self._busy else session.continued_by(messages)
+                if m is not None and (best_key is None or m > best_key):
+                    best, best_key = session, m
+            if best is None:
+                fresh = self.default_session not in self.sessions
+                sid = self.default_session if fresh else f"leyline-{uuid.uuid4().hex[:12]}"
+                best = self.sessions[sid] = self._new_session(sid)
+                while len(self._found) >= MAX_SESSIONS:
+                    self.sessions.pop(self._found.pop(0), None)
+            else:
+                self._found.remove(best.session_id)
+            self._found.append(best.session_id)
+            self._busy.add(best.session_id)
+            return best
+
+    def release(self, session: ContextSession) -> None:
+        with self._lock:
+            self._busy.discard(session.session_id)
+
+    def _new_session(self, sid: str) -> ContextSession:
+        return ContextSession(
+            self.policies, None, mode=self.mode, session_id=sid, fallback=not self.strict
+        )
 
     def split(self, kwargs: dict[str, Any]) -> tuple[ContextSession, dict[str, Any]]:
         """The session a call belongs to, and the kwargs to forward: the Leyline key removed
@@ -135,6 +173,11 @@ class LeylineState:
         headers = dict(kwargs.get("extra_headers") or {})
         name = _header_name(headers, SESSION_HEADER)
         if name is None:
+            if sid is None and self.by_content and isinstance(kwargs.get("messages"), list):
+                session = self.by_messages(_call_args(kwargs)[0])
+                headers[SESSION_HEADER] = session.session_id
+                kwargs["extra_headers"] = headers
+                return session, kwargs
             headers[SESSION_HEADER] = sid or self.default_session
         elif isinstance(headers[name], str):  # the user's own header names the session
             own = client_session_id(headers[name], f"extra_headers[{name!r}]")
@@ -211,12 +254,17 @@ def _header_name(headers: Any, name: str) -> str | None:
     return next((k for k in headers if isinstance(k, str) and k.lower() == name.lower()), None)
 
 
+def _client_session(client: Any) -> tuple[str, str] | None:
+    """(header name, value) of the client's own ``X-Leyline-Session`` default header."""
+    defaults = getattr(client, "default_headers", None) or {}
+    name = _header_name(defaults, SESSION_HEADER)
+    return (name, defaults[name]) if name is not None and isinstance(defaults[name], str) else None
+
+
 def _default_session(client: Any, session_id: str | None) -> str:
     """``session_id``, or the client's own ``X-Leyline-Session`` default header, or a new id."""
     sid = client_session_id(session_id, "session_id")
-    defaults = getattr(client, "default_headers", None) or {}
-    name = _header_name(defaults, SESSION_HEADER)
-    own = defaults[name] if name is not None and isinstance(defaults[name], str) else None
+    name, own = _client_session(client) or (None, None)
     if own is not None:
         own = client_session_id(own, f"default_headers[{name!r}]")
         if sid is not None and own != sid:
@@ -274,8 +322,11 @@ def _make_create(
                 except Exception as e:  # noqa: BLE001
                     state.policy_failed(session, e)
                 _edits_spliced_here(kwargs, session.runtime)
-            response = await original(*args, **kwargs)
-            return state.observe(session, response, stream, is_async=True)
+            try:
+                response = await original(*args, **kwargs)
+                return state.observe(session, response, stream, is_async=True)
+            finally:
+                state.release(session)
 
         return acreate
 
@@ -289,8 +340,11 @@ def _make_create(
             except Exception as e:  # noqa: BLE001 - let the user's call through
                 state.policy_failed(session, e)
             _edits_spliced_here(kwargs, session.runtime)
-        response = original(*args, **kwargs)
-        return state.observe(session, response, stream, is_async=False)
+        try:
+            response = original(*args, **kwargs)
+            return state.observe(session, response, stream, is_async=False)
+        finally:
+            state.release(session)
 
     return create
 
