@@ -60,6 +60,7 @@ __all__ = [
     "ErrorGuard",
     "ModelNotFoundError",
     "RequestError",
+    "TrackedSend",
     "classify",
     "error_response",
     "exception_code",
@@ -159,6 +160,18 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http)
 
 
+class TrackedSend:
+    """An ASGI ``send`` that remembers whether the response has started (after that, an
+    error can no longer be answered on it)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send, self.started = send, False
+
+    async def __call__(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
 class ErrorGuard:
     """Pure ASGI middleware: an exception that reached it becomes the JSON error answer
     (500 ``InternalError`` for anything unexpected), and the call returns normally."""
@@ -170,21 +183,15 @@ class ErrorGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def send_tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self.app(scope, receive, send_tracked)
+            await self.app(scope, receive, tracked)
         except Exception as exc:
             while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
                 exc = exc.exceptions[0]
             response = exception_response(exc)
             if response.status_code >= 500:
                 log.error("request failed", path=scope.get("path"), error=repr(exc))
-            if started:  # nothing more can be said on this response
+            if tracked.started:  # nothing more can be said on this response
                 return
             await response(scope, receive, send)

@@ -20,7 +20,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from leyline_agent.server.errors import RequestError, error_response
+from leyline_agent.server.errors import RequestError, TrackedSend, error_response
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -62,7 +62,6 @@ class BodyLimit:
             await self._refuse(scope, receive, send)
             return
         seen = 0
-        started = False
 
         async def counted() -> Message:
             nonlocal seen
@@ -73,15 +72,11 @@ class BodyLimit:
                     raise BodyTooLargeError(self.max_bytes)
             return message
 
-        async def send_tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self.app(scope, counted, send_tracked)
+            await self.app(scope, counted, tracked)
         except BodyTooLargeError:
-            if started:
+            if tracked.started:
                 raise
             await self._refuse(scope, receive, send)
 
