@@ -438,3 +438,9 @@ def test_serve_concurrency_flag(model_dir):
         worker.close()
     with pytest.raises(ArgumentError, match="--concurrency"):
         app_of("--concurrency", "0")
+    from leyline_agent.errors import LeylineError
+    from leyline_agent.server.cli import _refuse_embedded_only
+
+    sglang = ["serve", "--model", str(model_dir), "--engine", "sglang", "--concurrency", "4"]
+    with pytest.raises(LeylineError, match="--concurrency"):  # SGLang's server would ignore it
+        _refuse_embedded_only(build_parser().parse_args(sglang))
