@@ -254,6 +254,8 @@ def test_concurrency_for_needs_a_thread_safe_engine():
         concurrency_for(Recorder(), 2)
     with pytest.raises(ValueError):
         concurrency_for(SafeRecorder(), 0)
+    with pytest.raises(ValueError, match="not thread-safe"):
+        Worker(Recorder(), concurrency=2)
 
 
 def test_directive_memory_runs_one_of_concurrent_retries():

@@ -181,9 +181,7 @@ class Worker:
         self._closed = False
         # key -> jobs parked behind its running job (a key is present while one runs)
         self._keys: dict[Hashable, deque[_Job]] = {}
-        if concurrency < 1:
-            raise ValueError(f"concurrency: {concurrency} must be >= 1")
-        self.concurrency = concurrency
+        self.concurrency = concurrency = concurrency_for(engine, concurrency)  # checked
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
             for i in range(concurrency)
