@@ -49,6 +49,17 @@ REPETITIVE = [[666] * 12 + [t] * 18 for t in (301, 306, 1193)]
 STUB = [1901, 1902]  # every session stubs with the same placeholder
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Thousands of tiny forwards: with torch's default threads on a busy 2-core machine,
+    every GEMM's parallel region waits for a descheduled thread (measured: the same 60
+    chains take 120 s with 2 threads, 17 s with 1, load average ~5). Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def model_tok():
     d = tiny_model_dir("deepseek_v2")
