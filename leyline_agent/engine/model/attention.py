@@ -92,6 +92,12 @@ def _gqa_attention(
     for s in ctx.seqs:
         q = query[:, :, s.q_start : s.q_start + s.q_len]
         k, v = _rows(pk, s, 1), _rows(pv, s, 1)
+        if s.q_len == 1:  # decode: a kv head's query heads as its query rows (no broadcast)
+            kvh = k.shape[0]
+            qf = q.reshape(1, kvh, q.shape[1] // kvh, q.shape[-1])
+            o = F.scaled_dot_product_attention(qf, k[None], v[None], scale=scaling)
+            out[s.q_start] = o.reshape(q.shape[1], -1)
+            continue
         o = F.scaled_dot_product_attention(
             q, k[None], v[None], attn_mask=_mask(s, q.device), scale=scaling,
             enable_gqa=True, is_causal=s.q_len > 1 and s.num_cached == 0,
