@@ -174,7 +174,7 @@ def _expanded_over(mod: Any, q_nope: Any, q_pe: Any, c_kv: Any, k_pe: Any) -> An
     h, t, _ = q_nope.shape
     n = c_kv.shape[0]
     if n == t:
-        return att._mla_expanded(mod, q_nope, q_pe, c_kv, k_pe)
+        return att.mla_expanded(mod, q_nope, q_pe, c_kv, k_pe)
     kv = mod.kv_b_proj(c_kv).view(n, h, -1).transpose(0, 1)
     k_nope, v = torch.split(kv, [mod.qk_nope_head_dim, mod.v_head_dim], dim=-1)
     k = torch.cat([k_nope, k_pe[None].expand(h, -1, -1)], dim=-1)

@@ -33,7 +33,14 @@ import torch.nn.functional as F
 
 from leyline_agent.engine.model.context import SeqRows, current
 
-__all__ = ["ATTN_IMPLEMENTATION", "EXPAND_MIN_TOKENS", "install", "mla_absorbed", "mla_project"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "EXPAND_MIN_TOKENS",
+    "install",
+    "mla_absorbed",
+    "mla_expanded",
+    "mla_project",
+]
 
 ATTN_IMPLEMENTATION = "leyline"
 EXPAND_MIN_TOKENS = 32  # measured: bench_splice --switch
@@ -134,7 +141,7 @@ def _mla_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: A
     for s in ctx.seqs:
         rows = slice(s.q_start, s.q_start + s.q_len)
         if s.num_cached == 0 and s.q_len >= EXPAND_MIN_TOKENS:
-            o = _mla_expanded(self, q_nope[:, rows], q_pe[:, rows], c_kv[rows], k_pe[rows])
+            o = mla_expanded(self, q_nope[:, rows], q_pe[:, rows], c_kv[rows], k_pe[rows])
         else:
             o = mla_absorbed(self, q_nope[:, rows], q_pe[:, rows], _rows(pc, s, 0), _rows(pp, s, 0))
         out[rows] = o.transpose(0, 1).reshape(s.q_len, h * v_dim)
@@ -201,7 +208,7 @@ def mla_absorbed(
     return torch.bmm(o_lat, w_uv.transpose(1, 2))  # [H, t, v]
 
 
-def _mla_expanded(
+def mla_expanded(
     self: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
 ) -> torch.Tensor:
     """A chunk with nothing cached: expand its own latents (``kv_b_proj``), causal SDPA."""
