@@ -1,13 +1,18 @@
 """Replay of agent trajectories against the embedded engine, C sessions in flight.
 
-In-process, on purpose. ``leyline serve`` serializes engine work on one worker thread
-(FIFO, one request at a time), so C sessions in flight means: C agents whose requests queue
-in front of one engine. The replay reproduces exactly that scheduling in virtual time: each
-job (a directive request or a chat request) runs for real on the engine, its measured
-service time advances a virtual clock, and a session's next job is queued when its previous
-one finishes (no think time). Latency = queue wait + service time. This keeps Python thread
+In-process, on purpose, and one job at a time: C sessions in flight means C agents whose
+turns queue in front of one engine that serves them in turn (FIFO). The replay reproduces
+that scheduling in virtual time: each job runs for real on the engine, its measured service
+time advances a virtual clock, and a session's next job is queued when its previous one
+finishes (no think time). Latency = queue wait + service time. This keeps Python thread
 and GIL jitter of a client living in the same process out of the numbers, and makes the
 interleaving (hence the cache contents under eviction) deterministic.
+
+A job is one whole turn: the policies' plan, the turn's directives (splice / forget arms),
+the chat template render and the chat request. That is how ``leyline serve`` runs an edit
+that comes with its request (``context_management``, ``--client-edits``): the directive is
+an engine operation just before the request's first step, not a second request that queues
+behind every other session's. A splice turn's TTFT therefore includes its directive.
 
 Arms (how the next prompt is built and what runs before it):
 - ``full``: the unedited history; the prefix cache only (the upper bound on hits);
@@ -130,17 +135,8 @@ def _session(
     ns = Namespace(session=f"{arm}-s{sid}")
     for turn, a in enumerate(_requests(traj, max_turns)):
         history = traj.messages[:a]
-        directive_s = 0.0
-        if session is None:
-            to_send = history
-        elif session.runtime is None:
-            to_send = session.plan(history, traj.tools).messages_to_send
-        else:  # plan + directives to the engine: a job of its own in the queue
-            done = yield (lambda h=history: session.prepare(h, traj.tools))
-            to_send, directive_s = done.value, done.service
-        ids = engine.render(to_send, traj.tools)
-        done = yield (lambda ids=ids: engine.generate(ids, params, namespace=ns))
-        res = done.value
+        done = yield (lambda h=history: _turn(engine, session, h, traj.tools, params, ns))
+        res, directive_s, generate_at = done.value
         if session is not None:
             session.observe_reply({"role": "assistant", "content": res.text})
         out.samples.append(
@@ -150,12 +146,32 @@ def _session(
                 prompt_tokens=res.prompt_tokens,
                 cached_tokens=res.cached_tokens,
                 prefilled_tokens=res.prefilled_tokens,
-                ttft_s=done.start + res.ttft_s,
+                ttft_s=done.start + generate_at + res.ttft_s,
                 e2e_s=0.0,
                 queue_s=0.0,
                 directive_s=directive_s,
             )
         )
+
+
+def _turn(
+    engine: Any, session: Any, history: list[dict], tools: Any, params: Any, ns: Namespace
+) -> tuple[Any, float, float]:
+    """One turn as one job: the plan (and the directives, when the session has a runtime),
+    the render, the chat request. Returns the result, the directives' seconds and when the
+    chat request started (seconds into the job)."""
+    t0 = time.perf_counter()
+    directive_s = 0.0
+    if session is None:
+        to_send = history
+    elif session.runtime is None:
+        to_send = session.plan(history, tools).messages_to_send
+    else:
+        to_send = session.prepare(history, tools)
+        directive_s = time.perf_counter() - t0
+    ids = engine.render(to_send, tools)
+    generate_at = time.perf_counter() - t0
+    return engine.generate(ids, params, namespace=ns), directive_s, generate_at
 
 
 def replay(
