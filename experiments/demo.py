@@ -1,7 +1,7 @@
 """``leyline demo``: the main job on a fresh machine.
 
 1. the ``mini`` model (``leyline make-model --size mini``) under ``--models-dir``, built once;
-2. the mechanism benchmark, ``--quick`` (C = 1 and 4, 4 sessions x 6 turns, all arms);
+2. the mechanism benchmark, ``--quick`` (C = 1 and 4, 4 sessions x 10 turns, all arms);
 3. the correctness report (3 prompts, 16 chained splices);
 then a short table and the plot paths. Everything lands under ``--out``.
 """

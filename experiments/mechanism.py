@@ -7,11 +7,13 @@ prefilled, TTFT and end-to-end p50/p90, splices executed, peak cache tokens. Rep
 are aggregated into mean and spread (min-max) per (arm, C). Outputs: ``results.json``
 (rows), ``runs.json`` (every repetition), ``results.md`` and ``results.png``.
 
-``--quick``: C from ``--concurrency`` but sessions = max(C), 6 turns per session, tool
+``--quick``: C from ``--concurrency`` but sessions = max(C), 10 turns per session, tool
 outputs cut to 400 characters, no tool schemas in the prompt (debug-gym's cost ~1k tokens),
-1 generated token, 1 repetition: the reduced set of the main job (prompts stay under ~700
-tokens; the ``mini`` model prefills a few hundred tokens per second on 2 busy cores). Full: every
-turn of each trajectory (up to 40), max(C, 16) sessions, 3 repetitions.
+1 generated token, 1 repetition: the reduced set of the main job (prompts stay under ~1k
+tokens; the ``mini`` model prefills a few hundred tokens per second on 2 busy cores). Ten
+turns, not fewer: the stale-tool rule (keep 2) first edits at a session's fourth turn, so a
+shorter session is mostly turns that no arm edits. Full: every turn of each trajectory (up
+to 40), max(C, 16) sessions, 3 repetitions.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
 __all__ = ["BenchSettings", "main", "run_mechanism"]
 
 POLICIES: list[Any] = [{"name": "stale-tool", "keep": 2}, {"name": "failed-call"}]
+QUICK_TURNS = 10  # turns per session of --quick (see the module docstring)
 
 
 @dataclass(slots=True)
@@ -70,7 +73,7 @@ class BenchSettings:
                 arms,
                 reps or 1,
                 max(concurrency),
-                6,
+                QUICK_TURNS,
                 400,
                 max_tokens=1,
                 dtype=dtype,
