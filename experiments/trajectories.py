@@ -196,7 +196,7 @@ def generate_one(task: str, seed: int, turns: int, data_dir: Path) -> Trajectory
     from debug_gym.gym.tools.tool import ToolCall
 
     from .eval_config import load_eval_config
-    from .nightmare import make_env, quiet_debug_gym, load_tasks
+    from .nightmare import load_tasks, make_env, quiet_debug_gym
 
     quiet_debug_gym()
     from debug_gym.logger import DebugGymLogger
