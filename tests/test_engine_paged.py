@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.engine.engine import Engine, SamplingParams
+from leyline_agent.engine.model import attention
 from leyline_agent.engine.model.attention import mla_absorbed, mla_project
-from leyline_agent.engine.model.runner import StepInput
+from leyline_agent.engine.model.runner import StepInput, slot_runs
 
 ARCHS = ["deepseek_v2", "deepseek_v3", "llama", "qwen3"]
 TOL = 1e-4
@@ -58,7 +59,30 @@ def test_prefill_chunked_extend_and_decode_equal_a_full_forward(pair):
     r.allocator.free(slots)
 
 
-def test_a_batch_gives_each_sequence_what_it_gets_alone(pair):
+@pytest.mark.parametrize("path", ["fused", "blocked"])
+def test_decode_over_rows_in_many_runs_equals_a_full_forward(pair, path, monkeypatch):
+    """Decode rows that do not follow each other in the pool (another sequence allocates in
+    between): attention reads them run by run, and past ``_MAX_RUNS`` runs gathers them."""
+    if path == "blocked":
+        monkeypatch.setattr(attention, "_FUSED_MAX_SCORES", 0)
+    eng, ref = pair
+    r = eng.runner
+    ids = _ids(5, 60, eng.vocab_size)
+    truth = _truth(ref, ids)
+    slots, _ = r.prefill([], ids[:36])
+    gaps = []
+    for i in range(36, 60):  # 24 decodes: 2 .. 25 runs
+        gaps += r.allocator.alloc(1)  # someone else's row between each two of ours
+        slots += r.allocator.alloc(1)
+        out = r.run([StepInput([ids[i]], slots)])
+        assert (out[0] - truth[i]).abs().max() <= TOL, f"decode at {i}"
+    r.allocator.free(slots + gaps)
+
+
+@pytest.mark.parametrize("path", ["fused", "blocked"])
+def test_a_batch_gives_each_sequence_what_it_gets_alone(pair, path, monkeypatch):
+    if path == "blocked":  # MLA: the explicit latent GEMMs that the mini model's contexts take
+        monkeypatch.setattr(attention, "_FUSED_MAX_SCORES", 0)
     eng, ref = pair
     r = eng.runner
     seqs = [_ids(10 + k, 20 + 7 * k, eng.vocab_size) for k in range(4)]
@@ -83,8 +107,12 @@ def test_a_batch_gives_each_sequence_what_it_gets_alone(pair):
         r.allocator.free(slots)
 
 
+@pytest.mark.parametrize("path", ["fused", "blocked"])
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
-def test_absorbed_mla_equals_transformers_attention_module(arch):
+def test_absorbed_mla_equals_transformers_attention_module(arch, path, monkeypatch):
+    if path == "blocked":  # the explicit GEMMs that long contexts take, in blocks of 2 queries
+        monkeypatch.setattr(attention, "_FUSED_MAX_SCORES", 0)
+        monkeypatch.setattr(attention, "_SCORE_BLOCK", 2 * 4 * 37)
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch), dtype=torch.float32).eval()
     attn = ref.model.layers[1].self_attn
     g = torch.Generator().manual_seed(3)
@@ -151,3 +179,10 @@ def test_concurrent_generate_equals_each_alone_and_a_bad_directive_changes_nothi
     assert not errors
     assert [got[k] for k in range(len(prompts))] == alone
     assert eng2.stepper.steps < sum(len(a) + 2 for a in alone)  # they shared steps
+    # decode rows came in blocks: each sequence's rows are one run per prefill and per
+    # decode block, not one per token; what the blocks did not use went back to the pool
+    for k, q in enumerate(prompts):
+        m = eng2.cache.match(q + alone[k][:-1], ANONYMOUS)
+        assert m.length == len(q) + len(alone[k]) - 1
+        assert len(slot_runs(torch.tensor(m.slots[len(q) :]))) == 1
+    assert eng2.allocator.num_used == eng2.cache.total_tokens

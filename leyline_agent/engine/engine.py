@@ -43,6 +43,7 @@ __all__ = ["Engine", "GenerationResult", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
 
+
 class Engine:
     # Concurrent calls are safe (see the module doc): the server's worker may run several
     # requests at once on it (``server.worker.ServedEngine``).
@@ -193,8 +194,8 @@ class Engine:
         """Drop a sequence: its rows are freed; nothing is cached or counted."""
         if seq in self.stepper.running:
             self.stepper.running.remove(seq)
-        self.allocator.free(seq.fresh)
-        seq.fresh = []
+        self.allocator.free(seq.fresh + seq.reserved)
+        seq.fresh, seq.reserved = [], []
         self.cache.release(seq.match)
 
     def _commit(self, seq: sequence.Sequence) -> GenerationResult:

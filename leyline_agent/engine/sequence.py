@@ -3,6 +3,8 @@
 Status, slots, cached count and sampling state live here; tensors do not. ``slots`` are the
 pool rows of ``token_ids[:num_computed]``: first the matched prefix (``match.slots``, held
 in the tree), then rows this sequence computed (``fresh``, owned by it until committed).
+Decode rows come from ``reserved``, a block allocated ahead (``stepper.py``), so that the
+rows of sequences decoding side by side do not interleave slot by slot.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     fresh: list[int] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)  # decode rows allocated ahead, unwritten
     finish_reason: str = "length"
     ttft_s: float = 0.0
     e2e_s: float = 0.0

@@ -11,6 +11,12 @@ touches the engine (directives, stats, render) takes the same lock: it runs betw
 
 ``exclusive()`` is that lock, fair to non-step work: a waiting operation makes drivers
 pause after their current step.
+
+Slots: a prefill chunk gets one allocation (a run of slots). A decoding sequence takes its
+rows from a block of up to ``DECODE_BLOCK`` slots allocated ahead (``Sequence.reserved``;
+what is left is freed when it finishes): with one allocation per token, the rows of eight
+sequences decoding side by side would interleave, and attention, which reads a sequence's
+rows run by run as views of the pool, would have to gather them.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from leyline_agent.engine.model.runner import ModelRunner, StepInput
 from leyline_agent.engine.scheduler import DEFAULT_STEP_TOKENS, schedule
 from leyline_agent.engine.sequence import SeqStatus, Sequence
 
-__all__ = ["Stepper"]
+__all__ = ["DECODE_BLOCK", "Stepper"]
+
+DECODE_BLOCK = 128
 
 
 class _Host(Protocol):
@@ -86,7 +94,8 @@ class Stepper:
                 s = p.seq
                 start = s.num_computed
                 toks = s.token_ids[start : start + p.num_tokens]
-                fresh = alloc.alloc(p.num_tokens)
+                prefill = s.status is SeqStatus.PREFILL
+                fresh = alloc.alloc(p.num_tokens) if prefill else self._decode_row(s)
                 new.append(fresh)
                 wants = s.status is SeqStatus.DECODE or (
                     s.status is SeqStatus.PREFILL
@@ -135,7 +144,15 @@ class Stepper:
                 self._finish(s)
         s.events.append((tok, delta))
 
+    def _decode_row(self, s: Sequence) -> list[int]:
+        if not s.reserved:  # rows still to write: the outputs to come, and the last one's
+            left = s.params.max_tokens - len(s.output_ids) + 1
+            s.reserved = self.host.allocator.alloc(max(1, min(DECODE_BLOCK, left)))[::-1]
+        return [s.reserved.pop()]
+
     def _finish(self, s: Sequence) -> None:
+        self.host.allocator.free(s.reserved)
+        s.reserved = []
         s.status = SeqStatus.FINISHED
         if s in self.running:
             self.running.remove(s)

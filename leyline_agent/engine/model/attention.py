@@ -49,6 +49,13 @@ _SCORE_BLOCK = 1 << 22  # absorbed path: scores per block of queries (16 MiB in 
 # parallel region, and on a busy machine with torch's default threads a region costs more
 # than the arithmetic of a small attention (tiny models, short contexts).
 _FUSED_MAX_SCORES = 1 << 15
+# ... and only while the rows it concatenates (``[c_kv | k_pe]``, n x (r + rope)) are few:
+# that copy of the sequence's latents, made per layer and step, costs more than the five
+# ops it saves (mini MLA at 512 rows: 1.2 MB per call).
+_FUSED_MAX_ROWS = 1 << 15
+# Decode reads a sequence's rows run by run (views). The engine keeps runs few (decode rows
+# are reserved in blocks, ``stepper.py``); past this many, one gathered copy is cheaper.
+_MAX_RUNS = 16
 
 
 def install(model: Any) -> None:
@@ -98,19 +105,44 @@ def _gqa_attention(
     out = query.new_empty(query.shape[2], query.shape[1], value.shape[-1])  # [N, H, d]
     for s in ctx.seqs:
         q = query[:, :, s.q_start : s.q_start + s.q_len]
-        k, v = _rows(pk, s, 1), _rows(pv, s, 1)
         if s.q_len == 1:  # decode: a kv head's query heads as its query rows (no broadcast)
-            kvh = k.shape[0]
-            qf = q.reshape(1, kvh, q.shape[1] // kvh, q.shape[-1])
-            o = F.scaled_dot_product_attention(qf, k[None], v[None], scale=scaling)
-            out[s.q_start] = o.reshape(q.shape[1], -1)
+            out[s.q_start] = _gqa_decode(q[0], _parts(pk, s, 1), _parts(pv, s, 1), scaling)
             continue
+        k, v = _rows(pk, s, 1), _rows(pv, s, 1)
         o = F.scaled_dot_product_attention(
             q, k[None], v[None], attn_mask=_mask(s, q.device), scale=scaling,
             enable_gqa=True, is_causal=s.q_len > 1 and s.num_cached == 0,
         )  # fmt: skip
         out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def _gqa_decode(
+    q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scaling: float | None
+) -> torch.Tensor:
+    """One query ``[H, 1, d]`` over the sequence's rows, given as views of the pool (``ks[i]``,
+    ``vs[i]``: ``[KVH, run, d]``) -> ``[H, d]``. One run: one SDPA call; several: the scores
+    of every run, one softmax, the values summed run by run (no rows copied)."""
+    kvh = ks[0].shape[0]
+    qf = q.reshape(kvh, q.shape[0] // kvh, q.shape[-1])  # [KVH, group, d]
+    if len(ks) == 1:
+        o = F.scaled_dot_product_attention(qf[None], ks[0][None], vs[0][None], scale=scaling)
+        return o.reshape(q.shape[0], -1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.cat([torch.bmm(qf, k.transpose(1, 2)) for k in ks], dim=-1)
+    p = torch.softmax(scores.float().mul_(scale), dim=-1).to(vs[0].dtype)
+    return _sum_by_runs(p, vs).reshape(q.shape[0], -1)
+
+
+def _sum_by_runs(p: torch.Tensor, vs: list[torch.Tensor]) -> torch.Tensor:
+    """``p [B, t, n]`` (n = the runs' rows end to end) times the runs' values ``[B, run, d]``."""
+    o, at = None, 0
+    for v in vs:
+        part = torch.bmm(p[..., at : at + v.shape[-2]], v)
+        o = part if o is None else o.add_(part)
+        at += v.shape[-2]
+    assert o is not None
+    return o
 
 
 # ---------------------------------------------------------------------------------- MLA
@@ -136,16 +168,46 @@ def _mla_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: A
     pc, pp = ctx.pool.keys[layer, 0], ctx.pool.values[layer, 0]  # [slots, r], [slots, rope]
     pc.index_copy_(0, ctx.slot_mapping, c_kv.to(pc.dtype))
     pp.index_copy_(0, ctx.slot_mapping, k_pe.to(pp.dtype))
-    h, v_dim = self.num_heads, self.v_head_dim
-    out = hidden_states.new_empty(hidden_states.shape[1], h * v_dim)
-    for s in ctx.seqs:
-        rows = slice(s.q_start, s.q_start + s.q_len)
+    h, n, v_dim = self.num_heads, hidden_states.shape[1], self.v_head_dim
+    out = hidden_states.new_empty(h, n, v_dim)
+    latent = [s for s in ctx.seqs if s.num_cached or s.q_len < EXPAND_MIN_TOKENS]
+    for s in ctx.seqs:  # nothing cached, a long chunk: expand its own latents
         if s.num_cached == 0 and s.q_len >= EXPAND_MIN_TOKENS:
-            o = mla_expanded(self, q_nope[:, rows], q_pe[:, rows], c_kv[rows], k_pe[rows])
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            out[:, rows] = mla_expanded(
+                self, q_nope[:, rows], q_pe[:, rows], c_kv[rows], k_pe[rows]
+            )
+    if latent:  # the rest in latent space; W_uk and W_uv applied once for all of them
+        every = len(latent) == len(ctx.seqs)
+        idx = None if every else _row_index(latent, q_nope.device)
+        w_uk, w_uv = _mla_weights(self)
+        q_lat = torch.bmm(q_nope if every else q_nope.index_select(1, idx), w_uk)  # [H, *, r]
+        qp = q_pe if every else q_pe.index_select(1, idx)
+        o_lat = torch.empty_like(q_lat)
+        at = 0
+        for s in latent:
+            rows = slice(at, at + s.q_len)
+            o_lat[:, rows] = _mla_latent(
+                self, q_lat[:, rows], qp[:, rows], _parts(pc, s, 0), _parts(pp, s, 0)
+            )
+            at += s.q_len
+        o = torch.bmm(o_lat, w_uv.transpose(1, 2))  # [H, *, v]
+        if every:
+            out = o
         else:
-            o = mla_absorbed(self, q_nope[:, rows], q_pe[:, rows], _rows(pc, s, 0), _rows(pp, s, 0))
-        out[rows] = o.transpose(0, 1).reshape(s.q_len, h * v_dim)
-    return self.o_proj(out[None]), None
+            out.index_copy_(1, idx, o)
+    return self.o_proj(out.transpose(0, 1).reshape(1, n, h * v_dim)), None
+
+
+def _row_index(seqs: list[SeqRows], device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(s.q_start, s.q_start + s.q_len, device=device) for s in seqs])
+
+
+def _mla_weights(self: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_b_proj``'s key half ``W_uk [H, nope, r]`` and value half ``W_uv [H, v, r]``."""
+    r = self.kv_lora_rank
+    w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, r)
+    return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
 
 def mla_project(
@@ -173,39 +235,59 @@ def mla_absorbed(
     self: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
 ) -> torch.Tensor:
     """Latent-space MLA of t queries over n rows (the last t are the queries' own):
-    ``q_nope [H,t,nope]``, ``q_pe [H,t,rope]``, ``c_kv [n,r]``, ``k_pe [n,rope]`` -> ``[H,t,v]``.
+    ``q_nope [H,t,nope]``, ``q_pe [H,t,rope]``, ``c_kv [n,r]``, ``k_pe [n,rope]`` -> ``[H,t,v]``:
+    ``q_nope`` absorbed through ``W_uk``, attention over the latents, output through ``W_uv``.
+    (The engine's forward absorbs and un-absorbs every sequence of a batch in one GEMM each,
+    so the weights are read once per layer, not once per sequence.)"""
+    w_uk, w_uv = _mla_weights(self)
+    o_lat = _mla_latent(self, torch.bmm(q_nope, w_uk), q_pe, [c_kv], [k_pe])
+    return torch.bmm(o_lat, w_uv.transpose(1, 2))  # [H, t, v]
 
-    Explicit GEMMs over blocks of queries (at most ``_SCORE_BLOCK`` scores at a time): on
-    CPU they beat SDPA's GQA path at every chunk size the engine runs (``bench_splice
-    --switch``; SDPA would broadcast the one latent head to H heads). Small problems (at
-    most ``_FUSED_MAX_SCORES`` scores) take one SDPA call with the heads folded into the
-    query rows (one latent head: nothing broadcast)."""
-    h, t, _ = q_nope.shape
-    n, r = c_kv.shape
-    w = self.kv_b_proj.weight.view(h, self.qk_nope_head_dim + self.v_head_dim, r)
-    w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
-    q_lat = torch.bmm(q_nope, w_uk)  # [H, t, r]
-    if h * t * n <= _FUSED_MAX_SCORES:  # small: one fused op (heads folded into query rows)
+
+def _mla_latent(
+    self: Any,
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    cs: list[torch.Tensor],
+    ps: list[torch.Tensor],
+) -> torch.Tensor:
+    """Attention in latent space: ``q_lat [H,t,r]``, ``q_pe [H,t,rope]`` over the sequence's n
+    rows, given as runs (views of the pool, in position order: ``cs[i] [run, r]`` latents,
+    ``ps[i] [run, rope]`` post-RoPE keys) -> ``o_lat [H,t,r]``.
+
+    Explicit GEMMs over blocks of queries (at most ``_SCORE_BLOCK`` scores at a time), run by
+    run: the scores of every run side by side, one softmax, the output summed run by run (no
+    rows copied). On CPU they beat SDPA's GQA path at every chunk size the engine runs
+    (``bench_splice --switch``; SDPA would broadcast the one latent head to H heads). Small
+    problems (at most ``_FUSED_MAX_SCORES`` scores over at most ``_FUSED_MAX_ROWS`` latent
+    values) take one SDPA call with the heads folded into the query rows (one latent head:
+    nothing broadcast)."""
+    h, t, r = q_lat.shape
+    n = sum(c.shape[0] for c in cs)
+    if h * t * n <= _FUSED_MAX_SCORES and n * (r + q_pe.shape[-1]) <= _FUSED_MAX_ROWS:
+        c_kv = cs[0] if len(cs) == 1 else torch.cat(cs)  # few rows: the copy is small
+        k_pe = ps[0] if len(ps) == 1 else torch.cat(ps)
         q = torch.cat([q_lat, q_pe], dim=-1).reshape(1, 1, h * t, -1)
         k = torch.cat([c_kv, k_pe], dim=-1)[None, None]
         mask = _allowed(t, n, q.device).repeat(h, 1) if t > 1 else None
         o = F.scaled_dot_product_attention(
             q, k, c_kv[None, None], attn_mask=mask, scale=self.scaling
         )
-        return torch.bmm(o.view(h, t, r), w_uv.transpose(1, 2))
+        return o.view(h, t, r)
     o_lat = q_lat.new_empty(h, t, r)
     step = max(1, _SCORE_BLOCK // (h * n))
     for i in range(0, t, step):
         j = min(t, i + step)
         b = j - i
-        scores = q_lat[:, i:j].reshape(h * b, r) @ c_kv.T
-        scores.addmm_(q_pe[:, i:j].reshape(h * b, -1), k_pe.T)
+        ql, qp = q_lat[:, i:j].reshape(h * b, r), q_pe[:, i:j].reshape(h * b, -1)
+        parts = [(ql @ c.T).addmm_(qp, k.T) for c, k in zip(cs, ps, strict=True)]
+        scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         scores = scores.view(h, b, n).float().mul_(self.scaling)
         if t > 1:  # query i sits at position n - t + i: it sees rows 0..n - t + i
             scores.masked_fill_(~_allowed_rows(n - t + i, b, n, scores.device), float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(c_kv.dtype)
-        o_lat[:, i:j] = (p.view(h * b, n) @ c_kv).view(h, b, r)
-    return torch.bmm(o_lat, w_uv.transpose(1, 2))  # [H, t, v]
+        p = torch.softmax(scores, dim=-1).to(cs[0].dtype).view(1, h * b, n)
+        o_lat[:, i:j] = _sum_by_runs(p, [c[None] for c in cs]).view(h, b, r)
+    return o_lat
 
 
 def mla_expanded(
@@ -224,10 +306,19 @@ def mla_expanded(
 
 # ---------------------------------------------------------------------------------- rows
 def _rows(t: torch.Tensor, s: SeqRows, dim: int) -> torch.Tensor:
-    """The sequence's rows of a pool tensor along ``dim`` (a view for one contiguous run)."""
-    if s.kv_run >= 0:
-        return t.narrow(dim, s.kv_run, s.kv_len)
+    """The sequence's rows of a pool tensor along ``dim`` as one tensor (a view for one run,
+    else a gathered copy: extends and prefills, whose compute dwarfs the copy)."""
+    if len(s.kv_runs) == 1:
+        return t.narrow(dim, s.kv_runs[0][0], s.kv_len)
     return t.index_select(dim, s.kv_slots)
+
+
+def _parts(t: torch.Tensor, s: SeqRows, dim: int) -> list[torch.Tensor]:
+    """The sequence's rows as views of the pool, one per run (gathered into one copy only
+    past ``_MAX_RUNS`` runs, where a Python loop per run would cost more than the copy)."""
+    if len(s.kv_runs) > _MAX_RUNS:
+        return [t.index_select(dim, s.kv_slots)]
+    return [t.narrow(dim, first, n) for first, n in s.kv_runs]
 
 
 def _allowed(t: int, n: int, device: torch.device) -> torch.Tensor:

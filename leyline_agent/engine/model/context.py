@@ -5,7 +5,9 @@ The runner sets one around a forward (``forward_context``); the engine's attenti
 (``attention.py``) reads it. A forward is a *packed* batch: the new tokens of every
 sequence laid end to end in one row of ``input_ids``; sequence ``i`` owns the query rows
 ``[q_start, q_start + q_len)`` and attends to the pool rows ``kv_slots`` (its cached rows
-then its new ones, in position order), causally.
+then its new ones, in position order), causally. ``kv_runs`` are the same rows as runs of
+consecutive slots (paged attention's blocks): attention reads each run as a view of the
+pool, so a sequence whose rows lie in a few runs is never copied out of it.
 
 No context set means "not ours": the hooked attention then runs transformers' own code,
 so a plain forward of the same model object is unchanged.
@@ -32,7 +34,7 @@ class SeqRows:
     q_start: int  # first query row in the packed batch
     q_len: int  # new tokens
     kv_slots: torch.Tensor  # [kv_len] long, cached rows then the new ones
-    kv_run: int  # first slot if ``kv_slots`` is one contiguous run, else -1
+    kv_runs: tuple[tuple[int, int], ...]  # the same rows as (first slot, length) runs
 
     @property
     def kv_len(self) -> int:

@@ -25,7 +25,7 @@ from leyline_agent.engine.cache.kv_pool import KVPool
 from leyline_agent.engine.model.attention import install
 from leyline_agent.engine.model.context import AttnContext, SeqRows, forward_context
 
-__all__ = ["ModelRunner", "StepInput"]
+__all__ = ["ModelRunner", "StepInput", "slot_runs"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -124,16 +124,17 @@ class ModelRunner:
 
 
 def _seq_rows(q_start: int, q_len: int, slots: Sequence[int], dev: torch.device) -> SeqRows:
-    first, n = slots[0], len(slots)
-    contiguous = slots[-1] - first == n - 1 and (n < 3 or _is_run(slots))
-    return SeqRows(
-        q_start=q_start,
-        q_len=q_len,
-        kv_slots=torch.as_tensor(slots, dtype=torch.long, device=dev),
-        kv_run=first if contiguous else -1,
-    )
+    t = torch.as_tensor(slots, dtype=torch.long)
+    return SeqRows(q_start=q_start, q_len=q_len, kv_slots=t.to(dev), kv_runs=slot_runs(t))
 
 
-def _is_run(slots: Sequence[int]) -> bool:
-    t = torch.as_tensor(slots)
-    return bool((t[1:] - t[:-1] == 1).all())
+def slot_runs(slots: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """``slots`` (1-d long) as runs of consecutive indices: ``((first, length), ...)``."""
+    n = int(slots.shape[0])
+    if n == 0:
+        return ()
+    if int(slots[-1]) - int(slots[0]) == n - 1 and (n < 3 or bool((slots.diff() == 1).all())):
+        return ((int(slots[0]), n),)
+    cuts = [0, *(torch.nonzero(slots.diff() != 1).flatten() + 1).tolist(), n]
+    firsts = slots[cuts[:-1]].tolist()
+    return tuple((f, b - a) for f, a, b in zip(firsts, cuts[:-1], cuts[1:], strict=True))
