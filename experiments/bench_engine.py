@@ -24,7 +24,7 @@ import random
 import time
 from typing import Any
 
-import torch
+__all__ = ["add_arguments", "main"]
 
 
 def _csv(text: str) -> list[str]:
@@ -32,6 +32,8 @@ def _csv(text: str) -> list[str]:
 
 
 def _hf(model: Any, ids: list[int], new: int) -> tuple[float, float]:
+    import torch
+
     """transformers' own path: a forward of ``ids[:-1]`` into a fresh ``DynamicCache``
     (prefill seconds), then ``model.generate`` of ``new`` tokens on that cache (it forwards
     the last prompt token, then decodes): seconds per generated token."""
@@ -75,17 +77,27 @@ def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="leyline bench engine", description=__doc__.split("\n")[0])
-    ap.add_argument("--archs", default="deepseek_v2,llama")
-    ap.add_argument("--contexts", default="512,2048,8192,16384")
-    ap.add_argument("--decode", type=int, default=8)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags (stdlib only: the CLI builds its parser without importing torch)."""
+    ap.add_argument("--archs", default="deepseek_v2,llama", help="mini models to run")
+    ap.add_argument("--contexts", default="512,2048,8192,16384", help="cached context lengths")
+    ap.add_argument("--decode", type=int, default=8, help="new tokens per decode run (>= 2)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--clients", type=int, default=8, help="concurrency section (0: skip)")
-    a = ap.parse_args(argv)
+
+
+def main(a: argparse.Namespace | list[str] | None = None) -> int:
+    import torch
+
+    if not isinstance(a, argparse.Namespace):
+        ap = argparse.ArgumentParser(
+            prog="leyline bench engine", description=__doc__.split("\n")[0]
+        )
+        add_arguments(ap)
+        a = ap.parse_args(a)
     if a.decode < 2:
-        ap.error("--decode: must be >= 2")
+        raise SystemExit("leyline bench engine: --decode: must be >= 2")
     torch.set_num_threads(a.threads)
     print(f"dtype {a.dtype}, {a.threads} thread(s), decode {a.decode} tokens")
     print(

@@ -93,10 +93,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/http"), help="output folder")
     p.set_defaults(func=_bench_http)
 
+    from .bench_engine import add_arguments as bench_engine_arguments  # stdlib only
+
     p = bench.add_parser(
         "engine", help="engine vs transformers generate: decode/prefill by context, concurrency"
     )
-    p.add_argument("args", nargs=argparse.REMAINDER, help="see bench_engine.py --help")
+    bench_engine_arguments(p)
     p.set_defaults(func=_bench_engine)
 
     from .bench_serve import add_arguments as bench_serve_arguments  # stdlib only
@@ -243,7 +245,7 @@ def _bench_http(args: argparse.Namespace) -> int:
 def _bench_engine(args: argparse.Namespace) -> int:
     from .bench_engine import main
 
-    return main(args.args)
+    return main(args)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
