@@ -82,7 +82,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--archs", default="deepseek_v2,llama", help="mini models to run")
     ap.add_argument("--contexts", default="512,2048,8192,16384", help="cached context lengths")
     ap.add_argument("--decode", type=int, default=8, help="new tokens per decode run (>= 2)")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--clients", type=int, default=8, help="concurrency section (0: skip)")
 

@@ -32,3 +32,12 @@ def test_every_option_has_help_and_its_default() -> None:
                 problems.append(f"{name} {a.option_strings}: default {d!r} not shown")
         parser.format_help()  # formats (no stray '%' in any help text)
     assert problems == []
+
+
+def test_bench_commands_take_their_flags() -> None:
+    """``leyline bench engine --contexts ...`` as the README writes it (a REMAINDER argument
+    once refused every leading flag)."""
+    a = build_parser().parse_args(["bench", "engine", "--contexts", "512,8192", "--decode", "4"])
+    assert (a.contexts, a.decode, a.clients) == ("512,8192", 4, 8)
+    a = build_parser().parse_args(["bench", "serve", "--clients", "1,8", "--phases", "cached"])
+    assert (a.clients, a.phases) == ([1, 8], "cached")
