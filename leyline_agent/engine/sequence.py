@@ -57,6 +57,7 @@ class Sequence:
     events: deque[tuple[int, str]] = field(default_factory=deque)  # (token, text delta)
     on_token: Callable[[int, str], None] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None  # the step failed: the owner raises it
 
     @property
     def token_ids(self) -> list[int]:
