@@ -14,11 +14,11 @@ Shapes (one packed forward of N new tokens, ``context.py``; H query heads):
   output ``(p · c_kv) · W_uv`` (the value half). Cached latents are never re-expanded. A
   sequence with nothing cached and at least ``EXPAND_MIN_TOKENS`` new tokens expands its
   own chunk instead (cheaper there: head dim 192 instead of 576). Measured by
-  ``bench_splice --switch`` (README; mini model, 1 thread): with nothing cached,
-  expanding wins from the smallest chunk measured (16 tokens) on; with 4096 rows cached,
-  re-expanding them loses up to 256-token chunks (8.8x slower at 16) and wins by 12 % at
-  512. Chunks with a cached context stay absorbed: the cached latents are never
-  re-expanded (the pool is read, never multiplied back out).
+  ``bench_splice --switch`` (README; mini model, 1 thread): with nothing cached, the
+  two are a tie at 16 tokens (expanded/absorbed 0.87-1.02 over three runs) and expanding
+  wins from 32 on in every run (0.79-0.88 at 32, 0.60 at 512); with 4096 rows cached,
+  re-expanding them would be 10x slower for a 16-token chunk and about even from 256 on.
+  Chunks with a cached context stay absorbed: the cached latents are never re-expanded.
 
 With no context set both fall through to transformers' own code (sdpa), so the model
 object still serves plain forwards (the tests' ground truth) unchanged.
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "leyline"
-EXPAND_MIN_TOKENS = 16  # measured: bench_splice --switch
+EXPAND_MIN_TOKENS = 32  # measured: bench_splice --switch
 _SCORE_BLOCK = 1 << 22  # absorbed path: scores per block of queries (16 MiB in fp32)
 # Up to this many scores, one fused SDPA call instead of five GEMM/softmax ops: each op is a
 # parallel region, and on a busy machine with torch's default threads a region costs more
