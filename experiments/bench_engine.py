@@ -1,7 +1,7 @@
 """Benchmark (not a test): the embedded engine vs transformers' own ``generate``, one run.
 
     leyline bench engine [--archs deepseek_v2,llama] [--contexts 512,2048,8192,16384]
-                         [--decode 8] [--dtype float32] [--threads 1]
+                         [--decode 8] [--dtype float32] [--threads 1] [--runner]
 
 For each ``mini`` model (built once, seeded, into the test-model cache) and cached context
 length n (random token ids):
@@ -14,7 +14,9 @@ length n (random token ids):
   time per generated token is the decode ms/token (no difference of two long runs, which
   the prefill's noise swamped). Same model object, dtype, threads.
 
-Prints one table with the ratios (engine / transformers speed-ups).
+Prints one table with the ratios (engine / transformers speed-ups). ``--runner`` instead
+prints what bounds batched decode here: one packed decode forward of 1..16 sequences
+(``ModelRunner.run``, no scheduler, no threads) and the machine's read bandwidth.
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--clients", type=int, default=8, help="concurrency section (0: skip)")
+    ap.add_argument(
+        "--runner",
+        action="store_true",
+        help="only the batch scaling of one packed decode forward (ModelRunner.run, 512-token "
+        "contexts, batch 1..16) and this machine's read bandwidth",
+    )
 
 
 def main(a: argparse.Namespace | list[str] | None = None) -> int:
@@ -99,6 +107,8 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
     if a.decode < 2:
         raise SystemExit("leyline bench engine: --decode: must be >= 2")
     torch.set_num_threads(a.threads)
+    if a.runner:
+        return runner_main(a)
     print(f"dtype {a.dtype}, {a.threads} thread(s), decode {a.decode} tokens")
     print(
         "| model | context | engine decode ms/tok | transformers decode ms/tok | speed-up "
@@ -124,10 +134,6 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
                 flush=True,
             )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 def concurrency(arch: str, clients: int, ctx: int, decode: int, dtype: str) -> tuple[float, float]:
@@ -157,3 +163,65 @@ def concurrency(arch: str, clients: int, ctx: int, decode: int, dtype: str) -> t
     for th in threads:
         th.join()
     return alone, sum(counts) / (time.perf_counter() - t)
+
+
+def runner_main(a: argparse.Namespace) -> int:
+    print(f"dtype {a.dtype}, {a.threads} thread(s); median of 7 steps per row")
+    print(f"read bandwidth (sum of a 256 MB fp32 tensor): {read_gbps():.1f} GB/s")
+    print("| model | batch | ms/step | tok/s | step vs batch 1 | tok/s vs batch 1 |")
+    print("|---|---|---|---|---|---|")
+    for arch in _csv(a.archs):
+        rows = runner_scaling(arch, a.dtype, 512, (1, 2, 4, 8, 16))
+        one = rows[0][1]
+        for b, ms in rows:
+            print(
+                f"| {arch} mini | {b} | {ms:.1f} | {1e3 * b / ms:.0f} | {ms / one:.2f}x "
+                f"| {b * one / ms:.2f}x |",
+                flush=True,
+            )
+    return 0
+
+
+def read_gbps() -> float:
+    import torch
+
+    x = torch.randn(64 << 20)
+    x.sum()
+    t = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    return 5 * x.numel() * 4 / (time.perf_counter() - t) / 1e9
+
+
+def runner_scaling(
+    arch: str, dtype: str, ctx: int, sizes: tuple[int, ...]
+) -> list[tuple[int, float]]:
+    """ms per decode step of one packed forward of b sequences, each over ``ctx`` cached
+    rows in one run of the pool: the model's own batch scaling, no scheduler or threads."""
+    from leyline_agent.engine.checkpoints.store import model_dir
+    from leyline_agent.engine.engine import Engine
+    from leyline_agent.engine.model.runner import StepInput
+
+    eng = Engine.from_pretrained(model_dir(arch, "mini"), dtype=dtype)
+    runner, rng = eng.runner, random.Random(3)
+    seqs = []
+    for _ in range(max(sizes)):
+        slots = runner.allocator.alloc(ctx + 1)
+        runner.run(
+            [StepInput([rng.randrange(100, eng.vocab_size) for _ in range(ctx)], slots[:ctx])]
+        )
+        seqs.append(slots)
+    out = []
+    for b in sizes:
+        times = []
+        for _ in range(8):
+            batch = [StepInput([rng.randrange(100, eng.vocab_size)], s) for s in seqs[:b]]
+            t = time.perf_counter()
+            runner.run(batch)
+            times.append(time.perf_counter() - t)
+        out.append((b, 1e3 * sorted(times[1:])[3]))
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
