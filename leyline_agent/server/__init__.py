@@ -2,8 +2,9 @@
 
 Layers, one job each:
 
-- ``worker``: ``Worker``, one thread that runs every piece of engine work, FIFO;
-  ``ServedEngine``, the protocol an engine serves through.
+- ``worker``: ``Worker``, which starts every piece of engine work in arrival order on up to
+  ``concurrency`` threads (one session's work one at a time); ``ServedEngine``, the protocol an
+  engine serves through.
 - ``openai_api`` (wire models) -> ``completions`` (checks, sampling parameters) ->
   ``openai_routes`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``),
   with ``streaming`` (SSE, the text deltas of a streamed answer), ``tool_calls`` and
