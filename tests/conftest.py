@@ -7,7 +7,8 @@ module's own fixture of the same name takes precedence.
 ``model_dir``: the seeded tiny model; ``tok``: its tokenizer; ``stop_ids``: the chat
 format's stop tokens (``leyline_agent.families``); ``server``: an ``Engine`` on it behind
 ``serve_in_thread``; ``client``: the real ``openai`` client on that server (no retries);
-``name``: the served model name.
+``name``: the served model name; ``ref_model``: transformers' own model (fp32, eval) of a
+module's ``arch`` fixture, the ground truth.
 
 (Run with ``--import-mode=importlib``: there is no ``tests`` package, and nothing imports
 this module; debug-gym installs a top-level package named ``tests``.)
@@ -20,7 +21,13 @@ import pytest
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.families import CHATML_HERMES
+from leyline_agent.reference.hf_reference import hf_model
 from leyline_agent.testing.server import serve_in_thread
+
+
+@pytest.fixture(scope="module")
+def ref_model(arch):
+    return hf_model(tiny_model_dir(arch))
 
 
 @pytest.fixture(scope="module")

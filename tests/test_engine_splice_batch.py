@@ -8,8 +8,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.engine.engine import Engine, SamplingParams
@@ -25,12 +23,6 @@ TOL = 1e-4
 @pytest.fixture(scope="module", params=ARCHS)
 def arch(request):
     return request.param
-
-
-@pytest.fixture(scope="module")
-def ref_model(arch):
-    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch), dtype=torch.float32)
-    return m.eval()
 
 
 def _reference(ref_model, T, ds):

@@ -3,8 +3,8 @@ input while others run, per-session order, queue timeout, request-id de-duplicat
 
 A real ``Engine`` on the tiny model behind the real app on loopback, real ``openai`` /
 ``httpx`` clients. The engine is wrapped so that each token reaches its client 10 ms late
-(``_SlowEngine``, as in ``test_server_limits``): a stream is then surely still running
-when the test acts on it. Ground truths: Hugging Face greedy decoding by full recomputation
+(``testing.slow_engine.SlowTokens``, as in ``test_server_limits``): a stream is then surely
+still running when the test acts on it. Ground truths: Hugging Face greedy decoding by full recomputation
 (``hf_greedy``) for every answer; for "changes nothing", the tree, the pool rows it points
 at, node locks and the counters, read between two steps through the engine's own lock.
 """
@@ -27,28 +27,11 @@ from leyline_agent.families import CHATML_HERMES
 from leyline_agent.namespaces import Namespace
 from leyline_agent.reference.hf_reference import hf_greedy
 from leyline_agent.testing.server import serve_in_thread
+from leyline_agent.testing.slow_engine import SlowTokens
 from leyline_agent.testing.token_ids import random_ids
 
 THREADS = 8
 DELAY_S = 0.01
-
-
-class _SlowEngine:
-    """The real engine; each token reaches its ``on_token`` ``DELAY_S`` late."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def generate(self, prompt_ids, params, on_token=None, **kw):
-        def slow(*args):
-            time.sleep(DELAY_S)
-            if on_token is not None:
-                on_token(*args)
-
-        return self._engine.generate(prompt_ids, params, on_token=slow, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +53,7 @@ def served(model_dir):
     from leyline_agent.engine.engine import Engine
 
     engine = Engine.from_pretrained(model_dir)
-    with serve_in_thread(_SlowEngine(engine), concurrency=THREADS) as srv:
+    with serve_in_thread(SlowTokens(engine, DELAY_S), concurrency=THREADS) as srv:
         worker = srv._server.config.app.state.leyline.worker
         assert worker.concurrency == THREADS
         yield engine, worker, srv

@@ -233,33 +233,16 @@ def test_an_abandoned_queued_request_never_runs(served):
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-class _SlowEngine:
-    """The real engine, 10 ms slower per generated token: its answer to the prompt below
-    (about 470 tokens, then a stop token) takes seconds on any machine, so the request is
-    surely still running when its client leaves after one second."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def generate(self, prompt_ids, params, on_token=None, **kw):
-        def slow(*args):
-            time.sleep(0.01)
-            if on_token is not None:
-                on_token(*args)
-
-        return self._engine.generate(prompt_ids, params, on_token=slow, **kw)
-
-
 def test_an_abandoned_running_generation_stops_and_is_not_cached(model_dir):
     """Without the cap: a long answer, on a server of its own."""
     from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
     from leyline_agent.server.worker import Worker
+    from leyline_agent.testing.slow_engine import SlowTokens
 
-    worker = Worker(_SlowEngine(Engine.from_pretrained(model_dir)))
+    # 10 ms a token: its answer to the prompt below (about 470 tokens, then a stop token) takes
+    # seconds on any machine, so the request is surely running when its client leaves
+    worker = Worker(SlowTokens(Engine.from_pretrained(model_dir), 0.01))
     with (
         serve_in_thread(create_app(worker)) as srv,
         httpx.Client(base_url=srv.url, timeout=60) as c,
