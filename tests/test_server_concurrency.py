@@ -22,8 +22,6 @@ import openai
 import pytest
 import torch
 
-from leyline_agent.engine.checkpoints.store import tiny_model_dir
-from leyline_agent.families import CHATML_HERMES
 from leyline_agent.namespaces import Namespace
 from leyline_agent.reference.hf_reference import hf_greedy
 from leyline_agent.testing.server import serve_in_thread
@@ -32,19 +30,6 @@ from leyline_agent.testing.token_ids import random_ids
 
 THREADS = 8
 DELAY_S = 0.01
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir("deepseek_v2")
-
-
-@pytest.fixture(scope="module")
-def stop_ids(model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    return tok.convert_tokens_to_ids(list(CHATML_HERMES.stop_tokens))
 
 
 @pytest.fixture(scope="module")

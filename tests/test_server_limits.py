@@ -18,25 +18,12 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.testing.token_ids import random_ids
 
 MIB = 1024 * 1024
 PROMPT_LIMIT = 64
 CAP = 8
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir("deepseek_v2")
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

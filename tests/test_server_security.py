@@ -15,16 +15,10 @@ import sys
 import httpx
 import pytest
 
-from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.server import serve_in_process, serve_in_thread
 from leyline_agent.testing.token_ids import random_ids
 
 KEYS = {"alpha-key": None, "beta-key": None, "team-key-1": "team", "team-key-2": "team"}
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir("deepseek_v2")
 
 
 @pytest.fixture(scope="module")
