@@ -17,6 +17,7 @@ import pytest
 from leyline_agent.agent.wrappers import wrap_openai
 from leyline_agent.errors import LeylineError, TrajectoryError
 from leyline_agent.policies import StaleToolTruncation
+from leyline_agent.testing.frameworks import stale_tool_results
 from leyline_agent.testing.scripted import ScriptedModel, text_turn, tool_turn
 from leyline_agent.testing.stub_server import StubServer
 
@@ -36,18 +37,8 @@ def script(n: int = 6) -> ScriptedModel:
 
 
 def expected_send(raw: list[dict], keep: int) -> list[dict]:
-    turns = [m for m in raw if m["role"] == "assistant" and m.get("tool_calls")]
-    names = {
-        tc["id"]: tc["function"]["name"]
-        for m in turns[: max(0, len(turns) - keep)]
-        for tc in m["tool_calls"]
-    }
-    return [
-        {**m, "content": f"[stale output of {names[m['tool_call_id']]} elided]"}
-        if m["role"] == "tool" and m["tool_call_id"] in names
-        else m
-        for m in raw
-    ]
+    """Independently of the policy: raw with all but the last ``keep`` tool turns stubbed."""
+    return stale_tool_results(raw, keep)
 
 
 def assemble(chunks) -> dict:

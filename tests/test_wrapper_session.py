@@ -15,6 +15,7 @@ from leyline_agent.agent.session import ContextSession, normalize_reply
 from leyline_agent.directives import MessageEdit, Mode
 from leyline_agent.errors import RuntimeUnavailableError, TrajectoryError
 from leyline_agent.policies import FailedCallDetector, Policy, StaleToolTruncation
+from leyline_agent.testing.frameworks import stale_tool_results
 from leyline_agent.testing.scripted import ScriptedModel, text_turn, tool_turn
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
@@ -27,18 +28,7 @@ def tool_output(name: str, k: int) -> str:
 
 def expected_send(raw: list[dict], keep: int) -> list[dict]:
     """Independently: raw with results of all but the last ``keep`` tool turns stubbed."""
-    turns = [m for m in raw if m["role"] == "assistant" and m.get("tool_calls")]
-    names = {
-        tc["id"]: tc["function"]["name"]
-        for m in turns[: max(0, len(turns) - keep)]
-        for tc in m["tool_calls"]
-    }
-    return [
-        {**m, "content": STALE.format(names[m["tool_call_id"]])}
-        if m["role"] == "tool" and m["tool_call_id"] in names
-        else m
-        for m in raw
-    ]
+    return stale_tool_results(raw, keep, STALE.replace("{}", "{tool}"))
 
 
 def agent_loop(session: ContextSession, model: ScriptedModel, turns: int):
