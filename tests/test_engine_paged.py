@@ -186,3 +186,41 @@ def test_concurrent_generate_equals_each_alone_and_a_bad_directive_changes_nothi
         assert m.length == len(q) + len(alone[k]) - 1
         assert len(slot_runs(torch.tensor(m.slots[len(q) :]))) == 1
     assert eng2.allocator.num_used == eng2.cache.total_tokens
+
+
+def test_a_failing_step_fails_its_sequences_and_leaks_nothing(monkeypatch):
+    """The step thread's forward raises mid-decode: every running sequence's owner gets the
+    error, their rows are freed, and the engine then serves as a fresh one would."""
+    eng = Engine.from_pretrained(tiny_model_dir("llama"))
+    prompts = [_ids(70 + k, 24, eng.vocab_size) for k in range(2)]
+    p = SamplingParams(max_tokens=8, stop_token_ids=[])
+    real_run, calls = eng.runner.run, []
+
+    def run(batch):
+        calls.append(len(batch))
+        if len(calls) == 3:  # a decode step, after both prompts were prefilled
+            raise RuntimeError("forward failed")
+        return real_run(batch)
+
+    monkeypatch.setattr(eng.runner, "run", run)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(prompts))
+
+    def go(q):
+        barrier.wait(30)
+        try:
+            eng.generate(q, p)
+        except RuntimeError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(q,)) for q in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(errors) >= 1 and all(str(e) == "forward failed" for e in errors)
+    assert not eng.stepper.running
+    assert eng.allocator.num_used == eng.cache.total_tokens  # failed rows freed, none leaked
+    got = [eng.generate(q, p).output_ids for q in prompts]
+    fresh = Engine.from_pretrained(tiny_model_dir("llama"))
+    assert got == [fresh.generate(q, p).output_ids for q in prompts]

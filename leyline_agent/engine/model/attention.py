@@ -171,20 +171,19 @@ def _mla_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: A
     pc.index_copy_(0, ctx.slot_mapping, c_kv.to(pc.dtype))
     pp.index_copy_(0, ctx.slot_mapping, k_pe.to(pp.dtype))
     h, n, v_dim = self.num_heads, hidden_states.shape[1], self.v_head_dim
-    out = hidden_states.new_empty(h, n, v_dim)
-    latent = [s for s in ctx.seqs if s.num_cached or s.q_len < EXPAND_MIN_TOKENS]
-    for s in ctx.seqs:  # nothing cached, a long chunk: expand its own latents
-        if s.num_cached == 0 and s.q_len >= EXPAND_MIN_TOKENS:
-            rows = slice(s.q_start, s.q_start + s.q_len)
-            out[:, rows] = mla_expanded(
-                self, q_nope[:, rows], q_pe[:, rows], c_kv[rows], k_pe[rows]
-            )
-    if latent:  # the rest in latent space; W_uk and W_uv applied once for all of them
-        every = len(latent) == len(ctx.seqs)
-        idx = None if every else _row_index(latent, q_nope.device)
+    # nothing cached and a long chunk: the sequence expands its own latents; the rest run
+    # in latent space, W_uk and W_uv applied once for all of them
+    expanded = [s for s in ctx.seqs if s.num_cached == 0 and s.q_len >= EXPAND_MIN_TOKENS]
+    latent = [s for s in ctx.seqs if s not in expanded]
+    out = hidden_states.new_empty(h, n, v_dim) if expanded else None
+    for s in expanded:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        out[:, rows] = mla_expanded(self, q_nope[:, rows], q_pe[:, rows], c_kv[rows], k_pe[rows])
+    if latent:
+        idx = _row_index(latent, q_nope.device) if expanded else None
         w_uk, w_uv = _mla_weights(self)
-        q_lat = torch.bmm(q_nope if every else q_nope.index_select(1, idx), w_uk)  # [H, *, r]
-        qp = q_pe if every else q_pe.index_select(1, idx)
+        q_lat = torch.bmm(q_nope if idx is None else q_nope.index_select(1, idx), w_uk)
+        qp = q_pe if idx is None else q_pe.index_select(1, idx)  # [H, *, r], [H, *, rope]
         o_lat = torch.empty_like(q_lat)
         at = 0
         for s in latent:
@@ -194,7 +193,7 @@ def _mla_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: A
             )
             at += s.q_len
         o = torch.bmm(o_lat, w_uv.transpose(1, 2))  # [H, *, v]
-        if every:
+        if out is None:
             out = o
         else:
             out.index_copy_(1, idx, o)

@@ -133,8 +133,9 @@ def slot_runs(slots: torch.Tensor) -> tuple[tuple[int, int], ...]:
     n = int(slots.shape[0])
     if n == 0:
         return ()
-    if int(slots[-1]) - int(slots[0]) == n - 1 and (n < 3 or bool((slots.diff() == 1).all())):
+    breaks = (torch.nonzero(slots.diff() != 1).flatten() + 1).tolist()
+    if not breaks:
         return ((int(slots[0]), n),)
-    cuts = [0, *(torch.nonzero(slots.diff() != 1).flatten() + 1).tolist(), n]
+    cuts = [0, *breaks, n]
     firsts = slots[cuts[:-1]].tolist()
     return tuple((f, b - a) for f, a, b in zip(firsts, cuts[:-1], cuts[1:], strict=True))
