@@ -21,7 +21,9 @@ Slots: a prefill chunk gets one allocation (a run of slots). A decoding sequence
 rows from a block of up to ``DECODE_BLOCK`` slots allocated ahead (``Sequence.reserved``;
 what is left is freed when it finishes): with one allocation per token, the rows of eight
 sequences decoding side by side would interleave, and attention, which reads a sequence's
-rows run by run as views of the pool, would have to gather them.
+rows run by run as views of the pool, would have to gather them. The first block comes in
+the same allocation as the prompt's last chunk, so an agent's next turn (its context
+cached, a few new prompt tokens) decodes over two runs: the cached rows, then its own.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class Stepper:
             return False
         inputs: list[StepInput] = []
         new: list[list[int]] = []
+        ahead: list[list[int]] = []  # decode rows allocated with a prompt's last chunk
         runner, alloc = self.host.runner, self.host.allocator
         try:
             for p in plan:
@@ -143,24 +146,29 @@ class Stepper:
                 start = s.num_computed
                 toks = s.token_ids[start : start + p.num_tokens]
                 prefill = s.status is SeqStatus.PREFILL
-                fresh = alloc.alloc(p.num_tokens) if prefill else self._decode_row(s)
+                last_chunk = prefill and start + p.num_tokens == len(s.prompt_ids)
+                wants = s.status is SeqStatus.DECODE or (last_chunk and s.params.max_tokens > 0)
+                if not prefill:
+                    fresh, more = self._decode_row(s), []
+                else:  # the prompt's last chunk: its decode rows follow it in one run
+                    block = min(DECODE_BLOCK, s.params.max_tokens) if wants else 0
+                    rows = alloc.alloc(p.num_tokens + block)
+                    fresh, more = rows[: p.num_tokens], rows[p.num_tokens :]
                 new.append(fresh)
-                wants = s.status is SeqStatus.DECODE or (
-                    s.status is SeqStatus.PREFILL
-                    and start + p.num_tokens == len(s.prompt_ids)
-                    and s.params.max_tokens > 0
-                )
+                ahead.append(more)
                 inputs.append(StepInput(toks, s.slots + fresh, wants))
             logits = runner.run(inputs)
         except BaseException:
-            for f in new:
+            for f in new + ahead:
                 alloc.free(f)
             raise
         self.steps += 1
         k = 0
-        for p, fresh, inp in zip(plan, new, inputs, strict=True):
+        for p, fresh, more, inp in zip(plan, new, ahead, inputs, strict=True):
             s = p.seq
             s.fresh += fresh
+            if more:
+                s.reserved = more[::-1]
             if s.status is SeqStatus.FLUSH:
                 self._finish(s)
             elif s.params.max_tokens == 0 and s.num_computed == len(s.prompt_ids):
