@@ -58,6 +58,7 @@ class Engine:
         cache_budget_tokens: int = 65536,
         prefix_cache: bool = True,
         pin_ttl_s: float = 300.0,
+        packed_linears: bool = True,
     ) -> None:
         from leyline_agent.kernels import RopeSpec
 
@@ -77,7 +78,7 @@ class Engine:
         self.cache = PrefixCache(
             self.allocator, cache_budget_tokens, enabled=prefix_cache, pin_ttl_s=pin_ttl_s
         )
-        self.runner = ModelRunner(model, self.pool, self.allocator)
+        self.runner = ModelRunner(model, self.pool, self.allocator, packed_linears=packed_linears)
         self.stepper = Stepper(self)
         self._counters: dict[str, Counters] = {}
         self._evicted_tokens = 0
@@ -101,6 +102,7 @@ class Engine:
         cache_budget_tokens: int = 65536,
         prefix_cache: bool = True,
         pin_ttl_s: float = 300.0,
+        packed_linears: bool = True,
     ) -> Engine:
         ld = load(path, dtype=dtype, device=device)
         return cls(
@@ -110,6 +112,7 @@ class Engine:
             cache_budget_tokens=cache_budget_tokens,
             prefix_cache=prefix_cache,
             pin_ttl_s=pin_ttl_s,
+            packed_linears=packed_linears,
         )
 
     # ------------------------------------------------------------------ rendering

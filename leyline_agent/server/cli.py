@@ -31,6 +31,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
     p.add_argument(
+        "--no-packed-linears",
+        action="store_true",
+        help="no oneDNN-packed copy of the linear weights (saves their memory; batched "
+        "decode on CPU is slower)",
+    )
+    p.add_argument(
         "--pin-ttl-s",
         type=float,
         default=300.0,

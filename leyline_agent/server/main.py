@@ -44,6 +44,7 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
         "dtype": getattr(args, "dtype", "float32") or "float32",
         "device": getattr(args, "device", None) or "cpu",
         "prefix_cache": not getattr(args, "no_prefix_cache", False),
+        "packed_linears": not getattr(args, "no_packed_linears", False),
     }
     cache_tokens = getattr(args, "cache_tokens", None)
     if cache_tokens is not None:

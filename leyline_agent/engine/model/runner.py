@@ -24,6 +24,7 @@ from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVPool
 from leyline_agent.engine.model.attention import install
 from leyline_agent.engine.model.context import AttnContext, SeqRows, forward_context
+from leyline_agent.engine.model.linear import install_packed, packed_available
 
 __all__ = ["ModelRunner", "StepInput", "slot_runs"]
 
@@ -44,11 +45,20 @@ class StepInput:
 
 class ModelRunner:
     def __init__(
-        self, model: Any, pool: KVPool, allocator: SlotAllocator, chunk: int = 2048
+        self,
+        model: Any,
+        pool: KVPool,
+        allocator: SlotAllocator,
+        chunk: int = 2048,
+        packed_linears: bool = True,
     ) -> None:
         self.model, self.pool, self.allocator, self.chunk = model, pool, allocator, chunk
         self.device = pool.device
         install(model)
+        # oneDNN-packed linear weights for batched forwards (``linear.py``; CPU only)
+        self.packed_linears = packed_linears and packed_available(self.device, pool.dtype)
+        if self.packed_linears:
+            install_packed(model)
 
     @torch.inference_mode()
     def run(self, batch: Sequence[StepInput]) -> torch.Tensor | None:
