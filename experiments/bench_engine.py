@@ -16,7 +16,8 @@ length n (random token ids):
 
 Prints one table with the ratios (engine / transformers speed-ups). ``--runner`` instead
 prints what bounds batched decode here: one packed decode forward of 1..16 sequences
-(``ModelRunner.run``, no scheduler, no threads) and the machine's read bandwidth.
+(``ModelRunner.run``, no scheduler, no threads), with the linear weights oneDNN-packed (the
+default) and plain, side by side, and the machine's read bandwidth.
 """
 
 from __future__ import annotations
@@ -168,15 +169,22 @@ def concurrency(arch: str, clients: int, ctx: int, decode: int, dtype: str) -> t
 def runner_main(a: argparse.Namespace) -> int:
     print(f"dtype {a.dtype}, {a.threads} thread(s); median of 7 steps per row")
     print(f"read bandwidth (sum of a 256 MB fp32 tensor): {read_gbps():.1f} GB/s")
-    print("| model | batch | ms/step | tok/s | step vs batch 1 | tok/s vs batch 1 |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "packed: the engine's default (oneDNN-packed linear weights for forwards of more than "
+        "one row); plain: Engine(packed_linears=False); the two steps interleaved"
+    )
+    print(
+        "| model | batch | packed ms/step | tok/s vs batch 1 | plain ms/step "
+        "| tok/s vs batch 1 | packed / plain |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for arch in _csv(a.archs):
         rows = runner_scaling(arch, a.dtype, 512, (1, 2, 4, 8, 16))
-        one = rows[0][1]
-        for b, ms in rows:
+        one = rows[0][1:]
+        for b, packed, plain in rows:
             print(
-                f"| {arch} mini | {b} | {ms:.1f} | {1e3 * b / ms:.0f} | {ms / one:.2f}x "
-                f"| {b * one / ms:.2f}x |",
+                f"| {arch} mini | {b} | {packed:.1f} | {b * one[0] / packed:.2f}x "
+                f"| {plain:.1f} | {b * one[1] / plain:.2f}x | {packed / plain:.2f} |",
                 flush=True,
             )
     return 0
@@ -195,31 +203,40 @@ def read_gbps() -> float:
 
 def runner_scaling(
     arch: str, dtype: str, ctx: int, sizes: tuple[int, ...]
-) -> list[tuple[int, float]]:
+) -> list[tuple[int, float, float]]:
     """ms per decode step of one packed forward of b sequences, each over ``ctx`` cached
-    rows in one run of the pool: the model's own batch scaling, no scheduler or threads."""
+    rows in one run of the pool: the model's own batch scaling, no scheduler or threads.
+    Two engines on the same checkpoint, linear weights packed and plain, their steps
+    interleaved: ``(b, packed ms, plain ms)``."""
     from leyline_agent.engine.checkpoints.store import model_dir
     from leyline_agent.engine.engine import Engine
     from leyline_agent.engine.model.runner import StepInput
 
-    eng = Engine.from_pretrained(model_dir(arch, "mini"), dtype=dtype)
-    runner, rng = eng.runner, random.Random(3)
-    seqs = []
+    engines = [
+        Engine.from_pretrained(model_dir(arch, "mini"), dtype=dtype, packed_linears=packed)
+        for packed in (True, False)
+    ]
+    rng = random.Random(3)
+    vocab = engines[0].vocab_size
+    seqs: list[list[list[int]]] = [[], []]
     for _ in range(max(sizes)):
-        slots = runner.allocator.alloc(ctx + 1)
-        runner.run(
-            [StepInput([rng.randrange(100, eng.vocab_size) for _ in range(ctx)], slots[:ctx])]
-        )
-        seqs.append(slots)
+        ids = [rng.randrange(100, vocab) for _ in range(ctx)]
+        for eng, mine in zip(engines, seqs, strict=True):
+            slots = eng.runner.allocator.alloc(ctx + 1)
+            eng.runner.run([StepInput(ids, slots[:ctx])])
+            mine.append(slots)
     out = []
     for b in sizes:
-        times = []
+        times: list[list[float]] = [[], []]
         for _ in range(8):
-            batch = [StepInput([rng.randrange(100, eng.vocab_size)], s) for s in seqs[:b]]
-            t = time.perf_counter()
-            runner.run(batch)
-            times.append(time.perf_counter() - t)
-        out.append((b, 1e3 * sorted(times[1:])[3]))
+            tok = [rng.randrange(100, vocab) for _ in range(b)]
+            for eng, mine, ts in zip(engines, seqs, times, strict=True):
+                batch = [StepInput([t], s) for t, s in zip(tok, mine[:b], strict=True)]
+                t0 = time.perf_counter()
+                eng.runner.run(batch)
+                ts.append(time.perf_counter() - t0)
+        packed, plain = (1e3 * sorted(ts[1:])[3] for ts in times)
+        out.append((b, packed, plain))
     return out
 
 

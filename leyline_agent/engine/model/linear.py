@@ -1,15 +1,17 @@
 """The model's ``nn.Linear`` layers on oneDNN-packed weights, for the engine's batched forwards.
 
 A decode step of eight sequences is a GEMM with eight rows per weight matrix. On CPU, the
-default path (``F.linear``: MKL's sgemm) runs it far below the speed of the one-row GEMV,
-so batching, which should read each weight once for all eight rows, costs nearly eight
-times the arithmetic time instead. A weight reordered once into oneDNN's blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU freezing pass does) runs
-the same product at close to the one-row cost. Measured on this machine (2 threads, fp32,
-mini model, ``leyline bench engine --runner``): a packed batch-8 decode forward of the
-llama mini is about a quarter faster (23 %), the DeepSeek mini's a tenth (its routed experts
-are not ``nn.Linear``); forwards of one row are as fast or faster without packing in fp32,
-so they keep ``F.linear`` (``PACKED_MIN_ROWS``).
+default path (``F.linear``: MKL's sgemm) runs such few-row products well below the
+machine's arithmetic speed (measured on one [1536, 1024] weight, 2 threads: 8 rows take 2.9x
+the time of 1), although each weight is read once for all rows. A weight reordered once
+into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's
+CPU freezing pass does) runs them faster. Measured by ``leyline bench engine --runner
+--threads 2`` (both variants interleaved in one run; fp32, mini models, 512-token contexts):
+a decode step of 8 sequences takes 0.78-0.80x the plain time on the llama mini and 0.94x on
+the DeepSeek mini (its routed experts are not ``nn.Linear``), 0.88-0.98x at 4 and 16; at 1
+and 2 rows the packed fp32 product is slower (1.08-1.18x at 2), so fp32 forwards of fewer
+than ``PACKED_MIN_ROWS`` rows keep ``F.linear``. In bf16 the packed product is never slower
+(0.88-0.99x from 1 row on).
 
 Only inside the engine's forwards (an attention context is set): a plain forward of the same
 model object, the tests' ground truth, runs transformers' ``nn.Linear`` unchanged. Each layer
@@ -29,9 +31,8 @@ from leyline_agent.engine.model.context import current
 
 __all__ = ["PACKED_MIN_ROWS", "install_packed", "packed_available"]
 
-# rows per forward from which the packed weight is used, by dtype (measured: fp32 one-row
-# GEMV is faster unpacked; bf16 is faster packed from one row on)
-PACKED_MIN_ROWS = {torch.float32: 2, torch.bfloat16: 1}
+# rows per forward from which the packed weight is used, by dtype (measured: see above)
+PACKED_MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 _BATCH_HINT = 8  # the rows oneDNN chooses its blocking for (the decode batches it serves)
 
 
