@@ -59,12 +59,16 @@ def test_prefill_chunked_extend_and_decode_equal_a_full_forward(pair):
     r.allocator.free(slots)
 
 
-@pytest.mark.parametrize("path", ["fused", "blocked"])
+@pytest.mark.parametrize("path", ["fused", "blocked", "no-flash"])
 def test_decode_over_rows_in_many_runs_equals_a_full_forward(pair, path, monkeypatch):
     """Decode rows that do not follow each other in the pool (another sequence allocates in
-    between): attention reads them run by run, and past ``_MAX_RUNS`` runs gathers them."""
+    between): attention reads them run by run, and past ``_MAX_RUNS`` runs gathers them.
+    (MLA: fused SDPA or blocked GEMMs; GQA: flash attention per run merged by log-sum-exp, or,
+    with no CPU flash kernel, the runs' scores side by side.)"""
     if path == "blocked":
         monkeypatch.setattr(attention, "_FUSED_MAX_SCORES", 0)
+    if path == "no-flash":
+        monkeypatch.setattr(attention, "_FLASH_CPU", None)
     eng, ref = pair
     r = eng.runner
     ids = _ids(5, 60, eng.vocab_size)

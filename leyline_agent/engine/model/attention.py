@@ -58,6 +58,8 @@ _FUSED_MAX_ROWS = 1 << 15
 # Decode reads a sequence's rows run by run (views). The engine keeps runs few (decode rows
 # are reserved in blocks, ``stepper.py``); past this many, one gathered copy is cheaper.
 _MAX_RUNS = 16
+# CPU flash attention with each query row's log-sum-exp (torch's own kernel behind SDPA)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def install(model: Any) -> None:
@@ -123,15 +125,27 @@ def _gqa_decode(
     q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scaling: float | None
 ) -> torch.Tensor:
     """One query ``[H, 1, d]`` over the sequence's rows, given as views of the pool (``ks[i]``,
-    ``vs[i]``: ``[KVH, run, d]``) -> ``[H, d]``. One run: one SDPA call; several: the scores
-    of every run, one softmax, the values summed run by run (no rows copied)."""
+    ``vs[i]``: ``[KVH, run, d]``) -> ``[H, d]``, a kv head's query heads as its query rows.
+    One run: one SDPA call. Several, on CPU: one flash-attention call per run, which also
+    returns each run's log-sum-exp, and the runs' outputs weighted by their share of the
+    total (exact: the softmax over all rows, taken run by run; no rows copied). Measured at
+    an 8k context in two runs (mini llama, 1 thread, 4 layers): 5.9-7.4 ms against
+    8.1 ms for the scores of every run side by side, one softmax and the values summed run
+    by run, which stays for other devices."""
     kvh = ks[0].shape[0]
-    qf = q.reshape(kvh, q.shape[0] // kvh, q.shape[-1])  # [KVH, group, d]
+    qf = q.reshape(1, kvh, q.shape[0] // kvh, q.shape[-1])  # [1, KVH, group, d]
     if len(ks) == 1:
-        o = F.scaled_dot_product_attention(qf[None], ks[0][None], vs[0][None], scale=scaling)
+        o = F.scaled_dot_product_attention(qf, ks[0][None], vs[0][None], scale=scaling)
         return o.reshape(q.shape[0], -1)
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        parts = [
+            _FLASH_CPU(qf, k[None], v[None], scale=scaling) for k, v in zip(ks, vs, strict=True)
+        ]
+        share = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)  # [runs, 1, KVH, g]
+        outs = torch.stack([o for o, _ in parts]).float()  # [runs, 1, KVH, g, d]
+        return (outs * share[..., None]).sum(0).to(q.dtype).reshape(q.shape[0], -1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    scores = torch.cat([torch.bmm(qf, k.transpose(1, 2)) for k in ks], dim=-1)
+    scores = torch.cat([torch.bmm(qf[0], k.transpose(1, 2)) for k in ks], dim=-1)
     p = torch.softmax(scores.float().mul_(scale), dim=-1).to(vs[0].dtype)
     return _sum_by_runs(p, vs).reshape(q.shape[0], -1)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from leyline_agent.engine.cache.allocator import SlotAllocator
-from leyline_agent.engine.cache.kv_pool import KVPool
+from leyline_agent.engine.cache.kv_pool import KVPool, slot_tensor
 from leyline_agent.engine.model.attention import install
 from leyline_agent.engine.model.context import AttnContext, SeqRows, forward_context
 from leyline_agent.engine.model.linear import install_packed, packed_available
@@ -134,7 +134,7 @@ class ModelRunner:
 
 
 def _seq_rows(q_start: int, q_len: int, slots: Sequence[int], dev: torch.device) -> SeqRows:
-    t = torch.as_tensor(slots, dtype=torch.long)
+    t = slot_tensor(slots)
     return SeqRows(q_start=q_start, q_len=q_len, kv_slots=t.to(dev), kv_runs=slot_runs(t))
 
 
