@@ -150,7 +150,7 @@ class Stepper:
                 wants = s.status is SeqStatus.DECODE or (last_chunk and s.params.max_tokens > 0)
                 if not prefill:
                     fresh, more = self._decode_row(s), []
-                else:  # the prompt's last chunk: its decode rows follow it in one run
+                else:  # a prefill chunk; the prompt's last one brings its first decode block
                     block = min(DECODE_BLOCK, s.params.max_tokens) if wants else 0
                     rows = alloc.alloc(p.num_tokens + block)
                     fresh, more = rows[: p.num_tokens], rows[p.num_tokens :]
