@@ -14,10 +14,12 @@ Shapes (one packed forward of N new tokens, ``context.py``; H query heads):
   output ``(p · c_kv) · W_uv`` (the value half). Cached latents are never re-expanded. A
   sequence with nothing cached and at least ``EXPAND_MIN_TOKENS`` new tokens expands its
   own chunk instead (cheaper there: head dim 192 instead of 576). Measured by
-  ``bench_splice --switch`` (README; mini model, 1 thread): with nothing cached, the
-  two are a tie at 16 tokens (expanded/absorbed 0.87-1.02 over three runs) and expanding
-  wins from 32 on in every run (0.79-0.88 at 32, 0.60 at 512); with 4096 rows cached,
-  re-expanding them would be 10x slower for a 16-token chunk and about even from 256 on.
+  ``bench_splice --switch`` (README; mini model, 1 thread): with nothing cached,
+  expanding wins from 16 tokens on in every run since the projections take packed weights
+  (expanded/absorbed 0.85-0.89 at 16 over three runs at ``7304647``, 0.82-0.84 at 32, 0.48
+  at 512; before, 16 was a tie: 0.87-1.02); with 4096 rows cached, re-expanding them would
+  be 9-10x slower for a 16-token chunk and about even from 256 on. (The benchmark starts at
+  16 tokens; shorter fresh chunks stay absorbed.)
   Chunks with a cached context stay absorbed: the cached latents are never re-expanded.
 
 With no context set both fall through to transformers' own code (sdpa), so the model
@@ -45,7 +47,7 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "leyline"
-EXPAND_MIN_TOKENS = 32  # measured: bench_splice --switch
+EXPAND_MIN_TOKENS = 16  # measured: bench_splice --switch
 _SCORE_BLOCK = 1 << 22  # absorbed path: scores per block of queries (16 MiB in fp32)
 # Up to this many scores, one fused SDPA call instead of five GEMM/softmax ops: each op is a
 # parallel region, and on a busy machine with torch's default threads a region costs more
