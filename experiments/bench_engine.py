@@ -35,11 +35,10 @@ def _csv(text: str) -> list[str]:
 
 
 def _hf(model: Any, ids: list[int], new: int) -> tuple[float, float]:
-    import torch
-
     """transformers' own path: a forward of ``ids[:-1]`` into a fresh ``DynamicCache``
     (prefill seconds), then ``model.generate`` of ``new`` tokens on that cache (it forwards
     the last prompt token, then decodes): seconds per generated token."""
+    import torch
     from transformers import DynamicCache
 
     x = torch.tensor([ids])
@@ -170,8 +169,9 @@ def runner_main(a: argparse.Namespace) -> int:
     print(f"dtype {a.dtype}, {a.threads} thread(s); median of 7 steps per row")
     print(f"read bandwidth (sum of a 256 MB fp32 tensor): {read_gbps():.1f} GB/s")
     print(
-        "packed: the engine's default (oneDNN-packed linear weights for forwards of more than "
-        "one row); plain: Engine(packed_linears=False); the two steps interleaved"
+        "packed: the engine's default (oneDNN-packed linear weights for forwards of "
+        "PACKED_MIN_ROWS rows or more, engine/model/linear.py); plain: "
+        "Engine(packed_linears=False); the two steps interleaved"
     )
     print(
         "| model | batch | packed ms/step | tok/s vs batch 1 | plain ms/step "

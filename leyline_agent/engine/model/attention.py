@@ -189,8 +189,10 @@ def _mla_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: A
     h, n, v_dim = self.num_heads, hidden_states.shape[1], self.v_head_dim
     # nothing cached and a long chunk: the sequence expands its own latents; the rest run
     # in latent space, W_uk and W_uv applied once for all of them
-    expanded = [s for s in ctx.seqs if s.num_cached == 0 and s.q_len >= EXPAND_MIN_TOKENS]
-    latent = [s for s in ctx.seqs if s not in expanded]
+    expanded: list[SeqRows] = []
+    latent: list[SeqRows] = []
+    for s in ctx.seqs:
+        (expanded if s.num_cached == 0 and s.q_len >= EXPAND_MIN_TOKENS else latent).append(s)
     out = hidden_states.new_empty(h, n, v_dim) if expanded else None
     for s in expanded:
         rows = slice(s.q_start, s.q_start + s.q_len)

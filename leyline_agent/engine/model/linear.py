@@ -48,9 +48,8 @@ def install_packed(model: Any) -> int:
     (idempotent); the number of layers packed."""
     n = 0
     for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear) and not hasattr(mod, "_leyline_packed"):
-            if mod.weight.dtype not in PACKED_MIN_ROWS:
-                continue
+        linear = isinstance(mod, torch.nn.Linear) and mod.weight.dtype in PACKED_MIN_ROWS
+        if linear and not hasattr(mod, "_leyline_packed"):
             _pack(mod)
             mod.forward = types.MethodType(_packed_forward, mod)
             n += 1
@@ -58,8 +57,7 @@ def install_packed(model: Any) -> int:
 
 
 def _pack(mod: Any) -> torch.Tensor:
-    with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), _BATCH_HINT)
+    packed = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), _BATCH_HINT)
     mod._leyline_packed = (packed, mod.weight._version)
     return packed
 
