@@ -9,6 +9,8 @@ length n (random token ids):
 - engine: ``Engine.generate`` of the context once (prefill; tokens/s), then the same
   context plus one token with ``--decode`` new tokens: it hits the cache, so its time
   after the first token is pure decode (ms/token), attention reading the pool by slot.
+  Then once more (another last token) with decode attention on the engine's torch paths
+  instead of ``kernels/decode_attn.c``: the kernel's share, side by side.
 - transformers: a forward of the context into a fresh ``DynamicCache`` (its prefill,
   tokens/s), then ``model.generate`` (greedy, ``--decode`` new tokens) on that cache: its
   time per generated token is the decode ms/token (no difference of two long runs, which
@@ -59,6 +61,7 @@ def _hf(model: Any, ids: list[int], new: int) -> tuple[float, float]:
 def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
     from leyline_agent.engine.checkpoints.store import model_dir
     from leyline_agent.engine.engine import Engine, SamplingParams
+    from leyline_agent.engine.model import attention
 
     eng = Engine.from_pretrained(model_dir(arch, "mini"), dtype=dtype, cache_budget_tokens=n + 256)
     rng = random.Random(n)
@@ -69,12 +72,20 @@ def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
     p = SamplingParams(max_tokens=decode, stop_token_ids=[])
     r = eng.generate(ids + [ids[0]], p)
     e_dec = (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
+    # the same engine with decode attention on its torch paths (no kernels/decode_attn.c)
+    kernel, attention.USE_DECODE_KERNEL = attention.USE_DECODE_KERNEL, False
+    try:
+        r = eng.generate(ids + [ids[1]], p)
+    finally:
+        attention.USE_DECODE_KERNEL = kernel
+    t_dec = (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
     eng.model.config._attn_implementation = "sdpa"  # transformers' own path for the baseline
     h_prefill, h_dec = _hf(eng.model, ids, decode)
     return {
         "engine_prefill_tps": n / e_prefill,
         "hf_prefill_tps": (n - 1) / h_prefill,
         "engine_decode_ms": 1e3 * e_dec,
+        "torch_attn_decode_ms": 1e3 * t_dec,
         "hf_decode_ms": 1e3 * h_dec,
     }
 
@@ -112,15 +123,17 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
     print(f"dtype {a.dtype}, {a.threads} thread(s), decode {a.decode} tokens")
     print(
         "| model | context | engine decode ms/tok | transformers decode ms/tok | speed-up "
-        "| engine prefill tok/s | transformers prefill tok/s | speed-up |"
+        "| engine, torch attention ms/tok | engine prefill tok/s | transformers prefill tok/s "
+        "| speed-up |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for arch in _csv(a.archs):
         for n in map(int, _csv(a.contexts)):
             m = measure(arch, n, a.decode, a.dtype)
             print(
                 f"| {arch} mini | {n} | {m['engine_decode_ms']:.1f} | {m['hf_decode_ms']:.1f} "
                 f"| {m['hf_decode_ms'] / m['engine_decode_ms']:.1f}x "
+                f"| {m['torch_attn_decode_ms']:.1f} "
                 f"| {m['engine_prefill_tps']:.0f} | {m['hf_prefill_tps']:.0f} "
                 f"| {m['engine_prefill_tps'] / m['hf_prefill_tps']:.1f}x |",
                 flush=True,

@@ -16,6 +16,7 @@ from leyline_agent.engine.engine import Engine, SamplingParams
 from leyline_agent.engine.model import attention
 from leyline_agent.engine.model.attention import mla_absorbed, mla_project
 from leyline_agent.engine.model.runner import StepInput, slot_runs
+from leyline_agent.kernels import decode_attn
 
 ARCHS = ["deepseek_v2", "deepseek_v3", "llama", "qwen3"]
 TOL = 1e-4
@@ -59,16 +60,27 @@ def test_prefill_chunked_extend_and_decode_equal_a_full_forward(pair):
     r.allocator.free(slots)
 
 
-@pytest.mark.parametrize("path", ["fused", "blocked", "no-flash"])
-def test_decode_over_rows_in_many_runs_equals_a_full_forward(pair, path, monkeypatch):
-    """Decode rows that do not follow each other in the pool (another sequence allocates in
-    between): attention reads them run by run, and past ``_MAX_RUNS`` runs gathers them.
-    (MLA: fused SDPA or blocked GEMMs; GQA: flash attention per run merged by log-sum-exp, or,
-    with no CPU flash kernel, the runs' scores side by side.)"""
+def _decode_path(path: str, monkeypatch) -> None:
+    """``kernel``: decode through kernels/decode_attn.c (it must have built here); the others
+    switch it off and take a torch path: MLA fused SDPA or blocked GEMMs; GQA flash attention
+    per run merged by log-sum-exp, or, with no CPU flash kernel, the runs' scores side by side."""
+    if path == "kernel":
+        assert decode_attn.available(), decode_attn.build_error()
+        monkeypatch.setattr(attention, "USE_DECODE_KERNEL", True)
+        return
+    monkeypatch.setattr(attention, "USE_DECODE_KERNEL", False)
     if path == "blocked":
         monkeypatch.setattr(attention, "_FUSED_MAX_SCORES", 0)
     if path == "no-flash":
         monkeypatch.setattr(attention, "_FLASH_CPU", None)
+
+
+@pytest.mark.parametrize("path", ["kernel", "fused", "blocked", "no-flash"])
+def test_decode_over_rows_in_many_runs_equals_a_full_forward(pair, path, monkeypatch):
+    """Decode rows that do not follow each other in the pool (another sequence allocates in
+    between): attention reads them run by run (the torch paths: past ``_MAX_RUNS`` runs, one
+    gathered copy)."""
+    _decode_path(path, monkeypatch)
     eng, ref = pair
     r = eng.runner
     ids = _ids(5, 60, eng.vocab_size)
@@ -83,10 +95,9 @@ def test_decode_over_rows_in_many_runs_equals_a_full_forward(pair, path, monkeyp
     r.allocator.free(slots + gaps)
 
 
-@pytest.mark.parametrize("path", ["fused", "blocked"])
+@pytest.mark.parametrize("path", ["kernel", "fused", "blocked"])
 def test_a_batch_gives_each_sequence_what_it_gets_alone(pair, path, monkeypatch):
-    if path == "blocked":  # MLA: the explicit latent GEMMs that the mini model's contexts take
-        monkeypatch.setattr(attention, "_FUSED_MAX_SCORES", 0)
+    _decode_path(path, monkeypatch)  # blocked: MLA's explicit latent GEMMs (long contexts)
     eng, ref = pair
     r = eng.runner
     seqs = [_ids(10 + k, 20 + 7 * k, eng.vocab_size) for k in range(4)]

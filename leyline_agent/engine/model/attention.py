@@ -28,6 +28,7 @@ object still serves plain forwards (the tests' ground truth) unchanged.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from typing import Any
@@ -35,7 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leyline_agent.engine.model.context import SeqRows, current
+from leyline_agent.engine.model.context import AttnContext, SeqRows, current
+from leyline_agent.kernels import decode_attn
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -62,6 +64,11 @@ _FUSED_MAX_ROWS = 1 << 15
 _MAX_RUNS = 16
 # CPU flash attention with each query row's log-sum-exp (torch's own kernel behind SDPA)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Every decoding sequence of a forward (one new token each) in one call per layer of
+# kernels/decode_attn.c where it is built and takes the inputs (fp32 CPU); the torch paths
+# below serve the rest. LEYLINE_DECODE_KERNEL=0 switches it off (benchmarks' A/B; tests
+# check the torch paths with it off).
+USE_DECODE_KERNEL = os.environ.get("LEYLINE_DECODE_KERNEL", "1") != "0"
 
 
 def install(model: Any) -> None:
@@ -109,7 +116,10 @@ def _gqa_attention(
     pk.index_copy_(1, ctx.slot_mapping, key[0].to(pk.dtype))
     pv.index_copy_(1, ctx.slot_mapping, value[0].to(pv.dtype))
     out = query.new_empty(query.shape[2], query.shape[1], value.shape[-1])  # [N, H, d]
+    done = _gqa_decode_kernel(ctx, query, pk, pv, scaling, out)
     for s in ctx.seqs:
+        if s.q_len == 1 and done:
+            continue
         q = query[:, :, s.q_start : s.q_start + s.q_len]
         if s.q_len == 1:  # decode: a kv head's query heads as its query rows (no broadcast)
             out[s.q_start] = _gqa_decode(q[0], _parts(pk, s, 1), _parts(pv, s, 1), scaling)
@@ -121,6 +131,30 @@ def _gqa_attention(
         )  # fmt: skip
         out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def _gqa_decode_kernel(
+    ctx: AttnContext,
+    query: torch.Tensor,
+    pk: torch.Tensor,
+    pv: torch.Tensor,
+    scaling: float | None,
+    out: torch.Tensor,
+) -> bool:
+    """The decoding sequences (one new token each) in one kernel call: ``out[q_start]`` of
+    each; False (nothing written) where the kernel does not apply."""
+    dec = [s for s in ctx.seqs if s.q_len == 1]
+    if not dec or not USE_DECODE_KERNEL:
+        return False
+    h, d, kvh = query.shape[1], query.shape[-1], pk.shape[0]
+    rows = torch.tensor([s.q_start for s in dec], device=query.device)
+    q = query[0].transpose(0, 1).index_select(0, rows).view(len(dec), kvh, h // kvh, d)
+    if not decode_attn.fits([q], [pk], pv):
+        return False
+    scale = scaling if scaling is not None else d**-0.5
+    o = decode_attn.decode_attention([q], [pk], pv, [s.kv_runs for s in dec], scale)
+    out.index_copy_(0, rows, o.view(len(dec), h, -1).to(out.dtype))
+    return True
 
 
 def _gqa_decode(
@@ -203,12 +237,14 @@ def _mla_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: A
         q_lat = torch.bmm(q_nope if idx is None else q_nope.index_select(1, idx), w_uk)
         qp = q_pe if idx is None else q_pe.index_select(1, idx)  # [H, *, r], [H, *, rope]
         o_lat = torch.empty_like(q_lat)
+        done = _mla_decode_kernel(self, latent, q_lat, qp, pc, pp, o_lat)
         at = 0
         for s in latent:
             rows = slice(at, at + s.q_len)
-            o_lat[:, rows] = _mla_latent(
-                self, q_lat[:, rows], qp[:, rows], _parts(pc, s, 0), _parts(pp, s, 0)
-            )
+            if not (done and s.q_len == 1):
+                o_lat[:, rows] = _mla_latent(
+                    self, q_lat[:, rows], qp[:, rows], _parts(pc, s, 0), _parts(pp, s, 0)
+                )
             at += s.q_len
         o = torch.bmm(o_lat, w_uv.transpose(1, 2))  # [H, *, v]
         if out is None:
@@ -216,6 +252,40 @@ def _mla_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: A
         else:
             out.index_copy_(1, idx, o)
     return self.o_proj(out.transpose(0, 1).reshape(1, n, h * v_dim)), None
+
+
+def _mla_decode_kernel(
+    self: Any,
+    latent: list[SeqRows],
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    pc: torch.Tensor,
+    pp: torch.Tensor,
+    o_lat: torch.Tensor,
+) -> bool:
+    """The decoding sequences among ``latent`` (their rows of ``q_lat [H, *, r]`` / ``q_pe``
+    in ``latent``'s order) in one kernel call into ``o_lat``; False (nothing written) where
+    the kernel does not apply."""
+    if not USE_DECODE_KERNEL:
+        return False
+    at, rows, dec = 0, [], []
+    for s in latent:
+        if s.q_len == 1:
+            rows.append(at)
+            dec.append(s)
+        at += s.q_len
+    if not dec:
+        return False
+    idx = torch.tensor(rows, device=q_lat.device)
+    qs = [x.index_select(1, idx).transpose(0, 1)[:, None] for x in (q_lat, q_pe)]  # [S,1,H,*]
+    k_pools = [pc[None], pp[None]]  # [1, slots, r], [1, slots, rope]
+    if not decode_attn.fits(qs, k_pools, k_pools[0]):
+        return False
+    o = decode_attn.decode_attention(
+        qs, k_pools, k_pools[0], [s.kv_runs for s in dec], self.scaling
+    )
+    o_lat.index_copy_(1, idx, o[:, 0].transpose(0, 1).to(o_lat.dtype))
+    return True
 
 
 def _row_index(seqs: list[SeqRows], device: torch.device) -> torch.Tensor:
