@@ -94,13 +94,18 @@ INLINE void scores_g(const int G, const float *restrict q, int64_t q_rs,
 }
 
 /* blocks of SCORE_BLOCK rows, every group of 4 query rows passing over a block while it
-   sits in L2 (MLA: 8 heads against one latent row) */
+   sits in L2; 8 query rows (MLA's heads against one latent row) in one pass, so a row
+   comes from memory once */
 static void scores(int gn, const float *q, int64_t q_rs, const float *k, int64_t k_rs,
                    int64_t j0, int64_t j1, int d, float *s, int64_t s_rs, int accumulate,
                    float scale) {
     for (int64_t b0 = j0; b0 < j1; b0 += SCORE_BLOCK) {
         int64_t b1 = b0 + SCORE_BLOCK < j1 ? b0 + SCORE_BLOCK : j1;
         float *sb = s + (b0 - j0);
+        if (gn == 8) {
+            scores_g(8, q, q_rs, k, k_rs, b0, b1, d, sb, s_rs, accumulate, scale);
+            continue;
+        }
         for (int i = 0; i < gn; i += 4) {
             const float *qi = q + i * q_rs;
             float *si = sb + i * s_rs;
