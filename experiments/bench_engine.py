@@ -8,7 +8,8 @@ length n (random token ids):
 
 - engine: ``Engine.generate`` of the context once (prefill; tokens/s), then the same
   context plus one token with ``--decode`` new tokens: it hits the cache, so its time
-  after the first token is pure decode (ms/token), attention reading the pool by slot.
+  after the first token is pure decode (ms/token; at least 16 tokens, whatever
+  ``--decode`` says), attention reading the pool by slot.
   Then once more (another last token) with decode attention on the engine's torch paths
   instead of ``kernels/decode_attn.c``: the kernel's share, side by side.
 - transformers: a forward of the context into a fresh ``DynamicCache`` (its prefill,
@@ -69,7 +70,8 @@ def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
     t = time.perf_counter()
     eng.generate(ids, SamplingParams(max_tokens=1, stop_token_ids=[]))
     e_prefill = time.perf_counter() - t
-    p = SamplingParams(max_tokens=decode, stop_token_ids=[])
+    # the engine's decode is cheap: at least 16 tokens, so that one slow step moves it less
+    p = SamplingParams(max_tokens=max(decode, 16), stop_token_ids=[])
     r = eng.generate(ids + [ids[0]], p)
     e_dec = (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
     # the same engine with decode attention on its torch paths (no kernels/decode_attn.c)
