@@ -22,6 +22,13 @@ Shapes (one packed forward of N new tokens, ``context.py``; H query heads):
   16 tokens; shorter fresh chunks stay absorbed.)
   Chunks with a cached context stay absorbed: the cached latents are never re-expanded.
 
+Decode (one new token per sequence; fp32 on CPU): every decoding sequence of the forward
+in one call per layer of ``kernels/decode_attn.c``, over its runs of pool rows in place
+(GQA: kv heads x their query heads; MLA: the latent head x the query heads, key parts
+``c_kv`` and ``k_pe``). Elsewhere (bf16, other devices, no C compiler,
+``LEYLINE_DECODE_KERNEL=0``) the torch paths below: GQA flash attention per run, MLA
+explicit GEMMs.
+
 With no context set both fall through to transformers' own code (sdpa), so the model
 object still serves plain forwards (the tests' ground truth) unchanged.
 """

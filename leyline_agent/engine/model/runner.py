@@ -25,6 +25,7 @@ from leyline_agent.engine.cache.kv_pool import KVPool, slot_tensor
 from leyline_agent.engine.model.attention import install
 from leyline_agent.engine.model.context import AttnContext, SeqRows, forward_context
 from leyline_agent.engine.model.linear import install_packed, packed_available
+from leyline_agent.kernels import decode_attn
 
 __all__ = ["ModelRunner", "StepInput", "slot_runs"]
 
@@ -59,6 +60,8 @@ class ModelRunner:
         self.packed_linears = packed_linears and packed_available(self.device, pool.dtype)
         if self.packed_linears:
             install_packed(model)
+        if self.device.type == "cpu":
+            decode_attn.available()  # build the decode kernel now, not in the first step
 
     @torch.inference_mode()
     def run(self, batch: Sequence[StepInput]) -> torch.Tensor | None:
