@@ -1,4 +1,5 @@
-/* Decode attention for a batch of sequences over their pool rows, run by run (fp32, CPU).
+/* Decode attention for a batch of sequences over their pool rows, run by run (CPU; pool
+ * rows fp32 or bf16, queries, scores and sums fp32).
  *
  * Built and loaded by decode_attn.py: its launcher checks every shape, stride and dtype
  * first, and its torch reference is the same math. One call serves every decoding sequence
@@ -29,6 +30,7 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint16_t h16v __attribute__((vector_size(32)));
 
 #define INLINE static inline __attribute__((always_inline))
 #define MAX_PARTS 2
@@ -44,6 +46,18 @@ INLINE v16 ld(const float *p) {
 }
 
 INLINE void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* pool rows are fp32 or bf16 (BF, a compile-time constant in each instance): element idx */
+INLINE const void *at(const void *base, int64_t idx, const int BF) {
+    return (const char *)base + idx * (BF ? 2 : 4);
+}
+
+INLINE v16 ld_kv(const void *base, int64_t idx, const int BF) {
+    if (!BF) return ld((const float *)base + idx);
+    h16v h;
+    memcpy(&h, (const uint16_t *)base + idx, sizeof h);
+    return (v16)(__builtin_convertvector(h, i16v) << 16); /* bf16 = the top half of fp32 */
+}
 
 INLINE float hsum(v16 a) {
     v8 h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -73,16 +87,17 @@ INLINE v16 vexp(v16 x) {
 
 /* ------------------------------------------------------------------------------ passes */
 /* s[i][j - j0] (+)= scale * q_i . k_j for G query rows and rows [j0, j1) of one run */
-INLINE void scores_g(const int G, const float *restrict q, int64_t q_rs,
-                     const float *restrict k, int64_t k_rs, int64_t j0, int64_t j1, int d,
+INLINE void scores_g(const int G, const int BF, const float *restrict q, int64_t q_rs,
+                     const void *restrict k, int64_t k_rs, int64_t j0, int64_t j1, int d,
                      float *restrict s, int64_t s_rs, int accumulate, float scale) {
     for (int64_t j = j0; j < j1; j++) {
-        const float *kr = k + j * k_rs;
-        for (int c = 0; c < d; c += 16) __builtin_prefetch(kr + PREFETCH_ROWS * k_rs + c);
+        const void *kr = at(k, j * k_rs, BF);
+        for (int c = 0; c < d; c += 16)
+            __builtin_prefetch(at(kr, PREFETCH_ROWS * k_rs + c, BF));
         v16 acc[8];
         for (int i = 0; i < G; i++) acc[i] = (v16){0};
         for (int c = 0; c < d; c += 16) {
-            v16 kv = ld(kr + c);
+            v16 kv = ld_kv(kr, c, BF);
             for (int i = 0; i < G; i++) acc[i] += ld(q + i * q_rs + c) * kv;
         }
         for (int i = 0; i < G; i++) {
@@ -96,20 +111,23 @@ INLINE void scores_g(const int G, const float *restrict q, int64_t q_rs,
 /* blocks of SCORE_BLOCK rows, every group of 4 query rows passing over a block while it
    sits in L2; 8 query rows (MLA's heads against one latent row) in one pass, so a row
    comes from memory once */
-static void scores(int gn, const float *q, int64_t q_rs, const float *k, int64_t k_rs,
+static void scores(int gn, int bf, const float *q, int64_t q_rs, const void *k, int64_t k_rs,
                    int64_t j0, int64_t j1, int d, float *s, int64_t s_rs, int accumulate,
                    float scale) {
     for (int64_t b0 = j0; b0 < j1; b0 += SCORE_BLOCK) {
         int64_t b1 = b0 + SCORE_BLOCK < j1 ? b0 + SCORE_BLOCK : j1;
         float *sb = s + (b0 - j0);
         if (gn == 8) {
-            scores_g(8, q, q_rs, k, k_rs, b0, b1, d, sb, s_rs, accumulate, scale);
+            if (bf) scores_g(8, 1, q, q_rs, k, k_rs, b0, b1, d, sb, s_rs, accumulate, scale);
+            else scores_g(8, 0, q, q_rs, k, k_rs, b0, b1, d, sb, s_rs, accumulate, scale);
             continue;
         }
         for (int i = 0; i < gn; i += 4) {
             const float *qi = q + i * q_rs;
             float *si = sb + i * s_rs;
-#define SC(G) scores_g(G, qi, q_rs, k, k_rs, b0, b1, d, si, s_rs, accumulate, scale)
+#define SC(G)                                                                           \
+    (bf ? scores_g(G, 1, qi, q_rs, k, k_rs, b0, b1, d, si, s_rs, accumulate, scale)     \
+        : scores_g(G, 0, qi, q_rs, k, k_rs, b0, b1, d, si, s_rs, accumulate, scale))
             switch (gn - i < 4 ? gn - i : 4) {
             case 1: SC(1); break;
             case 2: SC(2); break;
@@ -122,17 +140,18 @@ static void scores(int gn, const float *q, int64_t q_rs, const float *k, int64_t
 }
 
 /* o[i] += sum_j w[i][j - j0] * v_j: G query rows x C vectors of columns, rows [j0, j1) */
-INLINE void pv_gc(const int G, const int C, const float *restrict w, int64_t w_rs,
-                  const float *restrict v, int64_t v_rs, int64_t j0, int64_t j1,
+INLINE void pv_gc(const int G, const int C, const int BF, const float *restrict w,
+                  int64_t w_rs, const void *restrict v, int64_t v_rs, int64_t j0, int64_t j1,
                   float *restrict o, int64_t o_rs, int prefetch) {
     v16 acc[8][4];
     for (int i = 0; i < G; i++)
         for (int c = 0; c < C; c++) acc[i][c] = ld(o + i * o_rs + 16 * c);
     for (int64_t j = j0; j < j1; j++) {
-        const float *vr = v + j * v_rs;
-        for (int c = 0; c < prefetch; c += 16) __builtin_prefetch(vr + PREFETCH_ROWS * v_rs + c);
+        const void *vr = at(v, j * v_rs, BF);
+        for (int c = 0; c < prefetch; c += 16)
+            __builtin_prefetch(at(vr, PREFETCH_ROWS * v_rs + c, BF));
         v16 vv[4];
-        for (int c = 0; c < C; c++) vv[c] = ld(vr + 16 * c);
+        for (int c = 0; c < C; c++) vv[c] = ld_kv(vr, 16 * c, BF);
         for (int i = 0; i < G; i++) {
             float x = w[i * w_rs + (j - j0)];
             for (int c = 0; c < C; c++) acc[i][c] += x * vv[c];
@@ -142,9 +161,12 @@ INLINE void pv_gc(const int G, const int C, const float *restrict w, int64_t w_r
         for (int c = 0; c < C; c++) st(o + i * o_rs + 16 * c, acc[i][c]);
 }
 
-static void pv_chunk(int gn, int cn, const float *w, int64_t w_rs, const float *v, int64_t v_rs,
-                     int64_t j0, int64_t j1, float *o, int64_t o_rs, int prefetch) {
-#define PV_CASE(G, C) pv_gc(G, C, w, w_rs, v, v_rs, j0, j1, o, o_rs, prefetch)
+static void pv_chunk(int gn, int cn, int bf, const float *w, int64_t w_rs, const void *v,
+                     int64_t v_rs, int64_t j0, int64_t j1, float *o, int64_t o_rs,
+                     int prefetch) {
+#define PV_CASE(G, C)                                                                      \
+    (bf ? pv_gc(G, C, 1, w, w_rs, v, v_rs, j0, j1, o, o_rs, prefetch)                      \
+        : pv_gc(G, C, 0, w, w_rs, v, v_rs, j0, j1, o, o_rs, prefetch))
     switch (gn * 8 + cn) {
     case 8 + 1: PV_CASE(1, 1); break;
     case 8 + 2: PV_CASE(1, 2); break;
@@ -168,15 +190,15 @@ static void pv_chunk(int gn, int cn, const float *w, int64_t w_rs, const float *
    over a block while it sits in L2 (chunks of 4 vectors for <= 4 query rows, 2 for 8). The
    first chunk's pass prefetches whole rows: the other chunks' lines are then in L2, not
    fetched one strided line at a time. */
-static void pv(int gn, int dv, const float *w, int64_t w_rs, const float *v, int64_t v_rs,
-               int64_t j0, int64_t j1, float *o, int64_t o_rs) {
+static void pv(int gn, int bf, int dv, const float *w, int64_t w_rs, const void *v,
+               int64_t v_rs, int64_t j0, int64_t j1, float *o, int64_t o_rs) {
     int widest = gn == 8 ? 2 : 4;
     for (int64_t b0 = j0; b0 < j1; b0 += PV_BLOCK) {
         int64_t b1 = b0 + PV_BLOCK < j1 ? b0 + PV_BLOCK : j1;
         for (int c0 = 0; c0 < dv;) {
             int left = (dv - c0) / 16, cn = left >= widest ? widest : left >= 2 ? 2 : 1;
-            pv_chunk(gn, cn, w + (b0 - j0), w_rs, v + c0, v_rs, b0, b1, o + c0, o_rs,
-                     c0 == 0 ? dv : 0);
+            pv_chunk(gn, cn, bf, w + (b0 - j0), w_rs, bf ? at(v, c0, 1) : at(v, c0, 0), v_rs,
+                     b0, b1, o + c0, o_rs, c0 == 0 ? dv : 0);
             c0 += 16 * cn;
         }
     }
@@ -204,12 +226,12 @@ static void exp_row(float *s, int64_t n, float *m_out, float *l_out) {
 
 /* ------------------------------------------------------------------------------- entry */
 typedef struct {
-    int nparts, d[MAX_PARTS], dv;
+    int nparts, d[MAX_PARTS], dv, bf; /* bf: the pool's rows are bf16 (else fp32) */
     const float *q[MAX_PARTS]; /* q_p[s, b, i, :] at q[p] + s*q_ss + b*q_bs + i*q_rs */
     int64_t q_ss[MAX_PARTS], q_bs[MAX_PARTS], q_rs[MAX_PARTS];
-    const float *k[MAX_PARTS]; /* k_p[b, row, :] at k[p] + b*k_bs + row*k_rs */
+    const void *k[MAX_PARTS]; /* k_p[b, row, :]: element k[p] + b*k_bs + row*k_rs */
     int64_t k_bs[MAX_PARTS], k_rs[MAX_PARTS];
-    const float *v;
+    const void *v;
     int64_t v_bs, v_rs;
 } layout;
 
@@ -221,25 +243,28 @@ static void task(const layout *L, int64_t s, int64_t b, int gi, int gn, const in
     int64_t n = hi - lo;
     for (int p = 0; p < L->nparts; p++) {
         const float *q = L->q[p] + s * L->q_ss[p] + b * L->q_bs[p] + gi * L->q_rs[p];
-        const float *k = L->k[p] + b * L->k_bs[p];
+        const void *k = L->k[p];
         for (int r = 0; r < nruns; r++) {
             int64_t j0 = lo > cols[r] ? lo - cols[r] : 0;
             int64_t j1 = hi < cols[r + 1] ? hi - cols[r] : len[r];
             if (j0 >= j1) continue;
             /* rows first[r] + j of the pool land in columns cols[r] + j - lo of buf */
-            scores(gn, q, L->q_rs[p], k + first[r] * L->k_rs[p], L->k_rs[p], j0, j1, L->d[p],
+            const void *kr = L->bf ? at(k, b * L->k_bs[p] + first[r] * L->k_rs[p], 1)
+                                   : at(k, b * L->k_bs[p] + first[r] * L->k_rs[p], 0);
+            scores(gn, L->bf, q, L->q_rs[p], kr, L->k_rs[p], j0, j1, L->d[p],
                    buf + (cols[r] + j0 - lo), n, p > 0, scale);
         }
     }
     for (int i = 0; i < gn; i++) exp_row(buf + i * n, n, m + i, l + i);
     memset(o, 0, sizeof(float) * gn * L->dv);
-    const float *v = L->v + b * L->v_bs;
+    const void *v = L->v;
     for (int r = 0; r < nruns; r++) {
         int64_t j0 = lo > cols[r] ? lo - cols[r] : 0;
         int64_t j1 = hi < cols[r + 1] ? hi - cols[r] : len[r];
         if (j0 >= j1) continue;
-        pv(gn, L->dv, buf + (cols[r] + j0 - lo), n, v + first[r] * L->v_rs, L->v_rs, j0, j1, o,
-           L->dv);
+        int64_t row0 = b * L->v_bs + first[r] * L->v_rs;
+        pv(gn, L->bf, L->dv, buf + (cols[r] + j0 - lo), n, L->bf ? at(v, row0, 1) : at(v, row0, 0),
+           L->v_rs, j0, j1, o, L->dv);
     }
 }
 
@@ -253,14 +278,14 @@ int ll_decode(int nseq, int B, int g, int nparts, const int32_t *d, int dv,
               const int64_t *k_rs, int64_t v_ptr, int64_t v_bs, int64_t v_rs,
               const int64_t *seq_runs, const int64_t *run_first, const int64_t *run_len,
               int64_t o_ptr, int64_t o_ss, int64_t o_bs, int64_t o_rs, int splits,
-              float scale, int nthreads, int64_t parallel_min_rows) {
-    layout L = {.nparts = nparts, .dv = dv, .v = (const float *)(intptr_t)v_ptr,
+              float scale, int nthreads, int64_t parallel_min_rows, int kv_bf16) {
+    layout L = {.nparts = nparts, .dv = dv, .bf = kv_bf16, .v = (const void *)(intptr_t)v_ptr,
                 .v_bs = v_bs, .v_rs = v_rs};
     for (int p = 0; p < nparts; p++) {
         L.d[p] = d[p];
         L.q[p] = (const float *)(intptr_t)q_ptrs[p];
         L.q_ss[p] = q_ss[p], L.q_bs[p] = q_bs[p], L.q_rs[p] = q_rs[p];
-        L.k[p] = (const float *)(intptr_t)k_ptrs[p];
+        L.k[p] = (const void *)(intptr_t)k_ptrs[p];
         L.k_bs[p] = k_bs[p], L.k_rs[p] = k_rs[p];
     }
     int gs = g % 8 == 0 ? 8 : 4, groups = (g + gs - 1) / gs;

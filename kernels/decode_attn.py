@@ -1,5 +1,5 @@
-"""Decode attention for a batch of sequences over their pool rows (fp32, CPU): a C kernel,
-its launcher and its torch reference.
+"""Decode attention for a batch of sequences over their pool rows (CPU; pool fp32 or bf16,
+arithmetic in fp32): a C kernel, its launcher and its torch reference.
 
 Shapes (S decoding sequences, one query token each; B heads of keys, g query rows per
 head; P key parts)::
@@ -51,6 +51,7 @@ __all__ = ["available", "build_error", "decode_attention", "decode_attention_tor
 _SOURCE = Path(__file__).with_name("decode_attn.c")
 _VEC = 16  # floats per vector in the kernel: every width must be a multiple
 _MAX_PARTS = 2
+_POOL_DTYPES = (torch.float32, torch.bfloat16)
 # below this many rows (all sequences, all heads) one thread does it all: waking the other
 # threads costs more than the rows (measured: batch 8 x 512 rows, mini MLA)
 PARALLEL_MIN_ROWS = 256
@@ -77,6 +78,7 @@ def decode_attention(
         raise ValueError("decode_attention: inputs the kernel does not take (see fits)")
     S, B, g = qs[0].shape[:3]
     dv = v_pool.shape[-1]
+    qs = [q.float() for q in qs]  # the kernel's arithmetic is fp32 (a bf16 query: a copy)
     seq_runs, firsts, lens = array("q", [0]), array("q"), array("q")
     longest = 0
     for r in runs:
@@ -100,7 +102,7 @@ def decode_attention(
         v_pool.data_ptr(), v_pool.stride(0), v_pool.stride(1),
         _addr(seq_runs), _addr(firsts), _addr(lens),
         out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
-        splits, scale, threads, PARALLEL_MIN_ROWS,
+        splits, scale, threads, PARALLEL_MIN_ROWS, int(v_pool.dtype == torch.bfloat16),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("decode_attention: the kernel's scratch memory could not be allocated")
@@ -130,8 +132,9 @@ def decode_attention_torch(
 
 
 def fits(qs: Sequence[torch.Tensor], k_pools: Sequence[torch.Tensor], v_pool: torch.Tensor) -> bool:
-    """Whether ``decode_attention`` takes these inputs: the kernel built, fp32 on CPU, last
-    dims contiguous and multiples of 16, at most two key parts."""
+    """Whether ``decode_attention`` takes these inputs: the kernel built, on CPU, pools all
+    fp32 or all bf16 (queries fp32 or bf16), last dims contiguous and multiples of 16, at
+    most two key parts."""
     return available() and _fits(qs, k_pools, v_pool)
 
 
@@ -181,9 +184,11 @@ def _fits(
     qs: Sequence[torch.Tensor], k_pools: Sequence[torch.Tensor], v_pool: torch.Tensor
 ) -> bool:
     tensors = [*qs, *k_pools, v_pool]
-    if len(qs) > _MAX_PARTS:
+    if len(qs) > _MAX_PARTS or any(t.device.type != "cpu" for t in tensors):
         return False
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+    if v_pool.dtype not in _POOL_DTYPES or any(k.dtype != v_pool.dtype for k in k_pools):
+        return False
+    if any(q.dtype not in _POOL_DTYPES for q in qs):
         return False
     return not any(t.stride(-1) != 1 or t.shape[-1] % _VEC for t in tensors)
 
@@ -218,7 +223,7 @@ def _library() -> ctypes.CDLL | None:
         i64, i64, i64,  # v ptr, head, row stride
         p, p, p,  # seq_runs, run_first, run_len
         i64, i64, i64, i64,  # o ptr, seq, head, row stride
-        i, f, i, i64,  # splits, scale, nthreads, parallel_min_rows
+        i, f, i, i64, i,  # splits, scale, nthreads, parallel_min_rows, kv_bf16
     ]  # fmt: skip
     lib.ll_decode.restype = i
     return lib

@@ -1,7 +1,8 @@
 """kernels/decode_attn.c against an independent computation: float64 attention over each
-sequence's rows gathered into one tensor (torch's SDPA math on copies), for the shapes the
-engine gives it (GQA heads, MLA's two key parts), rows in many runs, a batch of sequences of
-different lengths, one and two threads (two: a long sequence split into shares)."""
+sequence's rows gathered into one tensor (an explicit softmax on copies), for the shapes the
+engine gives it (GQA heads, MLA's two key parts), fp32 and bf16 pools, rows in many runs, a
+batch of sequences of different lengths, one and two threads (two: a long sequence split
+into shares)."""
 
 from __future__ import annotations
 
@@ -139,13 +140,37 @@ def test_bad_input_names_the_argument(change, field):
         decode_attn.decode_attention(**change(args), scale=1.0)
 
 
+@pytest.mark.parametrize("arch", ["gqa", "mla"])
+def test_bf16_pools_equal_float64_attention_over_the_same_rows(threads, arch):
+    """A bf16 pool (and bf16 queries): the kernel widens each row to fp32 as it loads it; the
+    truth is float64 attention over the same bf16 values."""
+    g = torch.Generator().manual_seed(13)
+    if arch == "gqa":
+        k = torch.randn(4, 5000, 64, generator=g).bfloat16()
+        v = torch.randn(4, 5000, 64, generator=g).bfloat16()
+        qs, k_pools, scale = [torch.randn(3, 4, 4, 64, generator=g).bfloat16()], [k], 0.125
+    else:
+        c = (torch.randn(1, 5000, 512, generator=g) * 0.5).bfloat16()
+        pe = (torch.randn(1, 5000, 64, generator=g) * 0.5).bfloat16()
+        q_lat = (torch.randn(3, 1, 8, 512, generator=g) * 0.1).bfloat16()
+        q_pe = (torch.randn(3, 1, 8, 64, generator=g) * 0.1).bfloat16()
+        qs, k_pools, v, scale = [q_lat, q_pe], [c, pe], c, 192**-0.5
+    runs = _runs(g, 5000, [700, 4000, 33], 3)
+    out = decode_attn.decode_attention(qs, k_pools, v, runs, scale)
+    truth = _truth(qs, k_pools, v, runs, scale)
+    assert out.dtype == torch.float32
+    assert (out.double() - truth).abs().max() <= 2e-5
+
+
 def test_inputs_it_does_not_take_are_said_by_fits():
     g = torch.Generator().manual_seed(5)
     q, k = torch.randn(1, 2, 2, 32, generator=g), torch.randn(2, 10, 32, generator=g)
     assert decode_attn.fits([q], [k], k)
+    assert decode_attn.fits([q.bfloat16()], [k.bfloat16()], k.bfloat16())
     assert not decode_attn.fits([q.double()], [k.double()], k.double())
+    assert not decode_attn.fits([q.half()], [k.half()], k.half())
+    assert not decode_attn.fits([q], [k], k.bfloat16())  # keys and values of two dtypes
     assert not decode_attn.fits([q[..., :24]], [k[..., :24]], k[..., :24])  # width 24
-    assert not decode_attn.fits([q.bfloat16()], [k.bfloat16()], k.bfloat16())
 
 
 def test_without_a_compiler_it_is_unavailable_and_says_why(tmp_path):

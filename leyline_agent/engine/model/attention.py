@@ -22,10 +22,10 @@ Shapes (one packed forward of N new tokens, ``context.py``; H query heads):
   16 tokens; shorter fresh chunks stay absorbed.)
   Chunks with a cached context stay absorbed: the cached latents are never re-expanded.
 
-Decode (one new token per sequence; fp32 on CPU): every decoding sequence of the forward
-in one call per layer of ``kernels/decode_attn.c``, over its runs of pool rows in place
-(GQA: kv heads x their query heads; MLA: the latent head x the query heads, key parts
-``c_kv`` and ``k_pe``). Elsewhere (bf16, other devices, no C compiler,
+Decode (one new token per sequence; CPU, fp32 or bf16 pools): every decoding sequence of
+the forward in one call per layer of ``kernels/decode_attn.c``, over its runs of pool rows
+in place (GQA: kv heads x their query heads; MLA: the latent head x the query heads, key
+parts ``c_kv`` and ``k_pe``). Elsewhere (other devices, no C compiler,
 ``LEYLINE_DECODE_KERNEL=0``) the torch paths below: GQA flash attention per run, MLA
 explicit GEMMs.
 
@@ -72,7 +72,7 @@ _MAX_RUNS = 16
 # CPU flash attention with each query row's log-sum-exp (torch's own kernel behind SDPA)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Every decoding sequence of a forward (one new token each) in one call per layer of
-# kernels/decode_attn.c where it is built and takes the inputs (fp32 CPU); the torch paths
+# kernels/decode_attn.c where it is built and takes the inputs (CPU); the torch paths
 # below serve the rest. LEYLINE_DECODE_KERNEL=0 switches it off (benchmarks' A/B; tests
 # check the torch paths with it off).
 USE_DECODE_KERNEL = os.environ.get("LEYLINE_DECODE_KERNEL", "1") != "0"
