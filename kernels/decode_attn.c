@@ -47,7 +47,8 @@ INLINE v16 ld(const float *p) {
 
 INLINE void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
-/* pool rows are fp32 or bf16 (BF, a compile-time constant in each instance): element idx */
+/* pool rows are fp32 or bf16: element idx (BF is a compile-time constant where inlined into
+   an instance, a plain flag elsewhere) */
 INLINE const void *at(const void *base, int64_t idx, const int BF) {
     return (const char *)base + idx * (BF ? 2 : 4);
 }
@@ -117,25 +118,24 @@ static void scores(int gn, int bf, const float *q, int64_t q_rs, const void *k, 
     for (int64_t b0 = j0; b0 < j1; b0 += SCORE_BLOCK) {
         int64_t b1 = b0 + SCORE_BLOCK < j1 ? b0 + SCORE_BLOCK : j1;
         float *sb = s + (b0 - j0);
+#define SC(G, qi, si)                                                                   \
+    (bf ? scores_g(G, 1, qi, q_rs, k, k_rs, b0, b1, d, si, s_rs, accumulate, scale)     \
+        : scores_g(G, 0, qi, q_rs, k, k_rs, b0, b1, d, si, s_rs, accumulate, scale))
         if (gn == 8) {
-            if (bf) scores_g(8, 1, q, q_rs, k, k_rs, b0, b1, d, sb, s_rs, accumulate, scale);
-            else scores_g(8, 0, q, q_rs, k, k_rs, b0, b1, d, sb, s_rs, accumulate, scale);
+            SC(8, q, sb);
             continue;
         }
         for (int i = 0; i < gn; i += 4) {
             const float *qi = q + i * q_rs;
             float *si = sb + i * s_rs;
-#define SC(G)                                                                           \
-    (bf ? scores_g(G, 1, qi, q_rs, k, k_rs, b0, b1, d, si, s_rs, accumulate, scale)     \
-        : scores_g(G, 0, qi, q_rs, k, k_rs, b0, b1, d, si, s_rs, accumulate, scale))
             switch (gn - i < 4 ? gn - i : 4) {
-            case 1: SC(1); break;
-            case 2: SC(2); break;
-            case 3: SC(3); break;
-            default: SC(4);
+            case 1: SC(1, qi, si); break;
+            case 2: SC(2, qi, si); break;
+            case 3: SC(3, qi, si); break;
+            default: SC(4, qi, si);
             }
-#undef SC
         }
+#undef SC
     }
 }
 
@@ -197,7 +197,7 @@ static void pv(int gn, int bf, int dv, const float *w, int64_t w_rs, const void 
         int64_t b1 = b0 + PV_BLOCK < j1 ? b0 + PV_BLOCK : j1;
         for (int c0 = 0; c0 < dv;) {
             int left = (dv - c0) / 16, cn = left >= widest ? widest : left >= 2 ? 2 : 1;
-            pv_chunk(gn, cn, bf, w + (b0 - j0), w_rs, bf ? at(v, c0, 1) : at(v, c0, 0), v_rs,
+            pv_chunk(gn, cn, bf, w + (b0 - j0), w_rs, at(v, c0, bf), v_rs,
                      b0, b1, o + c0, o_rs, c0 == 0 ? dv : 0);
             c0 += 16 * cn;
         }
@@ -235,6 +235,14 @@ typedef struct {
     int64_t v_bs, v_rs;
 } layout;
 
+/* the rows [j0, j1) of run r that fall in the columns [lo, hi); 0 if none */
+static int run_window(int64_t lo, int64_t hi, const int64_t *cols, const int64_t *len, int r,
+                      int64_t *j0, int64_t *j1) {
+    *j0 = lo > cols[r] ? lo - cols[r] : 0;
+    *j1 = hi < cols[r + 1] ? hi - cols[r] : len[r];
+    return *j0 < *j1;
+}
+
 /* one task: sequence s's rows [lo, hi), head b, query rows gi .. gi + gn; unnormalised
    output (rows gn x dv, stride dv) and per row its max and sum */
 static void task(const layout *L, int64_t s, int64_t b, int gi, int gn, const int64_t *first,
@@ -245,12 +253,10 @@ static void task(const layout *L, int64_t s, int64_t b, int gi, int gn, const in
         const float *q = L->q[p] + s * L->q_ss[p] + b * L->q_bs[p] + gi * L->q_rs[p];
         const void *k = L->k[p];
         for (int r = 0; r < nruns; r++) {
-            int64_t j0 = lo > cols[r] ? lo - cols[r] : 0;
-            int64_t j1 = hi < cols[r + 1] ? hi - cols[r] : len[r];
-            if (j0 >= j1) continue;
+            int64_t j0, j1;
+            if (!run_window(lo, hi, cols, len, r, &j0, &j1)) continue;
             /* rows first[r] + j of the pool land in columns cols[r] + j - lo of buf */
-            const void *kr = L->bf ? at(k, b * L->k_bs[p] + first[r] * L->k_rs[p], 1)
-                                   : at(k, b * L->k_bs[p] + first[r] * L->k_rs[p], 0);
+            const void *kr = at(k, b * L->k_bs[p] + first[r] * L->k_rs[p], L->bf);
             scores(gn, L->bf, q, L->q_rs[p], kr, L->k_rs[p], j0, j1, L->d[p],
                    buf + (cols[r] + j0 - lo), n, p > 0, scale);
         }
@@ -259,12 +265,10 @@ static void task(const layout *L, int64_t s, int64_t b, int gi, int gn, const in
     memset(o, 0, sizeof(float) * gn * L->dv);
     const void *v = L->v;
     for (int r = 0; r < nruns; r++) {
-        int64_t j0 = lo > cols[r] ? lo - cols[r] : 0;
-        int64_t j1 = hi < cols[r + 1] ? hi - cols[r] : len[r];
-        if (j0 >= j1) continue;
-        int64_t row0 = b * L->v_bs + first[r] * L->v_rs;
-        pv(gn, L->bf, L->dv, buf + (cols[r] + j0 - lo), n, L->bf ? at(v, row0, 1) : at(v, row0, 0),
-           L->v_rs, j0, j1, o, L->dv);
+        int64_t j0, j1;
+        if (!run_window(lo, hi, cols, len, r, &j0, &j1)) continue;
+        const void *vr = at(v, b * L->v_bs + first[r] * L->v_rs, L->bf);
+        pv(gn, L->bf, L->dv, buf + (cols[r] + j0 - lo), n, vr, L->v_rs, j0, j1, o, L->dv);
     }
 }
 
