@@ -23,28 +23,23 @@ query against 8k rows at a third to half of this machine's read bandwidth (small
 512-row block), and at batch 8 x 512 rows the per-sequence torch ops cost more than their
 arithmetic (README, ``leyline bench engine``).
 
-The C file is compiled on first use with the system's C compiler (``$CC``, ``cc`` or
-``gcc``; ``-O3 -march=native -fopenmp``) into ``$LEYLINE_KERNEL_CACHE`` (default: a folder
-under the temp dir), keyed by the source, the compiler and the CPU's flags. The OpenMP
-runtime it links is the one torch already loaded (same soname), so the two share one
-thread pool. ``available()`` says whether it built (``build_error()`` why not); without it
-the engine keeps its torch paths.
+The C file is compiled on first use (``cbuild.py``: the system's C compiler, ``-O3
+-march=native -fopenmp``, cached per source, compiler and CPU); its OpenMP runtime is the
+one torch loaded, so the two share one thread pool. ``available()`` says whether it built
+(``build_error()`` why not); without it the engine keeps its torch paths.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from array import array
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
 import torch
+
+from leyline_agent.kernels import cbuild
 
 __all__ = ["available", "build_error", "decode_attention", "decode_attention_torch", "fits"]
 
@@ -210,11 +205,8 @@ _ERROR: list[str | None] = [None]
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as e:
-        detail = getattr(e, "stderr", None) or str(e)
-        _ERROR[0] = f"decode_attn.c did not build: {detail}"
+    lib, _ERROR[0] = cbuild.load(_SOURCE)
+    if lib is None:
         return None
     i, i64, p, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.ll_decode.argtypes = [
@@ -227,45 +219,3 @@ def _library() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.ll_decode.restype = i
     return lib
-
-
-def _build() -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise FileNotFoundError("no C compiler (cc, gcc or $CC) on PATH")
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True)
-    key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), version.stdout.encode(), " ".join(flags).encode()):
-        key.update(part)
-    key.update(_cpu_flags().encode())
-    root = Path(
-        os.environ.get("LEYLINE_KERNEL_CACHE") or Path(tempfile.gettempdir()) / "leyline-kernels"
-    )
-    root.mkdir(parents=True, exist_ok=True)
-    out = root / f"decode_attn-{key.hexdigest()[:16]}.so"
-    if not out.exists():
-        fd, tmp = tempfile.mkstemp(dir=root, suffix=".so")
-        os.close(fd)
-        try:
-            subprocess.run(
-                [cc, *flags, str(_SOURCE), "-o", tmp, "-lm"],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            os.replace(tmp, out)  # atomic: concurrent builders each write their own file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return out
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
