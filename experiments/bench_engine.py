@@ -11,7 +11,9 @@ length n (random token ids):
   after the first token is pure decode (ms/token; at least 16 tokens, whatever
   ``--decode`` says), attention reading the pool by slot.
   Then once more (another last token) with decode attention on the engine's torch paths
-  instead of ``kernels/decode_attn.c``: the kernel's share, side by side.
+  instead of ``kernels/decode_attn.c``: the kernel's share, side by side. In bf16, once more
+  with the linear layers on oneDNN's packed product instead of ``kernels/skinny_linear.c``
+  (fp32 does not use that kernel: the column says "-").
 - transformers: a forward of the context into a fresh ``DynamicCache`` (its prefill,
   tokens/s), then ``model.generate`` (greedy, ``--decode`` new tokens) on that cache: its
   time per generated token is the decode ms/token (no difference of two long runs, which
@@ -35,6 +37,10 @@ __all__ = ["add_arguments", "main"]
 
 def _csv(text: str) -> list[str]:
     return [p for p in text.split(",") if p]
+
+
+def _ms(v: float) -> str:
+    return "-" if v != v else f"{v:.1f}"  # NaN: not measured
 
 
 def _hf(model: Any, ids: list[int], new: int) -> tuple[float, float]:
@@ -62,7 +68,7 @@ def _hf(model: Any, ids: list[int], new: int) -> tuple[float, float]:
 def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
     from leyline_agent.engine.checkpoints.store import model_dir
     from leyline_agent.engine.engine import Engine, SamplingParams
-    from leyline_agent.engine.model import attention
+    from leyline_agent.engine.model import attention, linear
 
     eng = Engine.from_pretrained(model_dir(arch, "mini"), dtype=dtype, cache_budget_tokens=n + 256)
     rng = random.Random(n)
@@ -81,6 +87,14 @@ def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
     finally:
         attention.USE_DECODE_KERNEL = kernel
     t_dec = (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
+    l_dec = None
+    if eng.runner.pool.dtype in linear.KERNEL_DTYPES:  # the same, few-row linears on oneDNN
+        kernel, linear.USE_LINEAR_KERNEL = linear.USE_LINEAR_KERNEL, False
+        try:
+            r = eng.generate(ids + [ids[2]], p)
+        finally:
+            linear.USE_LINEAR_KERNEL = kernel
+        l_dec = (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
     eng.model.config._attn_implementation = "sdpa"  # transformers' own path for the baseline
     h_prefill, h_dec = _hf(eng.model, ids, decode)
     return {
@@ -88,6 +102,7 @@ def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
         "hf_prefill_tps": (n - 1) / h_prefill,
         "engine_decode_ms": 1e3 * e_dec,
         "torch_attn_decode_ms": 1e3 * t_dec,
+        "onednn_linear_decode_ms": float("nan") if l_dec is None else 1e3 * l_dec,
         "hf_decode_ms": 1e3 * h_dec,
     }
 
@@ -125,17 +140,17 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
     print(f"dtype {a.dtype}, {a.threads} thread(s), decode {a.decode} tokens")
     print(
         "| model | context | engine decode ms/tok | transformers decode ms/tok | speed-up "
-        "| engine, torch attention ms/tok | engine prefill tok/s | transformers prefill tok/s "
-        "| speed-up |"
+        "| engine, torch attention ms/tok | engine, oneDNN linear ms/tok "
+        "| engine prefill tok/s | transformers prefill tok/s | speed-up |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for arch in _csv(a.archs):
         for n in map(int, _csv(a.contexts)):
             m = measure(arch, n, a.decode, a.dtype)
             print(
                 f"| {arch} mini | {n} | {m['engine_decode_ms']:.1f} | {m['hf_decode_ms']:.1f} "
                 f"| {m['hf_decode_ms'] / m['engine_decode_ms']:.1f}x "
-                f"| {m['torch_attn_decode_ms']:.1f} "
+                f"| {m['torch_attn_decode_ms']:.1f} | {_ms(m['onednn_linear_decode_ms'])} "
                 f"| {m['engine_prefill_tps']:.0f} | {m['hf_prefill_tps']:.0f} "
                 f"| {m['engine_prefill_tps'] / m['hf_prefill_tps']:.1f}x |",
                 flush=True,

@@ -13,6 +13,7 @@ from leyline_agent.engine.engine import Engine
 from leyline_agent.engine.model.context import AttnContext, forward_context
 from leyline_agent.engine.model.linear import install_packed, packed_available
 from leyline_agent.engine.model.runner import StepInput
+from leyline_agent.kernels import skinny_linear
 
 pytestmark = pytest.mark.skipif(
     not packed_available(torch.device("cpu"), torch.float32), reason="torch without mkldnn"
@@ -95,3 +96,40 @@ def test_a_batched_decode_on_packed_weights_equals_full_forwards(arch):
         for k, ids in enumerate(seqs):
             truth = ref(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
             assert (out[k] - truth).abs().max() <= TOL, k
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "llama"])
+def test_a_bf16_decode_on_the_skinny_kernel_is_as_close_to_fp32_as_transformers(arch, monkeypatch):
+    """bf16 decode steps of one and of three sequences (kernels/skinny_linear.c: every
+    nn.Linear, 1 and 3 rows) against an fp32 forward of the same bf16 weights: no further off
+    than transformers' own bf16 forward of the whole sequence is."""
+    calls = []
+    real = skinny_linear.linear
+
+    def spy(x, w, b=None):
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, w, b)
+
+    monkeypatch.setattr(skinny_linear, "linear", spy)
+    eng = Engine.from_pretrained(tiny_model_dir(arch), dtype="bfloat16")
+    hf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch), dtype=torch.bfloat16)
+    hf32 = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch), dtype=torch.bfloat16)
+    hf32 = hf32.float().eval()
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, eng.vocab_size, (30 + 7 * k,), generator=g).tolist() for k in range(3)]
+    r = eng.runner
+    batch = []
+    for ids in seqs:
+        slots = r.prefill_into_slots([], ids[:-1]) + r.allocator.alloc(1)
+        batch.append(StepInput([ids[-1]], slots))
+    for step in (batch[:1], batch):
+        calls.clear()
+        out = r.run(step)
+        assert calls and set(calls) == {len(step)}  # every linear of the step took the kernel
+        with torch.inference_mode():
+            for k in range(len(step)):
+                x = torch.tensor([seqs[k]])
+                truth = hf32(input_ids=x, use_cache=False).logits[0, -1]
+                theirs = hf16(input_ids=x, use_cache=False).logits[0, -1].float()
+                ours = (out[k] - truth).abs().max()
+                assert ours <= 1.5 * (theirs - truth).abs().max() + 1e-3, (k, ours)

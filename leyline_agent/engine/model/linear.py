@@ -1,4 +1,5 @@
-"""The model's ``nn.Linear`` layers on oneDNN-packed weights, for the engine's batched forwards.
+"""The model's ``nn.Linear`` layers on oneDNN-packed weights, for the engine's batched forwards
+(and a C kernel for few-row bf16 products).
 
 A decode step of eight sequences is a GEMM with eight rows per weight matrix. On CPU, the
 default path (``F.linear``: MKL's sgemm) runs such few-row products well below the
@@ -11,7 +12,14 @@ a decode step of 8 sequences takes 0.78-0.80x the plain time on the llama mini a
 the DeepSeek mini (its routed experts are not ``nn.Linear``), 0.88-0.98x at 4 and 16; at 1
 and 2 rows the packed fp32 product is slower (1.08-1.18x at 2), so fp32 forwards of fewer
 than ``PACKED_MIN_ROWS`` rows keep ``F.linear``. In bf16 the packed product is never slower
-(0.88-0.99x from 1 row on).
+(0.88-0.99x from 1 row on), but bf16 forwards of at most ``skinny_linear.MAX_ROWS`` rows
+(a decode step of up to four sequences) take ``kernels/skinny_linear.c`` instead: it reads
+the bf16 weights at the machine's bandwidth, which oneDNN's and MKL's few-row bf16 products
+do not (interleaved in one process, mini models, 512-token contexts: a llama decode step of
+one sequence 19.2 ms against 26.3 packed and 28.0 plain on one thread, 13.9 against 18.5
+on two; of four sequences 19.4 against 22.8; DeepSeek 0.87-0.90x packed). In fp32 the
+kernel and MKL both read at bandwidth (within 3 % of each other, either way), so fp32 keeps
+``F.linear``. ``LEYLINE_LINEAR_KERNEL=0`` switches the kernel off (benchmarks' A/B).
 
 Only inside the engine's forwards (an attention context is set): a plain forward of the same
 model object, the tests' ground truth, runs transformers' ``nn.Linear`` unchanged. Each layer
@@ -21,6 +29,7 @@ the copy is rebuilt if the weight is changed in place afterwards (its version co
 
 from __future__ import annotations
 
+import os
 import types
 from typing import Any
 
@@ -28,11 +37,15 @@ import torch
 import torch.nn.functional as F
 
 from leyline_agent.engine.model.context import current
+from leyline_agent.kernels import skinny_linear
 
-__all__ = ["PACKED_MIN_ROWS", "install_packed", "packed_available"]
+__all__ = ["KERNEL_DTYPES", "PACKED_MIN_ROWS", "install_packed", "packed_available"]
 
 # rows per forward from which the packed weight is used, by dtype (measured: see above)
 PACKED_MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
+# weight dtypes whose forwards of at most skinny_linear.MAX_ROWS rows take the C kernel
+KERNEL_DTYPES = (torch.bfloat16,)
+USE_LINEAR_KERNEL = os.environ.get("LEYLINE_LINEAR_KERNEL", "1") != "0"
 _BATCH_HINT = 8  # the rows oneDNN chooses its blocking for (the decode batches it serves)
 
 
@@ -64,11 +77,11 @@ def _pack(mod: Any) -> torch.Tensor:
 
 def _packed_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
-    if (
-        current() is None
-        or x.dtype != w.dtype
-        or x.numel() < PACKED_MIN_ROWS[w.dtype] * x.shape[-1]
-    ):
+    if current() is None or x.dtype != w.dtype:
+        return F.linear(x, w, self.bias)
+    if USE_LINEAR_KERNEL and w.dtype in KERNEL_DTYPES and skinny_linear.fits(x, w, self.bias):
+        return skinny_linear.linear(x, w, self.bias)
+    if x.numel() < PACKED_MIN_ROWS[w.dtype] * x.shape[-1]:
         return F.linear(x, w, self.bias)
     packed, version = self._leyline_packed
     if version != w._version:  # the weight changed in place: repack

@@ -24,8 +24,8 @@ from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVPool, slot_tensor
 from leyline_agent.engine.model.attention import install
 from leyline_agent.engine.model.context import AttnContext, SeqRows, forward_context
-from leyline_agent.engine.model.linear import install_packed, packed_available
-from leyline_agent.kernels import decode_attn
+from leyline_agent.engine.model.linear import KERNEL_DTYPES, install_packed, packed_available
+from leyline_agent.kernels import decode_attn, skinny_linear
 
 __all__ = ["ModelRunner", "StepInput", "slot_runs"]
 
@@ -56,12 +56,15 @@ class ModelRunner:
         self.model, self.pool, self.allocator, self.chunk = model, pool, allocator, chunk
         self.device = pool.device
         install(model)
-        # oneDNN-packed linear weights for batched forwards (``linear.py``; CPU only)
+        # oneDNN-packed linear weights for batched forwards, few-row bf16 products on
+        # kernels/skinny_linear.c (``linear.py``; CPU only)
         self.packed_linears = packed_linears and packed_available(self.device, pool.dtype)
         if self.packed_linears:
             install_packed(model)
-        if self.device.type == "cpu":
-            decode_attn.available()  # build the decode kernel now, not in the first step
+        if self.device.type == "cpu":  # build the kernels now, not in the first step
+            decode_attn.available()
+            if self.packed_linears and pool.dtype in KERNEL_DTYPES:
+                skinny_linear.available()
 
     @torch.inference_mode()
     def run(self, batch: Sequence[StepInput]) -> torch.Tensor | None:
