@@ -14,12 +14,14 @@ and 2 rows the packed fp32 product is slower (1.08-1.18x at 2), so fp32 forwards
 than ``PACKED_MIN_ROWS`` rows keep ``F.linear``. In bf16 the packed product is never slower
 (0.88-0.99x from 1 row on), but bf16 forwards of at most ``skinny_linear.MAX_ROWS`` rows
 (a decode step of up to four sequences) take ``kernels/skinny_linear.c`` instead: it reads
-the bf16 weights at the machine's bandwidth, which oneDNN's and MKL's few-row bf16 products
-do not (interleaved in one process, mini models, 512-token contexts: a llama decode step of
-one sequence 19.2 ms against 26.3 packed and 28.0 plain on one thread, 13.9 against 18.5
-on two; of four sequences 19.4 against 22.8; DeepSeek 0.87-0.90x packed). In fp32 the
-kernel and MKL both read at bandwidth (within 3 % of each other, either way), so fp32 keeps
-``F.linear``. ``LEYLINE_LINEAR_KERNEL=0`` switches the kernel off (benchmarks' A/B).
+the bf16 weights near the machine's bandwidth, which oneDNN's and MKL's few-row bf16
+products do not. Measured on the mini models, one thread: steps interleaved in one process,
+a llama decode step of one sequence at 512 cached tokens 19.2 ms against 26.3 packed and
+28.0 plain (13.9 against 18.5 packed on two threads; four sequences 19.4 against 22.8);
+in separate processes taking turns (three each; ratio of their mean step times), 0.82x
+packed (llama, 512), 0.88x (llama, 8k), 0.80x / 0.81x (DeepSeek, 512 / 8k), single pairs
+swinging from 0.59x to 1.09x. In fp32 the kernel and MKL both read at bandwidth (within 3 %, either way), so fp32
+keeps ``F.linear``. ``LEYLINE_LINEAR_KERNEL=0`` switches the kernel off (benchmarks' A/B).
 
 Only inside the engine's forwards (an attention context is set): a plain forward of the same
 model object, the tests' ground truth, runs transformers' ``nn.Linear`` unchanged. Each layer
