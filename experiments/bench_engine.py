@@ -65,6 +65,20 @@ def _hf(model: Any, ids: list[int], new: int) -> tuple[float, float]:
     return prefill, decode
 
 
+def _decode_s(eng: Any, ids: list[int], p: Any, off: tuple[Any, str] | None = None) -> float:
+    """Seconds per token after the first of one ``generate``; ``off`` = (module, switch):
+    that kernel switch is False during the run."""
+    old = None if off is None else getattr(*off)
+    if off is not None:
+        setattr(*off, False)
+    try:
+        r = eng.generate(ids, p)
+    finally:
+        if off is not None:
+            setattr(*off, old)
+    return (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
+
+
 def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
     from leyline_agent.engine.checkpoints.store import model_dir
     from leyline_agent.engine.engine import Engine, SamplingParams
@@ -78,23 +92,12 @@ def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
     e_prefill = time.perf_counter() - t
     # the engine's decode is cheap: at least 16 tokens, so that one slow step moves it less
     p = SamplingParams(max_tokens=max(decode, 16), stop_token_ids=[])
-    r = eng.generate(ids + [ids[0]], p)
-    e_dec = (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
+    e_dec = _decode_s(eng, ids + [ids[0]], p)
     # the same engine with decode attention on its torch paths (no kernels/decode_attn.c)
-    kernel, attention.USE_DECODE_KERNEL = attention.USE_DECODE_KERNEL, False
-    try:
-        r = eng.generate(ids + [ids[1]], p)
-    finally:
-        attention.USE_DECODE_KERNEL = kernel
-    t_dec = (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
+    t_dec = _decode_s(eng, ids + [ids[1]], p, off=(attention, "USE_DECODE_KERNEL"))
     l_dec = None
     if eng.runner.pool.dtype in linear.KERNEL_DTYPES:  # the same, few-row linears on oneDNN
-        kernel, linear.USE_LINEAR_KERNEL = linear.USE_LINEAR_KERNEL, False
-        try:
-            r = eng.generate(ids + [ids[2]], p)
-        finally:
-            linear.USE_LINEAR_KERNEL = kernel
-        l_dec = (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
+        l_dec = _decode_s(eng, ids + [ids[2]], p, off=(linear, "USE_LINEAR_KERNEL"))
     eng.model.config._attn_implementation = "sdpa"  # transformers' own path for the baseline
     h_prefill, h_dec = _hf(eng.model, ids, decode)
     return {

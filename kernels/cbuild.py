@@ -1,9 +1,10 @@
 """Compiling the CPU kernels' C sources on first use, once per machine.
 
-``load(source)`` compiles ``source`` with the system's C compiler (``$CC``, ``cc`` or
-``gcc``; ``-O3 -march=native -fopenmp``) into ``$LEYLINE_KERNEL_CACHE`` (default: a folder
-under the temp dir), keyed by the source, the compiler, the flags and the CPU's flags, and
-loads it. A concurrent build writes its own temp file and renames it into place. The
+``Library(source, declare)`` is one kernel's library: on first use it compiles ``source``
+with the system's C compiler (``$CC``, ``cc`` or ``gcc``; ``-O3 -march=native -fopenmp``)
+into ``$LEYLINE_KERNEL_CACHE`` (default: a folder under the temp dir), keyed by the source,
+the headers beside it (``vec.h``), the compiler, the flags and the CPU's flags, loads it and
+lets ``declare`` give its entry points their ctypes signatures. A concurrent build writes its own temp file and renames it into place. The
 OpenMP runtime the library links is the one torch already loaded (same soname), so they
 share one thread pool. What failed is returned, not raised: a kernel that did not build
 leaves its callers on their torch paths.
@@ -17,11 +18,36 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["load"]
+__all__ = ["Library", "load"]
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+
+
+class Library:
+    """A C source's library, built and loaded once per process, when first asked for."""
+
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
+        self.source, self._declare = source, declare
+        self._loaded: tuple[ctypes.CDLL | None, str | None] | None = None
+
+    def get(self) -> ctypes.CDLL | None:
+        """The loaded library, or None if it did not build (``error`` says why)."""
+        if self._loaded is None:
+            lib, error = load(self.source)
+            if lib is not None:
+                self._declare(lib)
+            self._loaded = (lib, error)
+        return self._loaded[0]
+
+    @property
+    def error(self) -> str | None:
+        """Why the library is not available (None if it is)."""
+        self.get()
+        assert self._loaded is not None
+        return self._loaded[1]
 
 
 def load(source: Path) -> tuple[ctypes.CDLL | None, str | None]:
@@ -39,7 +65,8 @@ def _build(source: Path) -> Path:
         raise FileNotFoundError("no C compiler (cc, gcc or $CC) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True)
     key = hashlib.sha256()
-    for part in (source.read_bytes(), version.stdout.encode(), " ".join(FLAGS).encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, version.stdout.encode(), " ".join(FLAGS).encode()):
         key.update(part)
     key.update(_cpu_flags().encode())
     root = Path(

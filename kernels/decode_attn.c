@@ -25,50 +25,15 @@
  * (always_inline + a switch), so the accumulators stay in registers.
  */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-typedef uint16_t h16v __attribute__((vector_size(32)));
+#include "vec.h"
 
-#define INLINE static inline __attribute__((always_inline))
 #define MAX_PARTS 2
 #define SCORE_BLOCK 128  /* rows per pass of the query groups (they stay in L2) */
 #define PV_BLOCK 64      /* rows per pass of the column chunks (they stay in L2) */
 #define PREFETCH_ROWS 16 /* software prefetch distance: with the hardware's alone, rows
                             streamed from memory leave these loops latency-bound */
-
-INLINE v16 ld(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-INLINE void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-/* pool rows are fp32 or bf16: element idx (BF is a compile-time constant where inlined into
-   an instance, a plain flag elsewhere) */
-INLINE const void *at(const void *base, int64_t idx, const int BF) {
-    return (const char *)base + idx * (BF ? 2 : 4);
-}
-
-INLINE v16 ld_kv(const void *base, int64_t idx, const int BF) {
-    if (!BF) return ld((const float *)base + idx);
-    h16v h;
-    memcpy(&h, (const uint16_t *)base + idx, sizeof h);
-    return (v16)(__builtin_convertvector(h, i16v) << 16); /* bf16 = the top half of fp32 */
-}
-
-INLINE float hsum(v16 a) {
-    v8 h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    return (q[0] + q[2]) + (q[1] + q[3]);
-}
 
 /* exp(x) for x <= 0: 2^k * P(r), x = k ln2 + r, |r| <= ln2 / 2, P of degree 6 (relative
    error below 3e-7); x below -87 gives exp(-87) (~1.6e-38: a weight that cannot count). */
@@ -101,7 +66,7 @@ INLINE void scores_g(const int G, const int BF, const float *restrict q, int64_t
         v16 acc[8];
         for (int i = 0; i < G; i++) acc[i] = (v16){0};
         for (int c = 0; c < d; c += 16) {
-            v16 kv = ld_kv(kr, c, BF);
+            v16 kv = ld_row(kr, c, BF);
             for (int i = 0; i < G; i++) acc[i] += ld(q + i * q_rs + c) * kv;
         }
         for (int i = 0; i < G; i++) {
@@ -153,7 +118,7 @@ INLINE void scores_q4(const int BF, const float *restrict q, int64_t q_rs,
         }
         for (int c = 0; c < d; c += 16)
             for (int r = 0; r < 4; r++) {
-                v16 kv = ld_kv(at(k, (j + r) * k_rs, BF), c, BF);
+                v16 kv = ld_row(at(k, (j + r) * k_rs, BF), c, BF);
                 for (int i = 0; i < 4; i++) acc[i * 4 + r] += ld(q + i * q_rs + c) * kv;
             }
         float z[16];
@@ -217,7 +182,7 @@ INLINE void pv_gc(const int G, const int C, const int BF, const float *restrict 
         for (int c = 0; c < prefetch; c += 16)
             __builtin_prefetch(at(vr, PREFETCH_ROWS * v_rs + c, BF));
         v16 vv[4];
-        for (int c = 0; c < C; c++) vv[c] = ld_kv(vr, 16 * c, BF);
+        for (int c = 0; c < C; c++) vv[c] = ld_row(vr, 16 * c, BF);
         for (int i = 0; i < G; i++) {
             float x = w[i * w_rs + (j - j0)];
             for (int c = 0; c < C; c++) acc[i][c] += x * vv[c];

@@ -34,7 +34,6 @@ from __future__ import annotations
 import ctypes
 from array import array
 from collections.abc import Sequence
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -66,7 +65,7 @@ def decode_attention(
     """Attention of each sequence's queries over its runs (shapes: module docstring). The C
     kernel; raises ValueError on inputs it does not take (``fits`` says beforehand)."""
     _check(qs, k_pools, v_pool, runs)
-    lib = _library()
+    lib = _LIB.get()
     if lib is None:
         raise RuntimeError(build_error())
     if not _fits(qs, k_pools, v_pool):
@@ -191,23 +190,15 @@ def _fits(
 # ------------------------------------------------------------------------------ building
 def available() -> bool:
     """Whether the C kernel is built and loaded on this machine."""
-    return _library() is not None
+    return _LIB.get() is not None
 
 
 def build_error() -> str | None:
     """Why the kernel is not available (None if it is)."""
-    _library()
-    return _ERROR[0]
+    return _LIB.error
 
 
-_ERROR: list[str | None] = [None]
-
-
-@cache
-def _library() -> ctypes.CDLL | None:
-    lib, _ERROR[0] = cbuild.load(_SOURCE)
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     i, i64, p, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.ll_decode.argtypes = [
         i, i, i, i, p, i,  # nseq, B, g, nparts, d, dv
@@ -218,4 +209,6 @@ def _library() -> ctypes.CDLL | None:
         i, f, i, i64, i,  # splits, scale, nthreads, parallel_min_rows, kv_bf16
     ]  # fmt: skip
     lib.ll_decode.restype = i
-    return lib
+
+
+_LIB = cbuild.Library(_SOURCE, _declare)

@@ -12,47 +12,19 @@
  * loaded) take contiguous ranges of output rows. Loops are written on 16-float GCC vector
  * types; M and the weight dtype are compile-time constants in each instance.
  */
-#include <stdint.h>
-#include <string.h>
+#include "vec.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-typedef uint16_t h16v __attribute__((vector_size(32)));
-
-#define INLINE static inline __attribute__((always_inline))
 #define NS 4            /* output rows read side by side (M x NS accumulators in registers) */
 #define PREFETCH 256    /* software prefetch distance in elements of a weight row */
 #define MAX_ROWS 4
 
-INLINE v16 ld(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* 16 weights at element idx of row w, widened to fp32 (bf16 = the top half of fp32) */
-INLINE v16 ld_w(const void *w, int64_t idx, const int BF) {
-    if (!BF) return ld((const float *)w + idx);
-    h16v h;
-    memcpy(&h, (const uint16_t *)w + idx, sizeof h);
-    return (v16)(__builtin_convertvector(h, i16v) << 16);
-}
-
+/* one element of a weight row, as fp32 */
 INLINE float w_at(const void *w, int64_t idx, const int BF) {
     if (!BF) return ((const float *)w)[idx];
     uint32_t u = (uint32_t)((const uint16_t *)w)[idx] << 16;
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
-}
-
-INLINE float hsum(v16 a) {
-    v8 h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
 /* output rows o[t] (t < S streams) for all M input rows */
@@ -63,14 +35,14 @@ INLINE void rows_g(const int M, const int S, const int BF, const float *restrict
     const void *wr[NS];
     v16 acc[NS][MAX_ROWS];
     for (int t = 0; t < S; t++) {
-        wr[t] = (const char *)w + o[t] * w_rs * (BF ? 2 : 4);
+        wr[t] = at(w, o[t] * w_rs, BF);
         for (int m = 0; m < M; m++) acc[t][m] = (v16){0};
     }
     int64_t c = 0;
     for (; c + 16 <= n; c += 16)
         for (int t = 0; t < S; t++) {
-            __builtin_prefetch((const char *)wr[t] + (c + PREFETCH) * (BF ? 2 : 4));
-            v16 wv = ld_w(wr[t], c, BF);
+            __builtin_prefetch(at(wr[t], c + PREFETCH, BF));
+            v16 wv = ld_row(wr[t], c, BF);
             for (int m = 0; m < M; m++) acc[t][m] += ld(x + m * x_rs + c) * wv;
         }
     for (int t = 0; t < S; t++)

@@ -25,7 +25,6 @@ why not; without it the engine keeps its oneDNN and MKL products.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -46,7 +45,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """``x @ w.T + bias`` by the C kernel (shapes: module docstring); raises ValueError
     naming the argument on inputs it does not take (``fits`` says beforehand)."""
     _check(x, w, bias)
-    lib = _library()
+    lib = _LIB.get()
     if lib is None:
         raise RuntimeError(build_error())
     if not _fits(x, w, bias):
@@ -82,13 +81,12 @@ def fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 def available() -> bool:
     """Whether the C kernel is built and loaded on this machine."""
-    return _library() is not None
+    return _LIB.get() is not None
 
 
 def build_error() -> str | None:
     """Why the kernel is not available (None if it is)."""
-    _library()
-    return _ERROR[0]
+    return _LIB.error
 
 
 # ------------------------------------------------------------------------------ launcher
@@ -111,14 +109,7 @@ def _fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return 0 < x.numel() <= MAX_ROWS * w.shape[1] and x.stride(-1) == 1
 
 
-_ERROR: list[str | None] = [None]
-
-
-@cache
-def _library() -> ctypes.CDLL | None:
-    lib, _ERROR[0] = cbuild.load(_SOURCE)
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     i, i64 = ctypes.c_int, ctypes.c_int64
     lib.ll_linear.argtypes = [
         i, i64, i64,  # M, n, out
@@ -127,4 +118,6 @@ def _library() -> ctypes.CDLL | None:
         i, i64,  # nthreads, parallel_min
     ]  # fmt: skip
     lib.ll_linear.restype = i
-    return lib
+
+
+_LIB = cbuild.Library(_SOURCE, _declare)

@@ -8,7 +8,8 @@ module's own fixture of the same name takes precedence.
 format's stop tokens (``leyline_agent.families``); ``server``: an ``Engine`` on it behind
 ``serve_in_thread``; ``client``: the real ``openai`` client on that server (no retries);
 ``name``: the served model name; ``ref_model``: transformers' own model (fp32, eval) of a
-module's ``arch`` fixture, the ground truth.
+module's ``arch`` fixture, the ground truth; ``threads``: the test run with 1 and with 2
+torch threads (the CPU kernels' tests).
 
 (Run with ``--import-mode=importlib``: there is no ``tests`` package, and nothing imports
 this module; debug-gym installs a top-level package named ``tests``.)
@@ -18,11 +19,20 @@ from __future__ import annotations
 
 import openai
 import pytest
+import torch
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.families import CHATML_HERMES
 from leyline_agent.reference.hf_reference import hf_model
 from leyline_agent.testing.server import serve_in_thread
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,15 @@ def test_outside_an_engine_forward_the_layer_is_transformers_own(engine):
             assert not torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
+def _decode_batch(runner, seqs):
+    """Each sequence's last token as one decode step over its prefilled prefix."""
+    batch = []
+    for ids in seqs:
+        slots = runner.prefill_into_slots([], ids[:-1]) + runner.allocator.alloc(1)
+        batch.append(StepInput([ids[-1]], slots))
+    return batch
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v2", "llama"])
 def test_a_batched_decode_on_packed_weights_equals_full_forwards(arch):
     eng = Engine.from_pretrained(tiny_model_dir(arch))
@@ -87,10 +96,7 @@ def test_a_batched_decode_on_packed_weights_equals_full_forwards(arch):
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, eng.vocab_size, (20 + 3 * k,), generator=g).tolist() for k in range(8)]
     r = eng.runner
-    batch = []
-    for ids in seqs:
-        slots = r.prefill_into_slots([], ids[:-1]) + r.allocator.alloc(1)
-        batch.append(StepInput([ids[-1]], slots))
+    batch = _decode_batch(r, seqs)
     out = r.run(batch)  # eight rows per linear: the packed path
     with torch.inference_mode():
         for k, ids in enumerate(seqs):
@@ -118,10 +124,7 @@ def test_a_bf16_decode_on_the_skinny_kernel_is_as_close_to_fp32_as_transformers(
     g = torch.Generator().manual_seed(7)
     seqs = [torch.randint(0, eng.vocab_size, (30 + 7 * k,), generator=g).tolist() for k in range(3)]
     r = eng.runner
-    batch = []
-    for ids in seqs:
-        slots = r.prefill_into_slots([], ids[:-1]) + r.allocator.alloc(1)
-        batch.append(StepInput([ids[-1]], slots))
+    batch = _decode_batch(r, seqs)
     for step in (batch[:1], batch):
         calls.clear()
         out = r.run(step)

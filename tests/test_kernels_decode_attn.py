@@ -39,14 +39,6 @@ def _runs(g: torch.Generator, slots: int, lengths: list[int], pieces: int):
     return out
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 def test_the_kernel_builds_here():
     assert decode_attn.available(), decode_attn.build_error()
 

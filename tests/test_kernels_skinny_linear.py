@@ -11,14 +11,6 @@ import torch
 from leyline_agent.kernels import skinny_linear as sl
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 def _truth(x, w, bias):
     y = x.double() @ w.double().T
     return y if bias is None else y + bias.double()
