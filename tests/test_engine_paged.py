@@ -122,6 +122,42 @@ def test_a_batch_gives_each_sequence_what_it_gets_alone(pair, path, monkeypatch)
         r.allocator.free(slots)
 
 
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("path", ["split", "masked"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_extend_over_rows_in_many_runs_equals_a_full_forward(arch, path, gathered, monkeypatch):
+    """GQA chunks after cached rows that lie in several runs, their own rows in several too
+    (other sequences allocate in between). ``split``: the CPU path that attends the cached
+    runs unmasked and its own rows causally, merged by log-sum-exp (``gathered``: past
+    ``_MAX_RUNS`` runs, one copy); ``masked``: one SDPA call with the chunk's mask (no CPU
+    flash kernel). Every later token's logits check the chunk's KV too."""
+    calls = []
+    real = attention._gqa_extend
+    monkeypatch.setattr(attention, "_gqa_extend", lambda *a: calls.append(1) or real(*a))
+    if path == "masked":
+        monkeypatch.setattr(attention, "_FLASH_CPU", None)
+    if gathered:
+        monkeypatch.setattr(attention, "_MAX_RUNS", 1)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch), dtype=torch.float32).eval()
+    r = Engine.from_pretrained(tiny_model_dir(arch)).runner
+    ids = _ids(21, 90, r.model.config.vocab_size)
+    truth = _truth(ref, ids)
+    slots, gaps = [], []
+    for at, n in ((0, 20), (20, 1), (21, 13), (34, 30), (64, 26)):  # prefill, then extends
+        new: list[int] = []
+        for _ in range(n):  # someone else's row after every third of ours
+            new += r.allocator.alloc(1)
+            if len(new) % 3 == 0:
+                gaps += r.allocator.alloc(1)
+        out = r.run([StepInput(ids[at : at + n], slots + new)])
+        slots += new
+        assert (out[0] - truth[at + n - 1]).abs().max() <= TOL, f"chunk at {at}"
+    assert len(slot_runs(torch.tensor(slots))) > 20
+    layers = r.model.config.num_hidden_layers  # split: the 13-, 30- and 26-token chunks
+    assert len(calls) == (3 * layers if path == "split" else 0)
+    r.allocator.free(slots + gaps)
+
+
 @pytest.mark.parametrize("path", ["fused", "blocked"])
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 def test_absorbed_mla_equals_transformers_attention_module(arch, path, monkeypatch):

@@ -5,7 +5,9 @@ Shapes (one packed forward of N new tokens, ``context.py``; H query heads):
 - GQA (Llama, Qwen3), through transformers' attention-function registry under the name
   ``leyline``: the module hands over post-RoPE ``query [1, H, N, d]``, ``key/value
   [1, KVH, N, d]``; they go to ``pool.keys/values[layer][:, slot_mapping]`` and each sequence
-  attends over ``pool[layer][:, kv_slots]`` (a view when its slots are one run).
+  attends over ``pool[layer][:, kv_slots]`` (a view when its slots are one run). On CPU a
+  chunk after cached rows attends those unmasked, run by run, and its own rows causally,
+  the parts merged by log-sum-exp (``_gqa_extend``): no ``[t, n]`` mask.
 - MLA (DeepSeek V2/V3), a replaced ``forward`` of each attention module: the module's own
   projections, norm and rotary function give ``q_nope [H, N, nope]``, ``q_pe [H, N, rope]``,
   ``c_kv [N, r]`` and post-RoPE ``k_pe [N, rope]``; the pool stores ``c_kv`` (keys) and
@@ -131,6 +133,9 @@ def _gqa_attention(
         if s.q_len == 1:  # decode: a kv head's query heads as its query rows (no broadcast)
             out[s.q_start] = _gqa_decode(q[0], _parts(pk, s, 1), _parts(pv, s, 1), scaling)
             continue
+        if s.num_cached and _FLASH_CPU is not None and q.device.type == "cpu":
+            out[s.q_start : s.q_start + s.q_len] = _gqa_extend(q, pk, pv, s, scaling)
+            continue
         k, v = _rows(pk, s, 1), _rows(pv, s, 1)
         o = F.scaled_dot_product_attention(
             q, k[None], v[None], attn_mask=_mask(s, q.device), scale=scaling,
@@ -191,6 +196,62 @@ def _gqa_decode(
     scores = torch.cat([torch.bmm(qf[0], k.transpose(1, 2)) for k in ks], dim=-1)
     p = torch.softmax(scores.float().mul_(scale), dim=-1).to(vs[0].dtype)
     return _sum_by_runs(p, vs).reshape(q.shape[0], -1)
+
+
+def _gqa_extend(
+    q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, s: SeqRows, scaling: float | None
+) -> torch.Tensor:
+    """A chunk of ``t`` new tokens after cached rows (CPU): ``q [1, H, t, d]`` -> ``[t, H, dv]``.
+    Every query sees every cached row, so those are attended with no mask, run by run (views
+    of the pool), a kv head's query heads folded into its query rows (nothing broadcast);
+    the chunk's own rows causally (a square: the flash kernel skips the blocks above the
+    diagonal). The parts are merged by their log-sum-exps: the softmax over all rows, exact.
+    Measured against one SDPA call with the ``[t, n]`` mask (mini llama shapes, 1 thread):
+    512 new tokens after 7680 cached 146 vs 204 ms, 2048 after 6144 603 vs 1002 ms, 16 after
+    4080 3.1 vs 3.8 ms; an 8k prefill in 512-token chunks (``ModelRunner.prefill``, eight
+    alternating pairs in one process) 542 vs 489 tokens/s."""
+    h, t, d = q.shape[1:]
+    kvh = pk.shape[0]
+    cached, own = _split_runs(s.kv_runs, s.num_cached)
+    if len(cached) > _MAX_RUNS:  # many runs: one gathered copy (as ``_parts``)
+        idx = s.kv_slots[: s.num_cached]
+        ks, vs = [pk.index_select(1, idx)], [pv.index_select(1, idx)]
+    else:
+        ks = [pk.narrow(1, first, n) for first, n in cached]
+        vs = [pv.narrow(1, first, n) for first, n in cached]
+    qf = q.reshape(1, kvh, (h // kvh) * t, d)
+    parts = []
+    for k, v in zip(ks, vs, strict=True):
+        o, lse = _FLASH_CPU(qf, k[None], v[None], scale=scaling)
+        parts.append((o.reshape(1, h, t, -1), lse.reshape(1, h, t)))
+    if len(own) == 1:
+        k, v = pk.narrow(1, own[0][0], t), pv.narrow(1, own[0][0], t)
+    else:
+        idx = s.kv_slots[s.num_cached :]
+        k, v = pk.index_select(1, idx), pv.index_select(1, idx)
+    parts.append(_FLASH_CPU(q, k[None], v[None], is_causal=True, scale=scaling))
+    share = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)  # [parts, 1, H, t]
+    o = (torch.stack([o for o, _ in parts]).float() * share[..., None]).sum(0)  # [1, H, t, dv]
+    return o[0].transpose(0, 1).to(q.dtype)
+
+
+def _split_runs(
+    runs: tuple[tuple[int, int], ...], n: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``runs`` cut after their first ``n`` rows: (the runs of those rows, the rest's)."""
+    head: list[tuple[int, int]] = []
+    tail: list[tuple[int, int]] = []
+    left = n
+    for first, length in runs:
+        if left >= length:
+            head.append((first, length))
+        elif left > 0:
+            head.append((first, left))
+            tail.append((first + left, length - left))
+        else:
+            tail.append((first, length))
+        left -= min(left, length)
+    return head, tail
 
 
 def _sum_by_runs(p: torch.Tensor, vs: list[torch.Tensor]) -> torch.Tensor:
