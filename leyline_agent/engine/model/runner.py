@@ -29,6 +29,11 @@ from leyline_agent.kernels import decode_attn, skinny_linear
 
 __all__ = ["ModelRunner", "StepInput", "slot_runs"]
 
+# The engine's attention takes its rows from the forward context, never from a mask. A 4-d
+# mask is what transformers' mask builders hand back as it is, so passing this one skips
+# building a mask per forward (which also scans ``position_ids`` for packed sequences).
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
 
 @dataclass(slots=True, frozen=True)
 class StepInput:
@@ -95,6 +100,7 @@ class ModelRunner:
             out = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
                 position_ids=torch.tensor([pos], dtype=torch.long, device=dev),
+                attention_mask=_NO_MASK,
                 use_cache=False,
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
             )
