@@ -18,8 +18,9 @@ figure (>= 80% is the goal on a GPU; the physical limit is memory bandwidth). Th
 is validated once (``plan_rotation``) and applied per layer (``apply_plan``), as a splice
 does on every layer; the last column adds the per-call validation of ``rotate_band``.
 
-On CPU the torch reference runs (the Triton kernel runs only interpreted there: far too slow
-to time). To fit memory and ~2 minutes, CPU defaults to ``--layer-buffers 1`` (the same pool
+On CPU the C kernel runs (``rotate_band_c.py``; ``LEYLINE_KERNEL=torch`` for the torch
+reference, which fp16 buffers take anyway; the Triton kernel runs only interpreted there:
+far too slow to time). To fit memory and ~2 minutes, CPU defaults to ``--layer-buffers 1`` (the same pool
 is rotated once per layer; at 256k rows a pool is 604 MB, far larger than any cache, so
 reuse does not flatter the numbers), ``--timed-layers 2`` (each layer is the same
 independent call, so per-layer figures do not depend on how many are timed), one timed pass

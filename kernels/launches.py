@@ -14,6 +14,7 @@ __all__ = ["LAUNCHES", "LaunchCounter"]
 class LaunchCounter:
     triton: int = 0
     torch: int = 0
+    c: int = 0
 
 
 LAUNCHES = LaunchCounter()

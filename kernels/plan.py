@@ -31,7 +31,7 @@ class RotationPlan:
     any_moved: bool
     gather_first: bool  # a destination row is read by another item: read all sources first
     band_offset: int
-    backend: str  # "triton" | "torch"
+    backend: str  # "triton" | "c" | "torch"
     max_row: int  # largest row index in src or dst (-1 when empty)
     uniform_delta: bool  # every item moves by the same delta (one directive)
     rotary_dim: int
@@ -106,16 +106,23 @@ def _as_delta(delta: object, k: int, device: torch.device) -> torch.Tensor:
 
 
 def resolve_backend(device: torch.device, backend: str | None) -> str:
-    """``backend`` argument, else ``$LEYLINE_KERNEL``, else triton on CUDA and torch on CPU."""
+    """``backend`` argument, else ``$LEYLINE_KERNEL``, else triton on CUDA and, on CPU, the C
+    kernel where it built (torch where not)."""
     if backend is None:
         backend = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
         where = f"${KERNEL_ENV}"
     else:
         where = "backend"
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"{where}={backend!r} must be 'triton', 'torch' or 'auto'")
+    if backend not in ("auto", "triton", "c", "torch"):
+        raise ValueError(f"{where}={backend!r} must be 'triton', 'c', 'torch' or 'auto'")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        from leyline_agent.kernels import rotate_band_c
+
+        return "c" if rotate_band_c.available() else "torch"
+    if backend == "c" and device.type != "cpu":
+        raise ValueError(f"{where}='c' runs on CPU buffers only, this one is on {device}")
     return backend
 
 

@@ -14,8 +14,10 @@ when equal the rotation is in place and the non-band bytes are not written. All 
 read before any destination is written (overlapping src/dst sets are safe).
 
 Backends: the Triton kernel (``rotate_band_triton.py``; on CPU tensors it runs under the
-Triton interpreter) and the torch reference below. Default: Triton for CUDA buffers, torch
-for CPU buffers; ``$LEYLINE_KERNEL=triton|torch`` or the ``backend=`` argument overrides.
+Triton interpreter), a C kernel for CPU buffers (``rotate_band_c.py``: fp32 and bf16, plans
+that need no gathering first; the rest go to the reference) and the torch reference below.
+Default: Triton for CUDA buffers, C for CPU buffers where it built, else torch;
+``$LEYLINE_KERNEL=triton|c|torch`` or the ``backend=`` argument overrides.
 
 Precision: ``delta * inv_freq`` is formed in fp64, where it is exact for |delta| < 2**29
 (inv_freq has 24 significant bits), and reduced modulo 2π before the fp32 cos/sin. In plain
@@ -72,8 +74,14 @@ def _run(buffer: torch.Tensor, plan: RotationPlan, spec: RopeSpec) -> None:
         from leyline_agent.kernels.rotate_band_triton import rotate_band_triton
 
         rotate_band_triton(buffer, plan, spec)
-    else:
-        rotate_band_torch(buffer, plan, spec)
+        return
+    if plan.backend == "c":
+        from leyline_agent.kernels import rotate_band_c
+
+        if rotate_band_c.fits(buffer, plan):
+            rotate_band_c.rotate_band_c(buffer, plan, spec)
+            return
+    rotate_band_torch(buffer, plan, spec)
 
 
 def rotation_cos_sin(delta: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -176,7 +176,7 @@ def _pairs():
     return [(i, d) for i in POSITIONS for d in DELTAS if i + d >= 0]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "c"])
 @pytest.mark.parametrize("mode", ["in_place", "copy", "overlap"])
 def test_delta_rotation_is_exact(case: Case, backend: str, mode: str):
     emb = case.rotary_cls(case.config)
@@ -215,7 +215,7 @@ def test_delta_rotation_is_exact(case: Case, backend: str, mode: str):
         assert torch.equal(buffer[0, :, :n], before[0, :, :n])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "c"])
 def test_sglang_mla_pool_row(backend: str):
     """SGLang's MLA pool row [latent | k_pe], interleaved, band at kv_lora_rank, strided view."""
     config = deepseek_v3_interleaved_yarn()
@@ -240,7 +240,7 @@ def test_sglang_mla_pool_row(backend: str):
     assert torch.equal(pool[: n + 1], before[: n + 1])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "c"])
 def test_large_delta_keeps_fp64_angle_accuracy(backend: str):
     """|Δ| ~ 1e5..1e6: an fp32 angle would be off by up to ~3e-2 rad; ours stays exact."""
     case = CASES[3]  # llama3: inv_freq[0] = 1, the worst case for angle rounding

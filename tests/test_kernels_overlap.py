@@ -51,7 +51,7 @@ def _check(call, backend: str) -> None:
     assert torch.equal(buf[:, untouched], before[:, untouched])
 
 
-@pytest.mark.parametrize("backend,examples", [("torch", 60), ("triton", 15)])
+@pytest.mark.parametrize("backend,examples", [("torch", 60), ("triton", 15), ("c", 60)])
 def test_random_calls_match_row_by_row_oracle(backend, examples):
     @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(calls())

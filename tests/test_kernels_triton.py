@@ -122,23 +122,24 @@ def test_empty_index_is_a_no_op():
     spec = _spec(4, "half")
     buf = torch.rand(5, 16)
     before = buf.clone()
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "c"):
         rotate_band(buf, [], [], 3, spec, backend=backend)
     assert torch.equal(buf, before)
 
 
-@pytest.mark.parametrize("env", ["triton", "torch"])
+@pytest.mark.parametrize("env", ["triton", "torch", "c", ""])
 def test_env_selects_backend(monkeypatch, env):
-    """$LEYLINE_KERNEL picks the backend; LAUNCHES counts real kernel launches / reference runs."""
+    """$LEYLINE_KERNEL picks the backend (unset: the C kernel on CPU, where it built);
+    LAUNCHES counts real kernel launches / reference runs."""
     monkeypatch.setenv("LEYLINE_KERNEL", env)
     spec = _spec(4, "interleaved")
     buf = torch.rand(2, 12, 8)
     expect = buf.clone()
     rotate_band(expect, [0, 5], [0, 7], 11, spec, backend="torch")
-    before = (LAUNCHES.triton, LAUNCHES.torch)
+    before = (LAUNCHES.triton, LAUNCHES.c, LAUNCHES.torch)
     rotate_band(buf, [0, 5], [0, 7], 11, spec)
-    ran = (LAUNCHES.triton - before[0], LAUNCHES.torch - before[1])
-    assert ran == ((1, 0) if env == "triton" else (0, 1))
+    ran = (LAUNCHES.triton - before[0], LAUNCHES.c - before[1], LAUNCHES.torch - before[2])
+    assert ran == {"triton": (1, 0, 0), "torch": (0, 0, 1)}.get(env, (0, 1, 0))
     assert (buf - expect).abs().max().item() <= 1e-6
 
 

@@ -47,7 +47,7 @@ BAD_ARGS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "c"])
 @pytest.mark.parametrize("name,overrides,exc,words", BAD_ARGS, ids=[b[0] for b in BAD_ARGS])
 def test_bad_argument_leaves_buffer_unchanged(name, overrides, exc, words, backend):
     buf = _buffer()
