@@ -106,8 +106,9 @@ def _as_delta(delta: object, k: int, device: torch.device) -> torch.Tensor:
 
 
 def resolve_backend(device: torch.device, backend: str | None) -> str:
-    """``backend`` argument, else ``$LEYLINE_KERNEL``, else triton on CUDA and, on CPU, the C
-    kernel where it built (torch where not)."""
+    """``backend`` argument, else ``$LEYLINE_KERNEL``, else triton on CUDA and the C kernel on
+    CPU (which hands a plan to the torch reference where it did not build or does not take
+    it: ``rotate_band_c.fits``)."""
     if backend is None:
         backend = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
         where = f"${KERNEL_ENV}"
@@ -116,11 +117,7 @@ def resolve_backend(device: torch.device, backend: str | None) -> str:
     if backend not in ("auto", "triton", "c", "torch"):
         raise ValueError(f"{where}={backend!r} must be 'triton', 'c', 'torch' or 'auto'")
     if backend == "auto":
-        if device.type == "cuda":
-            return "triton"
-        from leyline_agent.kernels import rotate_band_c
-
-        return "c" if rotate_band_c.available() else "torch"
+        return "triton" if device.type == "cuda" else "c"
     if backend == "c" and device.type != "cpu":
         raise ValueError(f"{where}='c' runs on CPU buffers only, this one is on {device}")
     return backend

@@ -54,6 +54,7 @@ from leyline_agent.families import FAMILIES, family, is_mla
 Layout = Literal["interleaved", "half"]
 CacheOwner = Literal["transformers", "sglang"]
 
+
 def _is_fp32(x: float) -> bool:
     return math.isfinite(x) and struct.unpack("f", struct.pack("f", x))[0] == x
 
@@ -179,3 +180,15 @@ def band_offset_for(config: Any, cache_owner: CacheOwner = "transformers") -> in
     if cache_owner == "sglang" and is_mla(getattr(config, "model_type", None)):
         return int(config.kv_lora_rank)
     return 0
+
+
+def rotation_cos_sin(delta: Any, spec: RopeSpec) -> tuple[Any, Any]:
+    """fp32 ``cos, sin`` of ``delta[k] * inv_freq[j]``, shape ``[K, rotary_dim // 2]``.
+
+    The angle is formed and its cos/sin taken in fp64 (exact product, accurate reduction).
+    """
+    import torch
+
+    inv_freq = spec.inv_freq_tensor(delta.device).to(torch.float64)
+    angle = delta.to(torch.float64)[:, None] * inv_freq[None, :]
+    return angle.cos().to(torch.float32), angle.sin().to(torch.float32)

@@ -33,7 +33,7 @@ import torch
 
 from leyline_agent.kernels.launches import LAUNCHES
 from leyline_agent.kernels.plan import RotationPlan, check_plan_fits, plan_rotation
-from leyline_agent.kernels.rope_spec import RopeSpec
+from leyline_agent.kernels.rope_spec import RopeSpec, rotation_cos_sin
 
 
 def rotate_band(
@@ -82,16 +82,6 @@ def _run(buffer: torch.Tensor, plan: RotationPlan, spec: RopeSpec) -> None:
             rotate_band_c.rotate_band_c(buffer, plan, spec)
             return
     rotate_band_torch(buffer, plan, spec)
-
-
-def rotation_cos_sin(delta: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``cos, sin`` of ``delta[k] * inv_freq[j]``, shape ``[K, rotary_dim // 2]``.
-
-    The angle is formed and its cos/sin taken in fp64 (exact product, accurate reduction).
-    """
-    inv_freq = spec.inv_freq_tensor(delta.device).to(torch.float64)
-    angle = delta.to(torch.float64)[:, None] * inv_freq[None, :]
-    return angle.cos().to(torch.float32), angle.sin().to(torch.float32)
 
 
 def pair_views(band: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:

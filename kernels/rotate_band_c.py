@@ -22,7 +22,7 @@ import torch
 from leyline_agent.kernels import cbuild
 from leyline_agent.kernels.launches import LAUNCHES
 from leyline_agent.kernels.plan import RotationPlan
-from leyline_agent.kernels.rope_spec import RopeSpec
+from leyline_agent.kernels.rope_spec import RopeSpec, rotation_cos_sin
 
 __all__ = ["available", "build_error", "fits", "rotate_band_c"]
 
@@ -44,8 +44,6 @@ def fits(buffer: torch.Tensor, plan: RotationPlan) -> bool:
 def rotate_band_c(buffer: torch.Tensor, plan: RotationPlan, spec: RopeSpec) -> None:
     """Run ``plan`` (from ``plan_rotation``, checked against ``buffer``) with the C kernel.
     MUTATES ``buffer``; ValueError (before any write) for a plan it does not take."""
-    from leyline_agent.kernels.rotate_band import rotation_cos_sin
-
     if not fits(buffer, plan):
         raise ValueError(
             "rotate_band_c: plan or buffer the kernel does not take "
