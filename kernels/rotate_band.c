@@ -16,76 +16,50 @@
  * Threads (OpenMP, the runtime torch loaded) take ranges of (lead, item) pairs.
  */
 #pragma GCC optimize("fp-contract=off")
-#include <stdint.h>
-#include <string.h>
+#include "vec.h"
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+/* element idx of base <- f (bf16: rounded to nearest even, as torch does) */
+INLINE void st1(void *base, int64_t idx, float f, const int BF) {
+    if (!BF) {
+        ((float *)base)[idx] = f;
+        return;
+    }
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    ((uint16_t *)base)[idx] = (u & 0x7fffffffu) > 0x7f800000u /* NaN */
+                                  ? 0x7fc0
+                                  : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* pair j of a band: the two element indices (from the band's start) */
-static inline void pair(int64_t j, int64_t half, int inter, int64_t *ia, int64_t *ib) {
+INLINE void pair(int64_t j, int64_t half, int inter, int64_t *ia, int64_t *ib) {
     *ia = inter ? 2 * j : j;
     *ib = inter ? 2 * j + 1 : half + j;
 }
 
-static void row_f32(float *restrict buf, int64_t s, int64_t d, int moved, int64_t width,
-                    int64_t lo, int64_t half, int inter, const float *c, const float *sn) {
-    const float *sb = buf + s + lo;
-    float *db = buf + d + lo;
+/* one item on one lead: source row at element s, destination row at d */
+INLINE void row_g(const int BF, void *restrict buf, int64_t s, int64_t d, int moved,
+                  int64_t width, int64_t lo, int64_t half, int inter, const float *c,
+                  const float *sn) {
     float a[half], b[half]; /* read the band before writing (in place: s == d) */
     for (int64_t j = 0; j < half; j++) {
         int64_t ia, ib;
         pair(j, half, inter, &ia, &ib);
-        a[j] = sb[ia];
-        b[j] = sb[ib];
+        a[j] = ld1(buf, s + lo + ia, BF);
+        b[j] = ld1(buf, s + lo + ib, BF);
     }
     if (moved) {
-        memcpy(buf + d, buf + s, (size_t)lo * sizeof(float));
+        size_t es = BF ? 2 : 4;
         int64_t hi = lo + 2 * half;
-        memcpy(buf + d + hi, buf + s + hi, (size_t)(width - hi) * sizeof(float));
+        memcpy((void *)at(buf, d, BF), at(buf, s, BF), (size_t)lo * es);
+        memcpy((void *)at(buf, d + hi, BF), at(buf, s + hi, BF), (size_t)(width - hi) * es);
     }
     for (int64_t j = 0; j < half; j++) {
         int64_t ia, ib;
         pair(j, half, inter, &ia, &ib);
         float ac = a[j] * c[j], bs = b[j] * sn[j], bc = b[j] * c[j], as = a[j] * sn[j];
-        db[ia] = ac - bs;
-        db[ib] = bc + as;
-    }
-}
-
-static void row_bf16(uint16_t *restrict buf, int64_t s, int64_t d, int moved, int64_t width,
-                     int64_t lo, int64_t half, int inter, const float *c, const float *sn) {
-    const uint16_t *sb = buf + s + lo;
-    uint16_t *db = buf + d + lo;
-    float a[half], b[half];
-    for (int64_t j = 0; j < half; j++) {
-        int64_t ia, ib;
-        pair(j, half, inter, &ia, &ib);
-        a[j] = bf16_to_f32(sb[ia]);
-        b[j] = bf16_to_f32(sb[ib]);
-    }
-    if (moved) {
-        memcpy(buf + d, buf + s, (size_t)lo * sizeof(uint16_t));
-        int64_t hi = lo + 2 * half;
-        memcpy(buf + d + hi, buf + s + hi, (size_t)(width - hi) * sizeof(uint16_t));
-    }
-    for (int64_t j = 0; j < half; j++) {
-        int64_t ia, ib;
-        pair(j, half, inter, &ia, &ib);
-        float ac = a[j] * c[j], bs = b[j] * sn[j], bc = b[j] * c[j], as = a[j] * sn[j];
-        db[ia] = f32_to_bf16(ac - bs);
-        db[ib] = f32_to_bf16(bc + as);
+        st1(buf, d + lo + ia, ac - bs, BF);
+        st1(buf, d + lo + ib, bc + as, BF);
     }
 }
 
@@ -103,10 +77,11 @@ int ll_rotate(int64_t buf_ptr, int bf16, int64_t nlead, const int64_t *lead, int
         int64_t l = t / K, k = t % K;
         int64_t s = lead[l] + src[k] * row_stride, d = lead[l] + dst[k] * row_stride;
         const float *c = cos + k * cs_rs, *sn = sin + k * cs_rs;
+        void *buf = (void *)(intptr_t)buf_ptr;
         if (bf16)
-            row_bf16((uint16_t *)(intptr_t)buf_ptr, s, d, moved[k], width, lo, half, inter, c, sn);
+            row_g(1, buf, s, d, moved[k], width, lo, half, inter, c, sn);
         else
-            row_f32((float *)(intptr_t)buf_ptr, s, d, moved[k], width, lo, half, inter, c, sn);
+            row_g(0, buf, s, d, moved[k], width, lo, half, inter, c, sn);
     }
     return 0;
 }

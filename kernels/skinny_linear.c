@@ -18,15 +18,6 @@
 #define PREFETCH 256    /* software prefetch distance in elements of a weight row */
 #define MAX_ROWS 4
 
-/* one element of a weight row, as fp32 */
-INLINE float w_at(const void *w, int64_t idx, const int BF) {
-    if (!BF) return ((const float *)w)[idx];
-    uint32_t u = (uint32_t)((const uint16_t *)w)[idx] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* output rows o[t] (t < S streams) for all M input rows */
 INLINE void rows_g(const int M, const int S, const int BF, const float *restrict x,
                    int64_t x_rs, const void *restrict w, int64_t w_rs, int64_t n,
@@ -48,7 +39,7 @@ INLINE void rows_g(const int M, const int S, const int BF, const float *restrict
     for (int t = 0; t < S; t++)
         for (int m = 0; m < M; m++) {
             float s = hsum(acc[t][m]);
-            for (int64_t k = c; k < n; k++) s += x[m * x_rs + k] * w_at(wr[t], k, BF);
+            for (int64_t k = c; k < n; k++) s += x[m * x_rs + k] * ld1(wr[t], k, BF);
             y[m * y_rs + o[t]] = bias ? s + bias[o[t]] : s;
         }
 }

@@ -1,6 +1,7 @@
-/* What the CPU kernels (decode_attn.c, skinny_linear.c) share: 16-float vectors (GCC vector
- * extensions: AVX-512 where -march=native has it, AVX2 pairs otherwise) and reading fp32 or
- * bf16 rows into them. cbuild.py keys a kernel's build on this file too. */
+/* What the CPU kernels (decode_attn.c, skinny_linear.c, rotate_band.c) share: 16-float
+ * vectors (GCC vector extensions: AVX-512 where -march=native has it, AVX2 pairs otherwise)
+ * and reading fp32 or bf16 rows and elements into them. cbuild.py keys a kernel's build on
+ * this file too. */
 #ifndef LEYLINE_VEC_H
 #define LEYLINE_VEC_H
 
@@ -35,6 +36,15 @@ INLINE v16 ld_row(const void *base, int64_t idx, const int BF) {
     h16v h;
     memcpy(&h, (const uint16_t *)base + idx, sizeof h);
     return (v16)(__builtin_convertvector(h, i16v) << 16);
+}
+
+/* element idx of base, widened to fp32 */
+INLINE float ld1(const void *base, int64_t idx, const int BF) {
+    if (!BF) return ((const float *)base)[idx];
+    uint32_t u = (uint32_t)((const uint16_t *)base)[idx] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 INLINE float hsum(v16 a) {

@@ -71,6 +71,7 @@ _FUSED_MAX_ROWS = 1 << 15
 # Decode reads a sequence's rows run by run (views). The engine keeps runs few (decode rows
 # are reserved in blocks, ``stepper.py``); past this many, one gathered copy is cheaper.
 _MAX_RUNS = 16
+Runs = tuple[tuple[int, int], ...]  # (first slot, length) runs of consecutive pool rows
 # CPU flash attention with each query row's log-sum-exp (torch's own kernel behind SDPA)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Every decoding sequence of a forward (one new token each) in one call per layer of
@@ -189,9 +190,7 @@ def _gqa_decode(
         parts = [
             _FLASH_CPU(qf, k[None], v[None], scale=scaling) for k, v in zip(ks, vs, strict=True)
         ]
-        share = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)  # [runs, 1, KVH, g]
-        outs = torch.stack([o for o, _ in parts]).float()  # [runs, 1, KVH, g, d]
-        return (outs * share[..., None]).sum(0).to(q.dtype).reshape(q.shape[0], -1)
+        return _merge_by_lse(parts).to(q.dtype).reshape(q.shape[0], -1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     scores = torch.cat([torch.bmm(qf[0], k.transpose(1, 2)) for k in ks], dim=-1)
     p = torch.softmax(scores.float().mul_(scale), dim=-1).to(vs[0].dtype)
@@ -211,33 +210,27 @@ def _gqa_extend(
     4080 3.1 vs 3.8 ms; an 8k prefill in 512-token chunks (``ModelRunner.prefill``, eight
     alternating pairs in one process) 542 vs 489 tokens/s."""
     h, t, d = q.shape[1:]
-    kvh = pk.shape[0]
-    cached, own = _split_runs(s.kv_runs, s.num_cached)
-    if len(cached) > _MAX_RUNS:  # many runs: one gathered copy (as ``_parts``)
-        idx = s.kv_slots[: s.num_cached]
-        ks, vs = [pk.index_select(1, idx)], [pv.index_select(1, idx)]
-    else:
-        ks = [pk.narrow(1, first, n) for first, n in cached]
-        vs = [pv.narrow(1, first, n) for first, n in cached]
+    kvh, c = pk.shape[0], s.num_cached
+    cached, own = _split_runs(s.kv_runs, c)
     qf = q.reshape(1, kvh, (h // kvh) * t, d)
+    ks, vs = (_views(x, cached, s.kv_slots[:c], 1) for x in (pk, pv))
     parts = []
     for k, v in zip(ks, vs, strict=True):
         o, lse = _FLASH_CPU(qf, k[None], v[None], scale=scaling)
         parts.append((o.reshape(1, h, t, -1), lse.reshape(1, h, t)))
-    if len(own) == 1:
-        k, v = pk.narrow(1, own[0][0], t), pv.narrow(1, own[0][0], t)
-    else:
-        idx = s.kv_slots[s.num_cached :]
-        k, v = pk.index_select(1, idx), pv.index_select(1, idx)
+    k, v = (_one(x, own, s.kv_slots[c:], 1) for x in (pk, pv))
     parts.append(_FLASH_CPU(q, k[None], v[None], is_causal=True, scale=scaling))
-    share = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)  # [parts, 1, H, t]
-    o = (torch.stack([o for o, _ in parts]).float() * share[..., None]).sum(0)  # [1, H, t, dv]
-    return o[0].transpose(0, 1).to(q.dtype)
+    return _merge_by_lse(parts)[0].transpose(0, 1).to(q.dtype)  # [t, H, dv]
 
 
-def _split_runs(
-    runs: tuple[tuple[int, int], ...], n: int
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def _merge_by_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention outputs over disjoint sets of rows (``o [..., d]``, log-sum-exp ``[...]``)
+    as the attention over all of them, in fp32: each weighted by its share of the total."""
+    share = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)
+    return (torch.stack([o for o, _ in parts]).float() * share[..., None]).sum(0)
+
+
+def _split_runs(runs: Runs, n: int) -> tuple[Runs, Runs]:
     """``runs`` cut after their first ``n`` rows: (the runs of those rows, the rest's)."""
     head: list[tuple[int, int]] = []
     tail: list[tuple[int, int]] = []
@@ -251,7 +244,7 @@ def _split_runs(
         else:
             tail.append((first, length))
         left -= min(left, length)
-    return head, tail
+    return tuple(head), tuple(tail)
 
 
 def _sum_by_runs(p: torch.Tensor, vs: list[torch.Tensor]) -> torch.Tensor:
@@ -465,17 +458,28 @@ def mla_expanded(
 def _rows(t: torch.Tensor, s: SeqRows, dim: int) -> torch.Tensor:
     """The sequence's rows of a pool tensor along ``dim`` as one tensor (a view for one run,
     else a gathered copy: extends and prefills, whose compute dwarfs the copy)."""
-    if len(s.kv_runs) == 1:
-        return t.narrow(dim, s.kv_runs[0][0], s.kv_len)
-    return t.index_select(dim, s.kv_slots)
+    return _one(t, s.kv_runs, s.kv_slots, dim)
 
 
 def _parts(t: torch.Tensor, s: SeqRows, dim: int) -> list[torch.Tensor]:
     """The sequence's rows as views of the pool, one per run (gathered into one copy only
     past ``_MAX_RUNS`` runs, where a Python loop per run would cost more than the copy)."""
-    if len(s.kv_runs) > _MAX_RUNS:
-        return [t.index_select(dim, s.kv_slots)]
-    return [t.narrow(dim, first, n) for first, n in s.kv_runs]
+    return _views(t, s.kv_runs, s.kv_slots, dim)
+
+
+def _one(t: torch.Tensor, runs: Runs, slots: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rows ``slots`` (= ``runs``) of ``t`` along ``dim``: a view for one run, else a copy."""
+    if len(runs) == 1:
+        return t.narrow(dim, runs[0][0], runs[0][1])
+    return t.index_select(dim, slots)
+
+
+def _views(t: torch.Tensor, runs: Runs, slots: torch.Tensor, dim: int) -> list[torch.Tensor]:
+    """Rows ``slots`` (= ``runs``) of ``t`` along ``dim``: one view per run, or one gathered
+    copy past ``_MAX_RUNS`` runs."""
+    if len(runs) > _MAX_RUNS:
+        return [t.index_select(dim, slots)]
+    return [t.narrow(dim, first, n) for first, n in runs]
 
 
 def _allowed(t: int, n: int, device: torch.device) -> torch.Tensor:
