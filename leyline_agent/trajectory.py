@@ -34,6 +34,8 @@ __all__ = [
     "Trajectory",
     "apply_edit",
     "apply_edits",
+    "call_ids",
+    "edited_in_place",
     "estimate_tokens",
     "message_text",
 ]
@@ -58,6 +60,32 @@ def message_text(message: Mapping[str, Any]) -> str:
     if isinstance(content, str):
         return content
     return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+
+
+def call_ids(message: Mapping[str, Any]) -> list[Any]:
+    """The ids of a message's tool calls, in order (``[]`` without calls)."""
+    return [c.get("id") for c in message.get("tool_calls") or []]
+
+
+def edited_in_place(old: Mapping[str, Any], new: Mapping[str, Any], *, user: bool = False) -> bool:
+    """``new`` is ``old`` with its content (or its calls' arguments) changed, not another
+    message: a tool result answering the same call, an assistant turn with the same calls,
+    or (``user``: the caller has proof that the sender holds this conversation) a user
+    message. The server's conversation matching and the agent-side session both decide
+    with this one rule, so a session the client keeps is one the server can match."""
+    if old.get("role") != new.get("role"):
+        return False
+    if old["role"] == "user":
+        return user
+    if old["role"] == "tool":
+        return bool(old.get("tool_call_id")) and old.get("tool_call_id") == new.get("tool_call_id")
+    if old["role"] == "assistant":
+        ids = call_ids(old)
+        if not ids or None in ids or ids != call_ids(new):
+            return False
+        names = [c["function"]["name"] for c in old["tool_calls"]]
+        return names == [c["function"]["name"] for c in new["tool_calls"]]
+    return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from leyline_agent.trajectory import message_text
+from leyline_agent.trajectory import call_ids, edited_in_place, message_text
 
 __all__ = [
     "CONVERSATION_PREFIX",
@@ -51,29 +51,6 @@ DEFAULT_CONVERSATIONS = 4096
 _clock = itertools.count(1)
 
 
-def _call_ids(m: Mapping[str, Any]) -> list[Any]:
-    return [c.get("id") for c in m.get("tool_calls") or []]
-
-
-def edited_in_place(old: Mapping[str, Any], new: Mapping[str, Any], *, user: bool = False) -> bool:
-    """``new`` is ``old`` with its content (or its calls' arguments) changed, not another
-    message: a tool result answering the same call, an assistant turn with the same calls,
-    or (``user``: the caller has proof, see the module doc) a user message."""
-    if old.get("role") != new.get("role"):
-        return False
-    if old["role"] == "user":
-        return user
-    if old["role"] == "tool":
-        return bool(old.get("tool_call_id")) and old.get("tool_call_id") == new.get("tool_call_id")
-    if old["role"] == "assistant":
-        ids = _call_ids(old)
-        if not ids or None in ids or ids != _call_ids(new):
-            return False
-        names = [c["function"]["name"] for c in old["tool_calls"]]
-        return names == [c["function"]["name"] for c in new["tool_calls"]]
-    return False
-
-
 def _echo(reply: Mapping[str, Any], echo: Mapping[str, Any]) -> str | None:
     """How ``echo`` shows it is the client's copy of a reply the server produced: ``"ids"``
     (the reply's call ids, in the echo's ``tool_calls`` or quoted in its text), ``"text"``
@@ -81,9 +58,9 @@ def _echo(reply: Mapping[str, Any], echo: Mapping[str, Any]) -> str | None:
     tool calls of its own, a framework driving tools from the model's text), or ``None``."""
     if echo.get("role") != "assistant":
         return None
-    ids = _call_ids(reply)
+    ids = call_ids(reply)
     if ids:
-        if ids == _call_ids(echo):
+        if ids == call_ids(echo):
             return "ids"
         quoted = message_text(echo)
         return "ids" if all(isinstance(i, str) and i in quoted for i in ids) else None
