@@ -95,7 +95,8 @@ class DirectivesResponse(BaseModel):
 
 
 class StatsResponse(BaseModel):
-    """``GET /leyline/v1/stats``: cumulative counters of one serving process."""
+    """``GET /leyline/v1/stats``: cumulative counters of one serving process (of one tenant,
+    where the serving side keeps them per tenant: every counter is the tenant's own)."""
 
     model_config = _FROZEN
 
@@ -110,7 +111,12 @@ class StatsResponse(BaseModel):
     directive_errors: int = 0
     cache_tokens: int = 0
     cache_capacity_tokens: int = 0
-    evicted_tokens: int = 0
+    cache_share_tokens: int | None = Field(
+        default=None,
+        description="rows a tenant may hold before its own rows are evicted first "
+        "(leyline serve --tenant-cache-share); none: no shares",
+    )
+    evicted_tokens: int = Field(default=0, description="rows of this tenant's evicted")
     pinned_tokens: int = Field(default=0, description="splice results held for their session")
     pin_evictions: int = Field(
         default=0, description="splice results evicted before their session's next request"
@@ -135,6 +141,8 @@ class Counters:
     rotated_tokens: int = 0
     fallbacks: int = 0
     directive_errors: int = 0
+    evicted_tokens: int = 0  # this tenant's rows evicted (whoever's request pushed them out)
+    pin_evictions: int = 0  # this tenant's splice results lost before their session came back
 
     def count_generation(self, prompt_tokens: int, cached_tokens: int, generated: int) -> None:
         """One finished generation request."""

@@ -8,7 +8,11 @@ Engine facade. Thread-safe: concurrent ``generate`` calls share batched steps
   ``prompt + output`` (the last output token is forwarded once more so the whole sequence,
   which the agent's next turn repeats, is in the cache).
 - ``apply_directives``: execute a token-form or message-form request (``executor.py``).
-- ``stats``: cumulative counters per tenant (``wire.Counters``; ``StatsResponse`` on the wire).
+- ``stats``: cumulative counters per tenant (``wire.Counters``; ``StatsResponse`` on the wire),
+  evicted rows and lost splice results included, each counted for the tenant whose rows
+  they were.
+- ``stop_generations``: make every generation fail at its next token (a server's shutdown
+  deadline). After a generation, freed memory is handed back to the OS (``memory.py``).
 """
 
 from __future__ import annotations
@@ -29,19 +33,24 @@ from leyline_agent.engine.cache.kv_pool import KVLayout, KVPool
 from leyline_agent.engine.cache.prefix_cache import PrefixCache
 from leyline_agent.engine.detokenizer import Detokenizer
 from leyline_agent.engine.executor import apply_request
+from leyline_agent.engine.memory import MemoryTrimmer
 from leyline_agent.engine.model.loader import load
 from leyline_agent.engine.model.runner import ModelRunner
 from leyline_agent.engine.params import GenerationResult, SamplingParams
 from leyline_agent.engine.sampler import Sampler
 from leyline_agent.engine.stepper import Stepper
-from leyline_agent.errors import InvalidRequestError
+from leyline_agent.errors import InvalidRequestError, RuntimeUnavailableError
 from leyline_agent.families import chat_format, token_id
 from leyline_agent.namespaces import ANONYMOUS, DEFAULT_TENANT, Namespace
 from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse, StatsResponse
 
-__all__ = ["Engine", "GenerationResult", "SamplingParams"]
+__all__ = ["Engine", "GenerationResult", "GenerationStopped", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
+
+
+class GenerationStopped(RuntimeUnavailableError):
+    """A generation ended by ``Engine.stop_generations`` (the server is shutting down)."""
 
 
 class Engine:
@@ -59,6 +68,7 @@ class Engine:
         prefix_cache: bool = True,
         pin_ttl_s: float = 300.0,
         packed_linears: bool = True,
+        tenant_cache_share: float | None = None,
     ) -> None:
         from leyline_agent.kernels import RopeSpec
 
@@ -75,14 +85,18 @@ class Engine:
         cap = min(cache_budget_tokens + 1024, 8192)
         self.pool = KVPool(self.layout, self.rope_spec, self.dtype, self.device, capacity=cap)
         self.allocator = SlotAllocator(cap, grow=self.pool.grow)
-        self.cache = PrefixCache(
-            self.allocator, cache_budget_tokens, enabled=prefix_cache, pin_ttl_s=pin_ttl_s
-        )
+        try:
+            self.cache = PrefixCache(
+                self.allocator, cache_budget_tokens, enabled=prefix_cache, pin_ttl_s=pin_ttl_s,
+                tenant_share=tenant_cache_share,
+            )  # fmt: skip
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
         self.runner = ModelRunner(model, self.pool, self.allocator, packed_linears=packed_linears)
         self.stepper = Stepper(self)
         self._counters: dict[str, Counters] = {}
-        self._evicted_tokens = 0
-        self._pin_evictions = 0
+        self._stopped: str | None = None  # why generations stop (stop_generations)
+        self.memory = MemoryTrimmer()
         chat = chat_format(self.config.model_type)
         ids = {token_id(tokenizer, t) for t in chat.stop_tokens}
         ids |= set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
@@ -103,6 +117,7 @@ class Engine:
         prefix_cache: bool = True,
         pin_ttl_s: float = 300.0,
         packed_linears: bool = True,
+        tenant_cache_share: float | None = None,
     ) -> Engine:
         ld = load(path, dtype=dtype, device=device)
         return cls(
@@ -113,6 +128,7 @@ class Engine:
             prefix_cache=prefix_cache,
             pin_ttl_s=pin_ttl_s,
             packed_linears=packed_linears,
+            tenant_cache_share=tenant_cache_share,
         )
 
     # ------------------------------------------------------------------ rendering
@@ -170,6 +186,9 @@ class Engine:
                 f"exceeds the model's context of {limit} tokens"
             )
         extra_stop = self.check_ids(params.stop_token_ids, "stop_token_ids", allow_empty=True)
+        if self._stopped is not None:
+            raise GenerationStopped(self._stopped)
+        on_token = self._stoppable(on_token)
         stop_ids = frozenset(self.stop_token_ids) | frozenset(extra_stop)
         t0 = time.perf_counter()
         with self.stepper.exclusive():
@@ -189,9 +208,28 @@ class Engine:
         except BaseException:
             with self.stepper.exclusive():
                 self._abort(seq)
+            self.memory.after_request(idle=not self.stepper.running)
             raise
         with self.stepper.exclusive():
-            return self._commit(seq)
+            result = self._commit(seq)
+        self.memory.after_request(idle=not self.stepper.running)  # outside the lock
+        return result
+
+    def stop_generations(self, reason: str = "the server is shutting down") -> None:
+        """From now on every generation, running or yet to start, fails at its next token
+        with ``GenerationStopped`` (dropped like any failed request: nothing cached or
+        counted). A server's shutdown deadline calls it so streams end instead of running
+        on; it cannot be undone."""
+        self._stopped = reason
+
+    def _stoppable(self, on_token: Callable[[int, str], None] | None) -> Callable[[int, str], None]:
+        def checked(token: int, delta: str) -> None:
+            if self._stopped is not None:
+                raise GenerationStopped(self._stopped)
+            if on_token is not None:
+                on_token(token, delta)
+
+        return checked
 
     def _abort(self, seq: sequence.Sequence) -> None:
         """Drop a sequence: its rows are freed; nothing is cached or counted."""
@@ -234,10 +272,13 @@ class Engine:
         return st
 
     def evict(self) -> None:
-        """Evict down to the budget; count evicted rows and splice results lost on the way."""
+        """Evict down to the budget; count evicted rows and splice results lost on the way,
+        each for the tenant whose rows they were (not the one whose request evicted them)."""
         rep = self.cache.evict()
-        self._evicted_tokens += rep.evicted_tokens
-        self._pin_evictions += rep.lost_pins
+        for tenant, n in rep.evicted_by_tenant.items():
+            self.counters(tenant).evicted_tokens += n
+        for tenant, n in rep.lost_pins_by_tenant.items():
+            self.counters(tenant).pin_evictions += n
 
     # ------------------------------------------------------------------ directives
     def apply_directives(
@@ -265,9 +306,8 @@ class Engine:
         return Counters.total(parts).to_stats(
             cache_tokens=cache_tokens,
             cache_capacity_tokens=self.cache_budget_tokens,
-            evicted_tokens=self._evicted_tokens,
+            cache_share_tokens=self.cache.share_tokens,
             pinned_tokens=pinned,
-            pin_evictions=self._pin_evictions,
             tenant=tenant,
         )
 

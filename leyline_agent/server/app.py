@@ -27,7 +27,7 @@ from leyline_agent.server import errors
 from leyline_agent.server.completions import CHAT_DEFAULT_MAX_TOKENS, ModelLimits, ServedModel
 from leyline_agent.server.context_management import CLIENT_EDIT_MODES
 from leyline_agent.server.directive_memory import DEFAULT_REMEMBERED, DirectiveMemory
-from leyline_agent.server.inputs import check_json_body
+from leyline_agent.server.inputs import DEFAULT_MAX_MESSAGES, InputLimits, check_json_body
 from leyline_agent.server.leyline_routes import router as leyline_router
 from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, longest_token_bytes
 from leyline_agent.server.openai_routes import router as openai_router
@@ -77,6 +77,7 @@ def create_app(
     remembered_request_ids: int = DEFAULT_REMEMBERED,
     client_edits: str = "off",
     concurrency: int | None = None,
+    max_messages: int = DEFAULT_MAX_MESSAGES,
 ) -> FastAPI:
     """The app serving one engine.
 
@@ -91,6 +92,8 @@ def create_app(
     ``client_edits``: how chat requests' in-place edits of a conversation the server has
     cached are spliced (``amortize``, ``forget``, ``off``; ``chat_context``). ``off`` (the
     library default) is the plain prefix cache; ``leyline serve`` defaults to ``amortize``.
+    ``max_messages``: a message list longer than this is refused before it is validated or
+    rendered (``inputs``).
     """
     if client_edits not in CLIENT_EDIT_MODES:
         raise ValueError(f"client_edits: {client_edits!r} is not one of {CLIENT_EDIT_MODES}")
@@ -105,6 +108,7 @@ def create_app(
     for name, value in (
         ("max_prompt_tokens", max_prompt_tokens),
         ("max_tokens_cap", max_tokens_cap),
+        ("max_messages", max_messages),
     ):
         if value is not None and value < 1:
             raise ValueError(f"{name}: {value} must be >= 1")
@@ -135,6 +139,11 @@ def create_app(
         params_cls=params_cls or _default_params_cls(),
         directive_memory=DirectiveMemory(remembered_request_ids),
         client_edits=client_edits,
+        inputs=InputLimits(
+            max_messages=max_messages,
+            longest_token_bytes=limits.longest_token_bytes,
+            max_prompt_tokens=model.max_prompt_tokens,
+        ),
     )
     errors.install(app)
     checks = [Depends(check_json_body), Depends(session_header)]

@@ -75,6 +75,9 @@ _EMBEDDED_ONLY = {
     "queue_timeout_s": 300.0,
     "client_edits": "amortize",
     "concurrency": None,
+    "tenant_cache_share": None,
+    "shutdown_timeout_s": 30.0,
+    "max_messages": 4096,
 }
 
 
@@ -136,6 +139,33 @@ def _add_limits_and_keys(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests the engine runs at once, their decode steps batched; requests of one "
         "session (X-Leyline-Session) still run one after another (default: 16)",
+    )
+    g.add_argument(
+        "--tenant-cache-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="each tenant may hold F * --cache-tokens rows (0 < F <= 1) before its own rows "
+        "are the first evicted: a tenant over its share loses its LRU rows (then its pins) "
+        "before anyone else loses any, so a tenant within its share keeps its rows under "
+        "another's flood as long as the shares in use add up to at most 1 (F <= 1/tenants). "
+        "Default: no shares, one LRU over all tenants",
+    )
+    g.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=_EMBEDDED_ONLY["shutdown_timeout_s"],
+        metavar="S",
+        help="on SIGTERM/SIGINT, let requests in flight run this long; then every generation "
+        "stops: streams end with an error event, other requests get 503 (default: 30)",
+    )
+    g.add_argument(
+        "--max-messages",
+        type=int,
+        default=_EMBEDDED_ONLY["max_messages"],
+        metavar="N",
+        help="a chat (or a message-form directive) with more messages gets 400 before it is "
+        "rendered (default: 4096)",
     )
 
 

@@ -1,4 +1,6 @@
-"""Checks on the parsed JSON body that no field model can make: text that is not Unicode.
+"""Checks on the JSON body that run before any field model or template sees it.
+
+Text that is not Unicode:
 
 Python's ``json`` module accepts what strict JSON parsers refuse: an escaped lone surrogate
 (``"abc\\ud800def"``: a string that cannot be encoded as UTF-8, which the tokenizer then
@@ -6,60 +8,100 @@ fails on) and the non-standard ``NaN`` / ``Infinity`` literals (and numbers such
 ``1e400`` that overflow to infinity). ``check_json_text`` walks the whole body, iteratively
 (a deeply nested body cannot exhaust the stack), and refuses the first such value with a
 400 naming its path (``messages[0].content``), before any field is used.
+
+Bounds and shapes of message lists (``messages``, a directive's ``old_messages`` /
+``new_messages``, the Responses API's ``input``), checked by ``check_message_lists`` before
+the body is validated, so a huge chat costs a length check, not a render:
+
+- at most ``InputLimits.max_messages`` messages (``leyline serve --max-messages``);
+- at most as much text as ``max_prompt_tokens`` tokens can hold (``limits.check_text_bound``:
+  a byte-level tokenizer's longest token bounds the tokens from below);
+- a ``user``, ``system`` or ``developer`` message has ``content`` (null or missing: 400
+  naming ``messages[i].content``; an empty string is content).
+
+A body that is not JSON, sent to a route that reads no body (``/leyline/v1/flush``), is
+refused too (400 naming ``body``), as is any body there but an empty one or ``{}``: such a
+route has no field to take, and a field it would ignore is a request it would not honour.
+(Routes with a body model get FastAPI's own 400 for text that is not JSON.)
 """
 
 from __future__ import annotations
 
-import math
-import re
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
+from leyline_agent.directives import http_guards
 from leyline_agent.server.errors import RequestError
+from leyline_agent.server.limits import check_text_bound, message_text_bytes
 
-__all__ = ["check_json_body", "check_json_text"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGES",
+    "InputLimits",
+    "check_json_body",
+    "check_json_text",
+    "check_message_lists",
+]
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_NAME = re.compile(r"^[A-Za-z_]\w*$")
+DEFAULT_MAX_MESSAGES = 4096
+MESSAGE_LISTS = ("messages", "old_messages", "new_messages", "input")
+NEEDS_CONTENT = frozenset({"user", "system", "developer"})
 
 
-def _join(path: str, key: Any) -> str:
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    name = key if _NAME.match(key) else repr(key)
-    return f"{path}.{name}" if path else name
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    longest_token_bytes: int | None = None  # None: no text bound before tokenizing
+    max_prompt_tokens: int | None = None
 
 
 def check_json_text(body: Any) -> None:
-    """Raise ``RequestError`` naming the first lone surrogate or non-finite number."""
-    stack: list[tuple[str, Any]] = [("", body)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                raise RequestError(
-                    "contains a lone UTF-16 surrogate (\\ud800-\\udfff); text must be Unicode",
-                    path or "body",
-                )
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                raise RequestError(f"{value} is not a JSON number", path or "body")
-        elif isinstance(value, dict):
-            for key in value:
-                if _SURROGATE.search(key):
-                    raise RequestError("a key contains a lone UTF-16 surrogate", path or "body")
-            stack.extend((_join(path, k), v) for k, v in reversed(value.items()))
-        elif isinstance(value, list):
-            stack.extend((_join(path, i), v) for i, v in reversed(list(enumerate(value))))
+    """Raise ``RequestError`` naming the first lone surrogate, non-finite number or level
+    past ``MAX_JSON_DEPTH`` (the shared walk of ``directives.http_guards``)."""
+    try:
+        http_guards.check_json_text(body)
+    except http_guards.GuardError as e:
+        raise RequestError(e.detail, e.field) from e
+
+
+def check_message_lists(body: Any, limits: InputLimits) -> None:
+    """Raise ``RequestError`` naming the first message list (or message) out of bounds
+    (see the module docstring); bodies and lists of other shapes are the models' to refuse."""
+    if not isinstance(body, dict):
+        return
+    for name in MESSAGE_LISTS:
+        messages = body.get(name)
+        if not isinstance(messages, list):
+            continue
+        if len(messages) > limits.max_messages:
+            raise RequestError(
+                f"{len(messages)} messages; the limit is {limits.max_messages}", name
+            )
+        check_text_bound(
+            message_text_bytes(messages), limits.longest_token_bytes, limits.max_prompt_tokens, name
+        )
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and m.get("role") in NEEDS_CONTENT and m.get("content") is None:
+                raise RequestError(f"a {m['role']} message needs content", f"{name}[{i}].content")
 
 
 async def check_json_body(request: Request) -> None:
     """Route dependency: check the body FastAPI parsed (``request.json()`` is cached)."""
     if request.method not in ("POST", "PUT", "PATCH"):
         return
+    takes_body = getattr(request.scope.get("route"), "body_field", None) is not None
+    raw = await request.body()
+    if not takes_body and not raw.strip():
+        return
     try:
         body = await request.json()
-    except (ValueError, RecursionError):  # not JSON: the route's own validation says so
-        return
+    except (ValueError, RecursionError) as e:
+        if takes_body:  # the route's body model says what is wrong (missing, not JSON)
+            return
+        raise RequestError(f"the body is not valid JSON ({type(e).__name__})", "body") from e
+    if not takes_body and body != {}:
+        raise RequestError("this route takes no fields; send no body or {}", "body")
+    limits = getattr(getattr(request.app.state, "leyline", None), "inputs", None)
+    check_message_lists(body, limits if isinstance(limits, InputLimits) else InputLimits())
     check_json_text(body)

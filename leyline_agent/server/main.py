@@ -37,6 +37,7 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
         )
     from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
+    from leyline_agent.server.inputs import DEFAULT_MAX_MESSAGES
     from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES
     from leyline_agent.server.worker import DEFAULT_QUEUE_TIMEOUT_S
 
@@ -54,6 +55,11 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
         if not pin_ttl >= 0:
             raise ArgumentError(f"--pin-ttl-s: {pin_ttl} must be >= 0")
         kwargs["pin_ttl_s"] = pin_ttl
+    share = getattr(args, "tenant_cache_share", None)
+    if share is not None:
+        if not 0 < share <= 1:
+            raise ArgumentError(f"--tenant-cache-share: {share} must be in (0, 1]")
+        kwargs["tenant_cache_share"] = share
     keys = api_keys(args)
     limits = {
         "max_body_bytes": getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
@@ -67,6 +73,9 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     concurrency = getattr(args, "concurrency", None)
     if concurrency is not None and concurrency < 1:
         raise ArgumentError(f"--concurrency: {concurrency} must be >= 1")
+    max_messages = getattr(args, "max_messages", None) or DEFAULT_MAX_MESSAGES
+    if max_messages < 1:
+        raise ArgumentError(f"--max-messages: {max_messages} must be >= 1")
     engine = Engine.from_pretrained(args.model, **kwargs)
     return create_app(
         engine,
@@ -76,6 +85,7 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
         allowed_hosts=allowed_hosts(args),
         client_edits=getattr(args, "client_edits", None) or "amortize",
         concurrency=concurrency,
+        max_messages=max_messages,
         **limits,
     )
 
@@ -104,17 +114,24 @@ def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
 
 
 def build_server(args: argparse.Namespace):  # -> uvicorn.Server
-    """The uvicorn server ``leyline serve`` runs: loopback unless ``--host`` says otherwise."""
+    """The uvicorn server ``leyline serve`` runs: loopback unless ``--host`` says otherwise;
+    its shutdown bounded by ``--shutdown-timeout-s`` (``shutdown.DrainingServer``)."""
     import uvicorn
+
+    from leyline_agent.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, DrainingServer
 
     host = getattr(args, "host", None) or DEFAULT_HOST
     port = DEFAULT_PORT if getattr(args, "port", None) is None else int(args.port)
+    timeout = getattr(args, "shutdown_timeout_s", None)
+    timeout = DEFAULT_SHUTDOWN_TIMEOUT_S if timeout is None else timeout
+    if not timeout >= 0:
+        raise ArgumentError(f"--shutdown-timeout-s: {timeout} must be >= 0")
     app = build_app(args)
+    engine = app.state.leyline.worker.engine
     log.info("serving", model=str(args.model), host=host, port=port)
     level = str(getattr(args, "log_level", "warning") or "warning").lower()
-    return uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=level, access_log=False)
-    )
+    config = uvicorn.Config(app, host=host, port=port, log_level=level, access_log=False)
+    return DrainingServer(config, timeout_s=timeout, on_deadline=engine.stop_generations)
 
 
 def bind(host: str, port: int) -> socket.socket:

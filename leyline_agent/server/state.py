@@ -1,6 +1,7 @@
 """What every route reads: the worker, the served model, the engine's parameter class,
 the memory of directive request ids (used on the worker threads), the splice mode of
-client-made edits and the conversations found by content (``chat_context``)."""
+client-made edits, the conversations found by content (``chat_context``) and the bounds on
+message lists checked before a body is validated (``inputs``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi import Request
 from leyline_agent.server.completions import ServedModel
 from leyline_agent.server.conversations import ConversationStore
 from leyline_agent.server.directive_memory import DirectiveMemory
+from leyline_agent.server.inputs import InputLimits
 from leyline_agent.server.worker import Worker
 
 __all__ = ["ServerState", "state"]
@@ -24,6 +26,7 @@ class ServerState:
     directive_memory: DirectiveMemory = field(default_factory=DirectiveMemory)
     client_edits: str = "off"  # amortize | forget | off (``leyline serve --client-edits``)
     conversations: ConversationStore = field(default_factory=ConversationStore)
+    inputs: InputLimits = field(default_factory=InputLimits)
 
 
 def state(request: Request) -> ServerState:

@@ -15,7 +15,7 @@ No tensors and no allocator here: the tree's locks do the holding.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from leyline_agent.engine.cache.radix import Node, RadixCache
@@ -76,9 +76,14 @@ class PinTable:
                 self.tree.unlock(p.node)
                 p.held = False
 
-    def break_oldest(self) -> bool:
-        """Unlock the oldest held pin (memory pressure). False if none is held."""
-        held = [p for p in self._pins.values() if p.held]
+    def break_oldest(self, tenants: Collection[str] | None = None) -> bool:
+        """Unlock the oldest held pin (memory pressure), only among ``tenants``' pins if
+        given. False if none is held."""
+        held = [
+            p
+            for ns, p in self._pins.items()
+            if p.held and (tenants is None or ns.tenant in tenants)
+        ]
         if not held:
             return False
         p = min(held, key=lambda p: p.deadline)
@@ -86,8 +91,9 @@ class PinTable:
         p.held = False
         return True
 
-    def count_lost(self) -> int:
-        """Mark unheld pins whose rows are gone; how many were newly found gone."""
+    def count_lost(self, by_tenant: dict[str, int] | None = None) -> int:
+        """Mark unheld pins whose rows are gone; how many were newly found gone (also added
+        up per tenant into ``by_tenant`` if given)."""
         lost = 0
         for ns, p in self._pins.items():
             if p.held or p.evicted:
@@ -96,6 +102,8 @@ class PinTable:
             if m.length < len(p.tokens) or m.slots != p.slots:
                 p.evicted = True
                 lost += 1
+                if by_tenant is not None:
+                    by_tenant[ns.tenant] = by_tenant.get(ns.tenant, 0) + 1
         return lost
 
     @property

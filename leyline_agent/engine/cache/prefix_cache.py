@@ -8,7 +8,9 @@ The engine and the directive executor talk to this, never to the tree's internal
   of ``fresh`` the tree did not adopt and every old row the write superseded.
 - ``pin(ns, tokens)`` / ``arrive(ns)``: PIN a directive's result for its session's next
   request (``pins.py``); ``arrive`` tells whether it was evicted meanwhile.
-- ``evict()``: down to the budget: pins capped at half of it, then LRU leaves, then pins.
+- ``evict()``: down to the budget: pins capped at half of it, then LRU leaves, then pins;
+  with ``tenant_share``, tenants over their share give first (see ``evict``). The report
+  says whose rows went (``evicted_by_tenant``, ``lost_pins_by_tenant``).
 - ``flush(tenant)``: drop the tenant's pins and every unlocked row of the tenant (rows an
   in-flight request holds stay); other tenants keep theirs.
 
@@ -19,11 +21,11 @@ Provenance (which rows are exact, which belong to a session) is the tree's: see
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.pins import PinTable
-from leyline_agent.engine.cache.radix import Match, RadixCache
+from leyline_agent.engine.cache.radix import Evicted, Match, RadixCache
 from leyline_agent.namespaces import Namespace
 
 __all__ = ["EvictionReport", "FlushReport", "PrefixCache"]
@@ -33,6 +35,15 @@ __all__ = ["EvictionReport", "FlushReport", "PrefixCache"]
 class EvictionReport:
     evicted_tokens: int = 0
     lost_pins: int = 0
+    evicted_by_tenant: dict[str, int] = field(default_factory=dict)  # whose rows they were
+    lost_pins_by_tenant: dict[str, int] = field(default_factory=dict)
+
+    def add(self, ev: Evicted) -> list[int]:
+        """Count ``ev``'s rows (by owner); its slots, to free."""
+        self.evicted_tokens += len(ev.slots)
+        for tenant, n in ev.by_tenant.items():
+            self.evicted_by_tenant[tenant] = self.evicted_by_tenant.get(tenant, 0) + n
+        return ev.slots
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,8 +61,13 @@ class PrefixCache:
         *,
         enabled: bool = True,
         pin_ttl_s: float = 300.0,
+        tenant_share: float | None = None,
     ) -> None:
+        if tenant_share is not None and not 0 < tenant_share <= 1:
+            raise ValueError(f"tenant_cache_share: {tenant_share} must be in (0, 1]")
         self.allocator, self.budget_tokens, self.enabled = allocator, budget_tokens, enabled
+        # A tenant's share in rows (None: no shares, one LRU over everybody).
+        self.share_tokens = None if tenant_share is None else int(tenant_share * budget_tokens)
         self.tree = RadixCache()
         self.pins = PinTable(self.tree, pin_ttl_s)
 
@@ -98,20 +114,29 @@ class PrefixCache:
 
     def evict(self) -> EvictionReport:
         """Pins hold at most half the budget (so they never starve fresh work); then LRU
-        leaves go; if locked rows alone still exceed the budget, pins give way, oldest first."""
+        leaves go; if locked rows alone still exceed the budget, pins give way, oldest first.
+
+        With a tenant share, each of these steps takes from the tenants holding more than
+        their share first (their LRU rows, down to the share; then their pins), and only
+        then from everybody. So a tenant within its share loses rows to another's traffic
+        only when the tenants within their shares alone fill the cache (shares that add
+        up to more than the whole)."""
         rep = EvictionReport()
         self.pins.expire()
-        while self.pins.pinned_tokens > self.budget_tokens // 2 and self.pins.break_oldest():
+        while self.pins.pinned_tokens > self.budget_tokens // 2 and self._break_pin():
             pass
         while True:
+            self._evict_over_share(rep)
+            if self.tree.total_tokens <= self.budget_tokens:
+                break
+            over_share = self._over_share()
+            if over_share and self.pins.break_oldest(over_share):
+                continue
             over = self.tree.total_tokens - self.budget_tokens
-            if over > 0:
-                freed = self.tree.evict(over)
-                self.allocator.free(freed)
-                rep.evicted_tokens += len(freed)
+            self.allocator.free(rep.add(self.tree.evict_rows(over)))
             if self.tree.total_tokens <= self.budget_tokens or not self.pins.break_oldest():
                 break
-        rep.lost_pins = self.pins.count_lost()
+        rep.lost_pins = self.pins.count_lost(rep.lost_pins_by_tenant)
         return rep
 
     def flush(self, tenant: str) -> FlushReport:
@@ -121,6 +146,28 @@ class PrefixCache:
         self.allocator.free(freed)
         self.allocator.free(self.tree.collect())
         return FlushReport(len(freed), self.tree.tenant_tokens(tenant), dropped)
+
+    # ---------------------------------------------------------------- shares
+    def _over_share(self) -> dict[str, int]:
+        """Tenants holding more rows than their share: how many more."""
+        if self.share_tokens is None:
+            return {}
+        totals = self.tree.tenant_totals()
+        return {t: n - self.share_tokens for t, n in totals.items() if n > self.share_tokens}
+
+    def _evict_over_share(self, rep: EvictionReport) -> None:
+        """While the cache is over budget: LRU rows of tenants over their share, largest
+        excess first, each down to its share (whole leaves: possibly a little below)."""
+        for tenant, excess in sorted(self._over_share().items(), key=lambda kv: -kv[1]):
+            need = self.tree.total_tokens - self.budget_tokens
+            if need <= 0:
+                return
+            ev = self.tree.evict_rows(min(need, excess), tenant=tenant)
+            self.allocator.free(rep.add(ev))
+
+    def _break_pin(self) -> bool:
+        over_share = self._over_share()
+        return bool(over_share) and self.pins.break_oldest(over_share) or self.pins.break_oldest()
 
     # ---------------------------------------------------------------- reading
     @property

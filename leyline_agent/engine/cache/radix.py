@@ -29,6 +29,8 @@ Public API (above the line):
   nodes are never evicted.
 - ``touch(node)``: mark the path as just used (LRU).
 - ``evict(num_tokens)`` -> freed slots: whole unlocked leaves, least recently used first.
+  ``evict_rows(num_tokens, tenant)`` -> ``Evicted``: the same (optionally among one
+  tenant's leaves only), with the rows each tenant lost.
 - ``flush(tenant)`` -> freed slots: every unlocked row of ``tenant`` (its exact and spliced
   rows alike); locked paths stay, other tenants' rows are untouched.
 
@@ -46,7 +48,7 @@ from dataclasses import dataclass, field
 
 from leyline_agent.namespaces import ANONYMOUS, Namespace
 
-__all__ = ["InsertResult", "Match", "Node", "RadixCache"]
+__all__ = ["Evicted", "InsertResult", "Match", "Node", "RadixCache"]
 
 Tag = tuple[str, str | None]
 
@@ -76,6 +78,12 @@ class Match:
     def __post_init__(self) -> None:
         if self.exact_len < 0:
             object.__setattr__(self, "exact_len", self.length)
+
+
+@dataclass(slots=True)
+class Evicted:
+    slots: list[int] = field(default_factory=list)  # freed: give them back
+    by_tenant: dict[str, int] = field(default_factory=dict)  # rows evicted, by owner
 
 
 @dataclass(slots=True, frozen=True)
@@ -189,18 +197,31 @@ class RadixCache:
 
     def evict(self, num_tokens: int) -> list[int]:
         """Free at least ``num_tokens`` (if that many are unlocked), LRU leaves first."""
-        freed: list[int] = []
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        return self.evict_rows(num_tokens).slots
+
+    def evict_rows(self, num_tokens: int, tenant: str | None = None) -> Evicted:
+        """``evict``, telling whose rows went; with ``tenant``, only that tenant's leaves.
+
+        A tenant's rows form their own subtrees (every root child and all below it carry
+        one tenant's tag), so exposing a parent never crosses into another tenant."""
+        out = Evicted()
+        heap = [
+            (n.last_access, id(n), n)
+            for n in self._leaves()
+            if n.lock_ref == 0 and (tenant is None or n.tag[0] == tenant)
+        ]
         heapq.heapify(heap)
-        while heap and len(freed) < num_tokens:
+        while heap and len(out.slots) < num_tokens:
             _, _, leaf = heapq.heappop(heap)
-            freed.extend(leaf.slots)
+            out.slots.extend(leaf.slots)
+            owner = leaf.tag[0]
+            out.by_tenant[owner] = out.by_tenant.get(owner, 0) + len(leaf.key)
             parent = leaf.parent
             del parent.children[(leaf.tag, leaf.key[0])]
             self.total_tokens -= len(leaf.key)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        return freed
+        return out
 
     def flush(self, tenant: str) -> list[int]:
         """Free every unlocked row tagged ``tenant``: leaves first, then the parents they
@@ -246,6 +267,14 @@ class RadixCache:
 
     def tenant_tokens(self, tenant: str) -> int:
         return sum(len(n.key) for n in self._nodes() if n.tag is not None and n.tag[0] == tenant)
+
+    def tenant_totals(self) -> dict[str, int]:
+        """Cached rows per tenant (one walk of the tree)."""
+        out: dict[str, int] = {}
+        for n in self._nodes():
+            if n.tag is not None:
+                out[n.tag[0]] = out.get(n.tag[0], 0) + len(n.key)
+        return out
 
     def sequences(self) -> list[tuple[list[int], list[int]]]:
         """Every root-to-leaf path as (tokens, slots): for tests and debugging."""
