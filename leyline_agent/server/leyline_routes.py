@@ -21,10 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from leyline_agent.chat_input import canonical_tools
 from leyline_agent.directives import plan_batch
+from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.server.completions import (
     check_message_shapes,
     check_prompt_ids,
@@ -44,16 +45,6 @@ from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsRespo
 __all__ = ["FlushResponse", "router"]
 
 router = APIRouter()
-
-
-class FlushResponse(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    tenant: str
-    flushed_tokens: int  # cached rows freed
-    kept_tokens: int  # the tenant's rows still cached: held by a request in flight
-    dropped_pins: int
-    dropped_conversations: int
 
 
 def checked(req: DirectivesRequest, request: Request) -> DirectivesRequest:

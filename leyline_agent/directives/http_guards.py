@@ -1,0 +1,223 @@
+"""Checks every Leyline HTTP front runs before a body reaches a route: size, key, JSON, text.
+
+Written once, for ``leyline serve`` and for the vLLM plugin's routes (which sit inside
+vLLM's own FastAPI app), so that both refuse the same inputs with the same answers:
+
+- **body size** (``content_length_over``, ``read_body``): a declared ``Content-Length`` over
+  the limit is refused before a byte is read; a body without one (chunked) is counted as it
+  arrives and refused as soon as the count passes the limit. 413 ``PayloadTooLargeError``
+  naming ``body``.
+- **API key** (``bearer_problem``): ``Authorization: Bearer KEY`` compared with every
+  configured key in constant time (``hmac.compare_digest`` over SHA-256 digests, so the
+  time does not depend on where a guess first differs, nor on the key's length). 401
+  ``AuthenticationError`` naming ``authorization``, with ``WWW-Authenticate: Bearer``.
+- **JSON** (``parse_json``): not JSON, or nested deeper than ``MAX_JSON_DEPTH``, is a 400
+  naming ``body`` (Python's parser would raise ``RecursionError`` on a deep enough body).
+- **text** (``check_json_text``): Python's ``json`` accepts an escaped lone surrogate
+  (``"\\ud800"``: a string that cannot be encoded as UTF-8, which a tokenizer then fails on)
+  and ``NaN`` / ``Infinity`` (or ``1e400``); the first such value is a 400 naming its path
+  (``new_messages[0].content``, ``directives[1].replacement``). The walk is iterative and
+  also enforces the depth bound, so it never exhausts the stack.
+
+Errors are ``InvalidRequestError`` subclasses carrying ``status`` and ``field``;
+``error_message`` turns one into the ``{"error": ...}`` body of ``http_errors.error_body``
+(the shape every Leyline route answers), ``send_error`` sends it on a raw ASGI ``send``. No
+torch, no web framework.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import re
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+from leyline_agent.errors import InvalidRequestError
+from leyline_agent.http_errors import error_body
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "MAX_JSON_DEPTH",
+    "AuthenticationError",
+    "authentication_error",
+    "GuardError",
+    "JSONBodyError",
+    "PayloadTooLargeError",
+    "bearer_problem",
+    "check_json_text",
+    "content_length_over",
+    "error_message",
+    "key_digests",
+    "parse_json",
+    "read_body",
+    "send_error",
+]
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_JSON_DEPTH = 128
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NAME = re.compile(r"^[A-Za-z_]\w*$")
+Headers = Iterable[tuple[bytes, bytes]]
+
+
+class GuardError(InvalidRequestError):
+    """A request refused by a guard: ``status``, ``field``, the answer's extra headers."""
+
+    status = 400
+    headers: dict[str, str] = {}
+    type_name = "RequestError"  # as ``leyline serve`` names a refused value
+    code: str | None = None  # None: the type's (``http_errors.error_code``)
+
+
+class JSONBodyError(GuardError):
+    """A body that is not JSON, answered as FastAPI's own parse error is on ``leyline serve``
+    (``body[POSITION]: JSON decode error``)."""
+
+    type_name = "ValidationError"
+    code = "json_invalid"
+
+    def __init__(self, position: int) -> None:
+        super().__init__("JSON decode error", f"body[{position}]")
+
+
+class PayloadTooLargeError(GuardError):
+    status = 413
+    type_name = "PayloadTooLargeError"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body is larger than the limit of {limit} bytes")
+        self.field = "body"  # named by ``field``, not by a prefix of the message
+
+
+class AuthenticationError(GuardError):
+    status = 401
+    type_name = "AuthenticationError"
+    headers = {"WWW-Authenticate": "Bearer"}
+
+
+# -- body size ---------------------------------------------------------------------------
+def _header(headers: Headers, name: bytes) -> bytes | None:
+    for k, v in headers:
+        if k.lower() == name:
+            return v
+    return None
+
+
+def content_length_over(headers: Headers, limit: int) -> bool:
+    """The request declares a ``Content-Length`` over ``limit``."""
+    declared = (_header(headers, b"content-length") or b"").strip()
+    return declared.isdigit() and int(declared) > limit
+
+
+async def read_body(receive: Callable[[], Awaitable[dict[str, Any]]], limit: int) -> bytes:
+    """The whole body from an ASGI ``receive``; ``PayloadTooLargeError`` as soon as it
+    passes ``limit`` (the rest is not read)."""
+    parts, seen, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left
+            break
+        chunk = message.get("body", b"")
+        seen += len(chunk)
+        if seen > limit:
+            raise PayloadTooLargeError(limit)
+        parts.append(chunk)
+        more = message.get("more_body", False)
+    return b"".join(parts)
+
+
+# -- API key -----------------------------------------------------------------------------
+def key_digests(keys: Iterable[str]) -> tuple[bytes, ...]:
+    """The configured keys as SHA-256 digests (what ``bearer_problem`` compares)."""
+    return tuple(hashlib.sha256(k.encode("utf-8")).digest() for k in keys if k)
+
+
+def bearer_problem(authorization: bytes | None, digests: Sequence[bytes]) -> str | None:
+    """None if ``Authorization`` names one of the keys (``key_digests``), else why not.
+    Every key is compared, in constant time, whatever the first one answered."""
+    scheme, _, token = (authorization or b"").strip().partition(b" ")
+    token = token.strip()
+    if scheme.lower() != b"bearer" or not token:
+        return "missing 'Authorization: Bearer <key>'"
+    presented = hashlib.sha256(token).digest()
+    found = False
+    for digest in digests:
+        found |= hmac.compare_digest(digest, presented)
+    return None if found else "the API key is not valid"
+
+
+def authentication_error(problem: str) -> AuthenticationError:
+    return AuthenticationError(problem, "authorization")
+
+
+# -- JSON --------------------------------------------------------------------------------
+def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``raw`` parsed, checked by ``check_json_text``; ``GuardError`` naming the field."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise GuardError(f"nested deeper than {max_depth} levels", "body") from None
+    except json.JSONDecodeError as e:
+        raise JSONBodyError(e.pos) from None
+    except ValueError:  # not UTF-8 (UnicodeDecodeError)
+        raise JSONBodyError(0) from None
+    check_json_text(body, max_depth)
+    return body
+
+
+def _join(path: str, key: Any) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    name = key if _NAME.match(key) else repr(key)
+    return f"{path}.{name}" if path else name
+
+
+def check_json_text(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """``GuardError`` naming the first lone surrogate, non-finite number or level past
+    ``max_depth`` of a parsed body (iterative: a deep body cannot exhaust the stack)."""
+    stack: list[tuple[str, int, Any]] = [("", 0, body)]
+    while stack:
+        path, depth, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise GuardError(
+                    "contains a lone UTF-16 surrogate (\\ud800-\\udfff); text must be Unicode",
+                    path or "body",
+                )
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise GuardError(f"{value} is not a JSON number", path or "body")
+        elif isinstance(value, dict | list):
+            if depth >= max_depth:
+                raise GuardError(f"nested deeper than {max_depth} levels", "body")
+            if isinstance(value, dict):
+                for key in value:
+                    if _SURROGATE.search(key):
+                        raise GuardError("a key contains a lone UTF-16 surrogate", path or "body")
+                items = [(_join(path, k), depth + 1, v) for k, v in value.items()]
+            else:
+                items = [(_join(path, i), depth + 1, v) for i, v in enumerate(value)]
+            stack.extend(reversed(items))
+
+
+# -- answers -----------------------------------------------------------------------------
+def error_message(exc: GuardError) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, JSON bytes) of the answer to ``exc``."""
+    body = error_body(exc.type_name, str(exc), exc.field, exc.code)
+    raw = json.dumps(
+        {"error": body.model_dump(mode="json")},
+        ensure_ascii=False, allow_nan=False, separators=(",", ":"),
+    ).encode("utf-8")  # fmt: skip
+    return exc.status, dict(exc.headers), raw
+
+
+async def send_error(send: Callable[[dict[str, Any]], Awaitable[None]], exc: GuardError) -> None:
+    """Answer ``exc`` on a raw ASGI ``send`` (the request has not been answered yet)."""
+    status, extra, raw = error_message(exc)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": raw})
