@@ -1,8 +1,9 @@
 """wrap_openai with the real ``openai`` client against the stub server on loopback.
 
-Checks what reaches the chat endpoint (the edited history) and which edits reach
-``/leyline/v1/directives`` (only newly made edits of messages the server has cached),
-sync and async, streamed and not, for a Leyline endpoint and a plain one.
+Checks what reaches the chat endpoint (the edited history) and which edits ride in its
+``leyline.edits`` body field (only newly made edits of messages the server has cached, and
+no separate ``/leyline/v1/directives`` request), sync and async, streamed and not, for a
+Leyline endpoint and a plain one; a ``Runtime`` given explicitly gets directives.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import openai
 import pytest
 
+from leyline_agent.agent.http_runtime import HTTPRuntime
 from leyline_agent.agent.wrappers import wrap_openai
 from leyline_agent.errors import LeylineError, TrajectoryError
 from leyline_agent.policies import StaleToolTruncation
@@ -91,14 +93,25 @@ def sync_loop(client, turns: int, stream_every: int = 0, **extra) -> list[list[d
     return history
 
 
+def with_edits(server: StubServer) -> list[tuple[dict[str, str], dict]]:
+    """(headers, body) of each chat call that carried edits in its ``leyline`` field."""
+    pairs = zip(server.chat_headers(), server.chat_bodies(), strict=True)
+    return [(h, b) for h, b in pairs if (b.get("leyline") or {}).get("edits")]
+
+
+def patched(messages: list[dict], edits: list[dict]) -> list[dict]:
+    """``messages`` with body edits applied, computed here (content / tool_calls replaced)."""
+    out = copy.deepcopy(messages)
+    for e in edits:
+        out[e["index"]].update({k: e[k] for k in ("content", "tool_calls") if k in e})
+    return out
+
+
 def check_session_headers(server: StubServer, session: str) -> None:
-    """Every chat call and every directive POST names ``session``; directives also carry
-    the client's API key (runtime "auto" takes it from the client)."""
-    chats, directives = server.chat_headers(), server.directive_headers()
+    """Every chat call names ``session``; no directive request is sent (edits ride along)."""
+    chats = server.chat_headers()
     assert chats and all(h.get("x-leyline-session") == session for h in chats)
-    for h, body in zip(directives, server.directive_bodies(), strict=True):
-        assert h.get("x-leyline-session") == body["session"] == session
-        assert h.get("authorization") == "Bearer stub"
+    assert server.directive_bodies() == []
 
 
 def check_diffing(
@@ -111,7 +124,6 @@ def check_diffing(
     for body, raw in zip(chats, history, strict=True):
         assert body["messages"] == expected_send(raw, keep)  # the edited history went out
         assert "leyline_session" not in body
-    directives = server.directive_bodies()
     forwarded = 0
     for k in range(1, len(chats)):
         prev, cur = chats[k - 1]["messages"], chats[k]["messages"]
@@ -125,16 +137,16 @@ def check_diffing(
             },
         ]
         changed = [i for i, (a, b) in enumerate(zip(old, cur, strict=False)) if a != b]
+        field = chats[k]["leyline"]
+        assert field["client_edits"] == "amortize"
         if not changed:
+            assert "edits" not in field
             continue
-        body = directives[forwarded]
         forwarded += 1
-        assert body["old_messages"] == old
-        assert body["new_messages"] == cur[: len(old)]
-        assert body["mode"] == "amortize" and body["fallback"] is True
-        if session is not None:
-            assert body["session"] == session
-    assert forwarded == len(directives) > 0
+        assert sorted(e["index"] for e in field["edits"]) == changed
+        assert patched(old, field["edits"]) == cur[: len(old)]
+    assert forwarded == len(with_edits(server)) > 0
+    assert server.directive_bodies() == []  # no separate directive request
 
 
 @pytest.mark.parametrize("stream_every", [0, 2, 1], ids=["json", "mixed", "stream"])
@@ -146,9 +158,8 @@ def test_sync_client_sends_edited_history_and_forwards_new_edits(stream_every):
         history = sync_loop(client, 7, stream_every=stream_every)
         check_diffing(server, history, keep=2, session="agent-1")
         assert server.bodies("/leyline/v1/stats") == [None]  # endpoint detected once
-        assert client.leyline.session("agent-1").stats.runtime_calls == len(
-            server.directive_bodies()
-        )
+        stats = client.leyline.session("agent-1").stats
+        assert stats.runtime_calls == 0 and stats.body_edits == len(with_edits(server))
 
 
 def test_async_client_streamed_and_not():
@@ -198,16 +209,18 @@ def test_plain_endpoint_gets_edited_history_and_no_directives():
         assert len(server.bodies("/leyline/v1/stats")) == 1
 
 
-def test_failing_directives_route_lets_calls_through():
+def test_an_explicit_runtime_gets_directives_and_its_failures_let_calls_through():
     with StubServer(script(), directives_status=500) as server:
         client = wrap_openai(
             openai.OpenAI(base_url=server.base_url, api_key="stub", max_retries=0),
             policies=["stale-tool"],
+            runtime=HTTPRuntime(server.url),
         )
         history = sync_loop(client, 6)
         assert [b["messages"] for b in server.chat_bodies()] == [
             expected_send(r, 2) for r in history
         ]
+        assert all(b["leyline"] == {"client_edits": "off"} for b in server.chat_bodies())
         stats = client.leyline.session().stats
         assert (
             stats.runtime_failures == len(server.directive_bodies()) > 0
@@ -237,11 +250,11 @@ def test_sessions_by_extra_body_are_diffed_separately_and_the_key_is_stripped():
             assert "leyline_session" not in body and body["top_k"] == 5
         # calls alternate A, B: each chat call names its own session in the header
         assert [h["x-leyline-session"] for h in server.chat_headers()] == ["A", "B"] * 4
-        sessions = [b["session"] for b in server.directive_bodies()]
+        sessions = [h["x-leyline-session"] for h, _ in with_edits(server)]
         assert sorted(sessions) == ["A", "A", "B", "B"]
-        assert [h["x-leyline-session"] for h in server.directive_headers()] == sessions
-        for b in server.directive_bodies():
-            assert b["old_messages"][0]["content"] == f"task {b['session']}"
+        for h, b in with_edits(server):
+            assert b["messages"][0]["content"] == f"task {h['x-leyline-session']}"
+        assert server.directive_bodies() == []
         assert set(client.leyline.sessions) == {"A", "B"}
         assert all(s.stats.resets == 0 for s in client.leyline.sessions.values())
 
@@ -301,7 +314,7 @@ def test_sdk_message_objects_in_the_history_are_accepted():
             m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m for m in raw[:-2]
         ]
         assert server.chat_bodies()[-1]["messages"] == expected_send(dumped, keep=1)
-        assert len(server.directive_bodies()) == 2
+        assert len(with_edits(server)) == 2
 
 
 def test_stream_as_context_manager_and_a_stream_left_unconsumed():
@@ -340,8 +353,14 @@ def test_stream_as_context_manager_and_a_stream_left_unconsumed():
         )
         client.chat.completions.create(model="scripted", messages=raw, tools=TOOLS)
         assert session.stats.resets == 0
-        [body] = server.directive_bodies()
-        assert body["old_messages"][-1]["tool_calls"][0]["id"] == "own"
+        [(_, body)] = with_edits(server)
+        own = next(
+            i
+            for i, m in enumerate(body["messages"])
+            if m.get("tool_calls", [{}])[0].get("id") == "own"
+        )
+        assert body is server.chat_bodies()[-1] and body["leyline"]["edits"]
+        assert all(e["index"] < own for e in body["leyline"]["edits"])
         assert server.chat_bodies()[-1]["messages"] == expected_send(raw, keep=1)
 
 
@@ -369,12 +388,10 @@ def test_user_headers_are_kept_and_a_users_session_header_is_the_calls_session()
         assert [h["x-trace"] for h in headers[::2]] == ["t1"] * 3  # the user's header stays
         assert [h["x-leyline-session"] for h in headers] == ["default", "own"] * 3  # not overridden
         assert set(client.leyline.sessions) == {"default", "own"}  # ... and it is the session
-        for h, b in zip(server.directive_headers(), server.directive_bodies(), strict=True):
-            assert h["x-leyline-session"] == b["session"]
-            assert (
-                b["old_messages"][0]["content"] == {"default": "mine", "own": "other"}[b["session"]]
-            )
-        assert sorted(b["session"] for b in server.directive_bodies()) == ["default", "own"]
+        for h, b in with_edits(server):
+            sid = h["x-leyline-session"]
+            assert b["messages"][0]["content"] == {"default": "mine", "own": "other"}[sid]
+        assert sorted(h["x-leyline-session"] for h, _ in with_edits(server)) == ["default", "own"]
         with pytest.raises(LeylineError, match=r"contradicts extra_body\.leyline_session"):
             client.chat.completions.create(
                 model="scripted",
@@ -397,7 +414,7 @@ def test_the_clients_default_session_header_names_the_session():
         assert client.leyline.default_session == "from-client"
         sync_loop(client, 3)
         check_session_headers(server, "from-client")
-        assert len(server.directive_bodies()) == 1
+        assert len(with_edits(server)) == 1
         with pytest.raises(LeylineError, match="session_id: 'other' contradicts"):
             wrap_openai(base, session_id="other")
 
@@ -442,5 +459,5 @@ def test_copies_of_the_wrapped_client_are_wrapped_and_share_its_sessions():
             run_tools(raw, reply_of(c.chat.completions.create(model="scripted", messages=raw)))
         check_session_headers(server, "s1")
         assert server.chat_bodies()[-1]["messages"] == expected_send(raw[:-2], keep=1)
-        assert len(server.directive_bodies()) == 2  # one session, diffed across the copies
+        assert len(with_edits(server)) == 2  # one session, diffed across the copies
         assert client.with_options().leyline is client.leyline

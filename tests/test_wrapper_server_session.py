@@ -57,8 +57,9 @@ def test_the_wrapped_agent_reuses_its_own_spliced_rows_and_nobody_else_does(keye
     for messages in history:
         _cached(client, name, messages)
     session = client.leyline.session("agent-a")
-    assert session.stats.runtime_failures == 0  # the key reached the directives route too
-    assert session.stats.runtime_calls >= 3
+    assert session.stats.runtime_failures == 0
+    assert session.stats.runtime_calls == 0  # no directive requests: the edits rode along
+    assert session.stats.body_edits >= 3
     stats = httpx.get(
         f"{srv.url}/leyline/v1/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=30
     ).json()

@@ -20,11 +20,27 @@ with the model's reply (that is what is cached) and only edits before it are for
 ``Exception``, log it, count it and let the call through (the edited prompt then costs a
 re-prefill). ``fallback=False`` raises ``RuntimeUnavailableError`` instead.
 
-Divergence: the session expects the agent's list to extend the raw list it saw last time.
-If the agent rewrote its own history (truncation, summarisation, a new episode) the
-session resets: sticky edits are dropped, nothing is forwarded this turn (the
-server's prefix cache still reuses whatever common prefix it holds), and the new list
-starts a fresh history. A retry of the same list (no reply observed) is not a divergence.
+In-place edits by the agent: a framework that edits its own history (LangChain's
+``ClearToolUsesEdit``, a loop that stubs old tool results) sends last turn's list with some
+contents changed. Where every changed message is edited in place by the rule the server's
+conversation matching uses (``trajectory.edited_in_place``: a tool result answering the same
+call, an assistant turn with the same calls, a user message once the echo of a reply with
+call ids proves the history) and the reply is echoed, the session keeps going: the agent's
+text replaces the sticky edit of that message (the policies see it afresh), and the change
+is forwarded like a policy edit (``Plan.forwarded``, ``policy="client"``).
+
+``Plan.forwarded`` is every edit of a cached message this turn (the policies' new ones and the
+agent's own). It reaches the server either as a directive (``request``, sent by ``prepare``
+to a ``Runtime``: explicit use) or inside the chat request itself (``leyline_field``: the
+``{"leyline": {"client_edits": mode, "edits": [...]}}`` body field that ``wrap_openai`` and
+``LeylineTransport`` send, applied by the server in the turn's own job).
+
+Divergence: otherwise the agent's list must extend the raw list it saw last time. If the
+agent rewrote its history (truncation, summarisation, a new episode, an edit the rule above
+does not cover) the session resets, counted in ``stats.resets`` and logged at warning level:
+sticky edits are dropped, nothing is forwarded this turn (the server's prefix cache still
+reuses whatever common prefix it holds), and the new list starts a fresh history. A retry
+of the same list (no reply observed) is not a divergence.
 """
 
 from __future__ import annotations
@@ -41,7 +57,7 @@ from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 from leyline_agent.logs import get_logger
 from leyline_agent.policies.pipeline import PolicyPipeline
 from leyline_agent.protocols import AsyncRuntime, Runtime
-from leyline_agent.trajectory import apply_edits
+from leyline_agent.trajectory import apply_edits, edited_in_place, message_text
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
 __all__ = ["ContextSession", "Plan", "SessionStats", "normalize_reply"]
@@ -107,6 +123,7 @@ class Plan:
     messages_to_send: list[dict[str, Any]]
     request: DirectivesRequest | None
     new_edits: list[MessageEdit]
+    forwarded: list[MessageEdit] = field(default_factory=list)  # edits of cached messages
 
 
 @dataclass(slots=True)
@@ -119,6 +136,8 @@ class SessionStats:
     runtime_failures: int = 0  # ... that failed and were let through
     server_fallbacks: int = 0  # the server had no cached base (DirectivesResponse.fallback)
     resets: int = 0  # the agent's history diverged from what the session sent
+    agent_edits: int = 0  # messages the agent edited in place (the session kept going)
+    body_edits: int = 0  # chat requests that carried their edits in the body (leyline_field)
     replaced_replies: int = 0  # the agent appended another assistant turn than the reply
 
 
@@ -167,18 +186,28 @@ class ContextSession:
         st = self._state
         cached = self._cached_messages(raw)
         if cached is None and st.raw is not None:
-            log.info("session.reset", session=self.session_id, had=len(st.raw), got=len(raw))
             self.stats.resets += 1
+            log.warning(
+                "session.reset",
+                session=self.session_id,
+                had=len(st.raw),
+                got=len(raw),
+                resets=self.stats.resets,
+                why="the history is not the last one extended or edited in place",
+            )
             st = self._state = _State()
+        old, limit, changed = cached or ([], 0, [])
+        for i in changed:  # the agent's own text replaces what the session made of it
+            st.sticky.pop(i, None)
+        self.stats.agent_edits += len(changed)
         new_edits = [e for e in result.edits if e.index not in st.sticky]
         for e in new_edits:
             st.sticky[e.index] = e
         to_send = apply_edits(raw, self.sticky_edits)
         request = None
         forwarded: list[MessageEdit] = []
-        old, limit = cached or ([], 0)
         if old:
-            forwarded = [e for e in new_edits if e.index < limit]
+            forwarded = _forwarded(old, to_send, limit, changed, new_edits)
             if forwarded:
                 request = DirectivesRequest(
                     model=model,
@@ -201,7 +230,18 @@ class ContextSession:
                 new_edits=[e.index for e in new_edits],
                 forwarded=[e.index for e in forwarded],
             )
-        return Plan(to_send, request, new_edits)
+        return Plan(to_send, request, new_edits, forwarded)
+
+    def leyline_field(self, plan: Plan) -> dict[str, Any]:
+        """The ``leyline`` body field of the chat request that sends ``plan``: the session's
+        mode as ``client_edits`` and, when the turn edits cached messages, ``edits`` (the
+        ``MessageEdit`` form). The server applies the edits in the turn's own job, before
+        its prefill, so no separate directive request is needed."""
+        out: dict[str, Any] = {"client_edits": self.mode.value}
+        if plan.forwarded:
+            out["edits"] = [e.model_dump(exclude_none=True) for e in plan.forwarded]
+            self.stats.body_edits += 1
+        return out
 
     def observe_reply(self, assistant_message: Any) -> None:
         """Record the assistant reply to the last planned list (a dict or an SDK message)."""
@@ -226,29 +266,43 @@ class ContextSession:
 
     def _cached_messages(
         self, raw: list[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]], int] | None:
-        """What the server holds for this session, and below which index an edit may be
-        forwarded; None if ``raw`` does not extend last turn's list (first turn, or the
-        agent rewrote its history). ``([], 0)``: a retry, nothing new to diff against."""
+    ) -> tuple[list[dict[str, Any]], int, list[int]] | None:
+        """What the server holds for this session, below which index an edit may be
+        forwarded, and which of last turn's messages the agent edited in place; None if
+        ``raw`` neither extends last turn's list nor edits it in place (first turn, or the
+        agent rewrote its history). ``([], 0, [])``: a retry, nothing new to diff against."""
         st = self._state
         if st.raw is None or st.sent is None:
             return None
         n = len(st.raw)
-        if len(raw) < n or raw[:n] != st.raw:
+        if len(raw) < n:
             return None
+        changed = [i for i in range(n) if raw[i] != st.raw[i]]
         if len(raw) == n:
-            return [], 0
+            return None if changed else ([], 0, [])
         echo, reply = raw[n], st.reply
+        replaced = False
         if reply is None:  # not observed (unconsumed stream, raw response): trust the echo
             if echo.get("role") != "assistant":
-                return list(st.sent), n  # no reply was produced (failed call?): the prompt only
-            return [*st.sent, normalize_reply(echo)], n + 1
-        if _same_reply(reply, echo):
-            return [*st.sent, reply], n + 1
-        # The agent put another assistant turn in place of the model's reply: the cache
-        # still holds the model's reply, so it stays in old/new and edits stop before it.
-        self.stats.replaced_replies += 1
-        return [*st.sent, reply], n
+                old, limit = list(st.sent), n  # no reply was produced (failed call?)
+            else:
+                old, limit = [*st.sent, normalize_reply(echo)], n + 1
+        elif _same_reply(reply, echo):
+            old, limit = [*st.sent, reply], n + 1
+        else:
+            # The agent put another assistant turn in place of the model's reply: the cache
+            # still holds the model's reply, so it stays in old/new and edits stop before it.
+            old, limit, replaced = [*st.sent, reply], n, True
+        if changed:
+            # as the server believes edits: only with the reply echoed; a user message only
+            # once the echo carries the reply's call ids
+            proof = limit == n + 1 and bool(old[n].get("tool_calls"))
+            if limit != n + 1 or not all(
+                edited_in_place(st.raw[i], raw[i], user=proof) for i in changed
+            ):
+                return None
+        self.stats.replaced_replies += int(replaced)
+        return old, limit, changed
 
     # -- with a runtime -----------------------------------------------------------------
     def prepare(
@@ -304,3 +358,42 @@ class ContextSession:
             error=f"{type(e).__name__}: {e}",
             failures=self.stats.runtime_failures,
         )
+
+
+def _forwarded(
+    old: list[dict[str, Any]],
+    to_send: list[dict[str, Any]],
+    limit: int,
+    changed: list[int],
+    new_edits: list[MessageEdit],
+) -> list[MessageEdit]:
+    """The edits that turn ``old`` (what the server holds) into ``to_send`` below ``limit``:
+    a policy's new edit as it was made; a message the agent edited in place as the text now
+    sent (the agent's, or a policy's edit of it). When ``old`` ends with the reply (``limit ==
+    len(old)``), only a policy's edit of it counts: the agent's echo may differ in form."""
+    by_index = {e.index: e for e in new_edits}
+    reply_at = len(old) - 1 if limit == len(old) and old[-1].get("role") == "assistant" else -1
+    out: list[MessageEdit] = []
+    for i in range(min(limit, len(to_send))):
+        if i not in changed and i in by_index:
+            out.append(by_index[i])
+        elif i in changed and i != reply_at and old[i] != to_send[i]:
+            edit = _edit_between(i, old[i], to_send[i])
+            if edit is not None:
+                out.append(edit)
+    return out
+
+
+def _edit_between(i: int, before: dict[str, Any], after: dict[str, Any]) -> MessageEdit | None:
+    """The agent's in-place edit of message ``i`` as a ``MessageEdit``; None when only another
+    field changed (left to the server's client-edit detection)."""
+    content = None
+    if before.get("content") != after.get("content"):
+        text = after.get("content")
+        content = text if isinstance(text, str) else message_text(after)
+    calls = after.get("tool_calls") if before.get("tool_calls") != after.get("tool_calls") else None
+    if content is None and calls is None:
+        return None
+    return MessageEdit(
+        index=i, content=content, tool_calls=calls, policy="client", reason="edited in place"
+    )

@@ -12,13 +12,20 @@ observed: the body passes through unchanged and is read as it goes (JSON or serv
 events). Other requests than ``POST .../chat/completions`` pass through untouched.
 
 For a chat request it does what ``wrap_openai`` does, with the same ``ContextSession``:
-run the policies on the body's ``messages``, send edits of cached messages to the server's
-``/leyline/v1/directives`` (an ``HTTPRuntime`` at the request's server root, bearer key from
-its ``Authorization``, detected once per root; a plain endpoint gets no directives), send
-the edited body with ``X-Leyline-Session`` and, when it has policies, ``{"leyline":
-{"client_edits": "off"}}`` (the server must not splice the same edits again), and record the
-reply. ``LeylineTransport([])`` (no policies) only names sessions: the server then splices the
-framework's own edits itself (``leyline serve --client-edits amortize``).
+run the policies on the body's ``messages``, send the edited body with ``X-Leyline-Session``
+and this turn's edits of cached messages in the body itself (``{"leyline": {"client_edits":
+mode, "edits": [...]}}``: the server splices them in the turn's own job, before its prefill;
+no separate directive request), and record the reply. Whether the server is Leyline's is
+detected once per server root (``GET /leyline/v1/stats`` through an ``HTTPRuntime``, bearer
+key from the request's ``Authorization``); a plain endpoint gets no ``leyline`` field.
+A framework's own in-place edits of its history keep the session and ride along the same
+way, so ``LeylineTransport([])`` (no policies) names sessions and passes those edits on.
+``runtime=`` a ``Runtime`` object: explicit use, edits go to it as directives and the body
+says ``{"leyline": {"client_edits": "off"}}`` (the server must not splice them again).
+
+Both HTTP libraries: a request of ``httpx`` or of ``httpx2`` (the OpenAI SDK's and
+pydantic-ai's newer one) is forwarded to a default transport of its own library (or to
+``transport=`` / ``async_transport=``), rebuilt and observed with that library's classes.
 
 Sessions: a request that names one (its ``X-Leyline-Session`` header, the body's
 ``leyline_session`` key, removed before sending, or the transport's ``session_id=``) gets
@@ -36,13 +43,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import httpx
+
+try:  # the OpenAI SDK's newer HTTP library; optional
+    import httpx2
+except ImportError:  # pragma: no cover - httpx alone
+    httpx2 = None
 
 from leyline_agent.agent.http_runtime import AuthenticationError, HTTPRuntime, server_root
 from leyline_agent.agent.session import ContextSession
@@ -59,6 +73,15 @@ log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
 SESSION_KEY = "leyline_session"
 CHAT_PATH = "/chat/completions"
+_LIBS: tuple[ModuleType, ...] = (httpx,) if httpx2 is None else (httpx, httpx2)
+_TRANSPORTS = tuple(c for lib in _LIBS for c in (lib.BaseTransport, lib.AsyncBaseTransport))
+_STREAMS = tuple(c for lib in _LIBS for c in (lib.SyncByteStream, lib.AsyncByteStream))
+
+
+def _lib(request: Any) -> ModuleType:
+    """The HTTP library (``httpx`` or ``httpx2``) a request object belongs to."""
+    lib = sys.modules.get(type(request).__module__.split(".")[0])
+    return lib if lib in _LIBS else httpx
 
 
 @dataclass(slots=True)
@@ -78,7 +101,7 @@ class _Exchange:
     done: Callable[[], None] = field(default=lambda: None)
 
 
-class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
+class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx2's bases
     def __init__(
         self,
         policies: Sequence[Any] = ("stale-tool",),
@@ -98,7 +121,9 @@ class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
         self.strict = strict
         self.session_id = client_session_id(session_id, "session_id")
         if not (runtime is None or runtime in ("auto", "off") or isinstance(runtime, Runtime)):
-            raise LeylineError(f"runtime: expected a Runtime, 'auto', 'off' or None, got {runtime!r}")
+            raise LeylineError(
+                f"runtime: expected a Runtime, 'auto', 'off' or None, got {runtime!r}"
+            )
         self._runtime_spec = runtime
         self._runtimes: dict[str, Any] = {}  # server root -> runtime (None: plain endpoint)
         self._entries: list[_Entry] = []
@@ -107,6 +132,7 @@ class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
         self._lock = threading.Lock()
         self._transport = transport
         self._async_transport = async_transport
+        self._defaults: dict[tuple[str, bool], Any] = {}  # (library, async) -> its transport
         self.failures = 0  # middleware failures let through
 
     # -- public state -------------------------------------------------------------------------
@@ -116,27 +142,37 @@ class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
             return [e.session for e in self._entries]
 
     # -- httpx ---------------------------------------------------------------------------------
+    def _inner(self, request: Any, is_async: bool) -> Any:
+        given = self._async_transport if is_async else self._transport
+        if given is not None:
+            return given
+        lib = _lib(request)
+        key = (lib.__name__, is_async)
+        with self._lock:
+            if key not in self._defaults:
+                cls = lib.AsyncHTTPTransport if is_async else lib.HTTPTransport
+                self._defaults[key] = cls()
+            return self._defaults[key]
+
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if self._transport is None:
-            self._transport = httpx.HTTPTransport()
+        inner = self._inner(request, is_async=False)
         request, ex = self._before(request)
         try:
-            response = self._transport.handle_request(request)
+            response = inner.handle_request(request)
         except BaseException:
             self._release(ex)
             raise
         return self._after(ex, response)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self._async_transport is None:
-            self._async_transport = httpx.AsyncHTTPTransport()
+        inner = self._inner(request, is_async=True)
         if _is_chat(request):
             await request.aread()
             request, ex = await asyncio.to_thread(self._before, request)  # runtime I/O is sync
         else:
             ex = None
         try:
-            response = await self._async_transport.handle_async_request(request)
+            response = await inner.handle_async_request(request)
         except BaseException:
             self._release(ex)
             raise
@@ -145,6 +181,9 @@ class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+        for (_, is_async), t in list(self._defaults.items()):
+            if not is_async:
+                t.close()
         for rt in self._runtimes.values():
             if rt is not None and hasattr(rt, "close") and self._runtime_spec in (None, "auto"):
                 rt.close()
@@ -152,6 +191,9 @@ class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         if self._async_transport is not None:
             await self._async_transport.aclose()
+        for (_, is_async), t in list(self._defaults.items()):
+            if is_async:
+                await t.aclose()
 
     # -- around one call (shared by sync and async) ---------------------------------------------
     def _before(self, request: httpx.Request) -> tuple[httpx.Request, _Exchange | None]:
@@ -168,28 +210,40 @@ class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
             self.failures += 1
             log.warning("leyline_transport.unreadable", error=f"{type(e).__name__}: {e}")
             return request, None
+        from leyline_agent.agent.wrappers import with_leyline_field
+
         session = entry.session
         session.runtime = self._runtime(entry.root, request)
+        rides = session.runtime is not None and self._runtime_spec in (None, "auto")
         tools = body.get("tools")
+        args = (
+            body["messages"],
+            tools if isinstance(tools, list) else None,
+            body.get("model") if isinstance(body.get("model"), str) else None,
+        )
         try:
-            body["messages"] = session.prepare(
-                body["messages"],
-                tools if isinstance(tools, list) else None,
-                body.get("model") if isinstance(body.get("model"), str) else None,
-            )
+            if rides:  # the edits go in the body: no directive request
+                plan = session.plan(*args)
+                body["messages"] = plan.messages_to_send
+                with_leyline_field(body, "leyline", session.leyline_field(plan))
+            else:
+                body["messages"] = session.prepare(*args)
         except Exception as e:  # noqa: BLE001 - let the user's call through
             if self.strict:
                 self._release(_Exchange(entry, False))
                 raise
             self.failures += 1
             session.reset()
-            log.warning("leyline_transport.policies_failed", session=session.session_id, error=str(e))
-        if session.runtime is not None and self.policies:  # our edits go as directives
+            log.warning(
+                "leyline_transport.policies_failed", session=session.session_id, error=str(e)
+            )
+        if not rides and session.runtime is not None and self.policies:  # sent as directives
             body.setdefault("leyline", {"client_edits": "off"})
-        headers = httpx.Headers(request.headers)
+        lib = _lib(request)
+        headers = lib.Headers(request.headers)
         headers.pop("content-length", None)
         headers[SESSION_HEADER] = session.session_id
-        out = httpx.Request(
+        out = lib.Request(
             request.method,
             request.url,
             headers=headers,
@@ -209,7 +263,7 @@ class LeylineTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
         def on_body(raw: bytes | None) -> None:
             try:
                 if raw is not None:
-                    reply = _reply(raw, response.headers, ex.stream)
+                    reply = _reply(raw, response, ex.stream)
                     if reply is not None:
                         entry.session.observe_reply(reply)
             except Exception as e:  # noqa: BLE001 - observing must not break the call
@@ -309,11 +363,13 @@ def _is_chat(request: httpx.Request) -> bool:
     return request.method == "POST" and request.url.path.rstrip("/").endswith(CHAT_PATH)
 
 
-def _reply(raw: bytes, headers: httpx.Headers, stream: bool) -> dict[str, Any] | None:
+def _reply(raw: bytes, response: Any, stream: bool) -> dict[str, Any] | None:
     """The assistant message of choice 0 in a reply body (JSON, or server-sent events)."""
+    headers = response.headers
     enc = headers.get("content-encoding")
-    if enc and enc != "identity":  # decode as httpx would
-        raw = httpx.Response(200, headers={"content-encoding": enc}, content=raw).content
+    if enc and enc != "identity":  # decode as the response's own library would
+        lib = _lib(response)
+        raw = lib.Response(200, headers={"content-encoding": enc}, content=raw).content
     text = raw.decode("utf-8", errors="replace")
     if not stream and "text/event-stream" not in headers.get("content-type", ""):
         choices = json.loads(text).get("choices") or []
@@ -327,7 +383,7 @@ def _reply(raw: bytes, headers: httpx.Headers, stream: bool) -> dict[str, Any] |
     return asm.message()
 
 
-class _ObservedBody(httpx.SyncByteStream, httpx.AsyncByteStream):
+class _ObservedBody(*_STREAMS):  # type: ignore[misc]  # httpx's and httpx2's stream bases
     """A response body passed through as it is read; ``on_body(all bytes)`` once it has been
     read to its end, ``on_body(None)`` if it is closed before that."""
 

@@ -6,9 +6,13 @@
 The result is a copy of the client (same class, same HTTP connection pool; the original is
 left untouched; its own copies, ``with_options(...)``, are wrapped alike and share its
 sessions) whose ``chat.completions.create`` runs the policies (a ``ContextSession``)
-on the incoming messages, forwards new edits of already-cached messages to the serving
-side as directives, sends the edited list, and observes the reply (for streams: once the
-stream has been consumed). Everything else on the client passes through unchanged.
+on the incoming messages, sends the edited list with this turn's edits of already-cached
+messages in the request body itself (``{"leyline": {"client_edits": mode, "edits":
+[...]}}``: the server splices them in the turn's own job, before its prefill; no separate
+directive request), and observes the reply (for streams: once the stream has been
+consumed). Edits the agent makes to its own history in place (a framework that stubs old
+tool results) keep the session and ride along the same way. Everything else on the client
+passes through unchanged.
 
 Session identity: ``session_id=`` (or the client's own ``X-Leyline-Session`` default header)
 names the one session of every call. Without one, sessions are found by content, as
@@ -30,11 +34,15 @@ state, typed ``LeylineState`` (``.session(id)``, ``.sessions``, ``.runtime``); i
 the client's own type, which does not declare it). At most ``MAX_SESSIONS`` sessions found by
 content are kept (the least recently used are dropped).
 
-Runtime: a ``Runtime`` / ``AsyncRuntime`` object, or ``None`` / ``"auto"``: an
-``HTTPRuntime`` at the client's base URL (``/v1`` stripped) with the client's ``api_key`` as
-its bearer key (whatever it is: a server without keys ignores it), checked once for
-``/leyline/v1/stats``; a plain OpenAI-compatible endpoint is fine (no directives are sent,
-edits cost a re-prefill). ``"off"``: never send directives.
+Runtime: ``None`` / ``"auto"``: the client's base URL (``/v1`` stripped) is checked once for
+``/leyline/v1/stats`` (an ``HTTPRuntime`` with the client's ``api_key`` as its bearer key);
+a Leyline server gets the edits in the chat request's ``leyline`` body field, a plain
+OpenAI-compatible endpoint gets neither that field nor directives (edits cost a
+re-prefill). A ``Runtime`` / ``AsyncRuntime`` object: explicit use, the edits go to it as
+directives (``apply_directives``) before the call, and the call carries ``{"leyline":
+{"client_edits": "off"}}`` (the server must not splice them again). ``"off"``: neither.
+A call's own ``extra_body={"leyline": {...}}`` keys win over the wrapper's (its
+``"client_edits": "off"`` drops the edits).
 
 Messages may be dicts or SDK message objects (``response.choices[0].message`` appended as
 is): objects are dumped to dicts before the policies see them. One session expects one
@@ -54,7 +62,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 from leyline_agent.agent.http_runtime import AsyncHTTPRuntime, AuthenticationError, HTTPRuntime
-from leyline_agent.agent.session import ContextSession
+from leyline_agent.agent.session import ContextSession, Plan
 from leyline_agent.agent.stream_observer import AsyncObservedStream, ObservedStream
 from leyline_agent.directives import Mode
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
@@ -71,6 +79,7 @@ __all__ = [
     "SESSION_KEY",
     "client_session_id",
     "leyline_state",
+    "with_leyline_field",
     "wrap_openai",
 ]
 
@@ -108,6 +117,7 @@ class LeylineState:
         self.failures = 0  # policy-layer failures let through
         self._lock = threading.Lock()
         self._detected = False
+        self.rides = runtime is None or runtime == "auto"  # edits ride in the chat body
         if runtime is None or runtime == "auto":
             cls = AsyncHTTPRuntime if is_async else HTTPRuntime
             self.runtime: Any = cls(str(client.base_url), api_key=getattr(client, "api_key", None))
@@ -290,11 +300,36 @@ def _call_args(kwargs: dict[str, Any]) -> tuple[list[Any], list[Any] | None, str
     )
 
 
-def _edits_spliced_here(kwargs: dict[str, Any], runtime: Any) -> None:
-    """The wrapper sends its edits as directives itself: tell a Leyline server not to splice
-    them a second time as client-made edits (``{"leyline": {"client_edits": "off"}}``), unless
-    the call sets its own ``leyline`` options. Not sent to a plain endpoint (no runtime)."""
-    if runtime is None:
+def with_leyline_field(body: dict[str, Any], key: str, ours: dict[str, Any]) -> None:
+    """Put the wrapper's ``leyline`` options into ``body[key]`` (the ``extra_body`` of a
+    call, or a request body itself): the caller's own keys win, and its ``"client_edits":
+    "off"`` drops the edits (they could not act)."""
+    own = body.get(key)
+    merged = {**ours, **own} if isinstance(own, dict) else ours if own is None else own
+    if isinstance(merged, dict) and merged.get("client_edits") == "off":
+        merged = {k: v for k, v in merged.items() if k != "edits"}
+    body[key] = merged
+
+
+def _prepare(state: LeylineState, session: ContextSession, kwargs: dict[str, Any]) -> Plan | None:
+    """With edits riding in the body: the plan, its ``leyline`` field set on the call's
+    ``extra_body``. None: the session goes through ``prepare`` (a ``Runtime`` given, or a
+    plain endpoint)."""
+    if not (state.rides and session.runtime is not None):
+        return None
+    plan = session.plan(*_call_args(kwargs))
+    extra = dict(kwargs.get("extra_body") or {})
+    with_leyline_field(extra, "leyline", session.leyline_field(plan))
+    kwargs["extra_body"] = extra
+    return plan
+
+
+def _edits_spliced_here(kwargs: dict[str, Any], runtime: Any, state: LeylineState) -> None:
+    """A ``Runtime`` given sends the edits as directives itself: tell a Leyline server not to
+    splice them a second time as client-made edits (``{"leyline": {"client_edits":
+    "off"}}``), unless the call sets its own ``leyline`` options. Not sent to a plain
+    endpoint (no runtime), nor when the edits ride in the body."""
+    if runtime is None or state.rides:
         return
     extra = dict(kwargs.get("extra_body") or {})
     extra.setdefault("leyline", {"client_edits": "off"})
@@ -318,10 +353,15 @@ def _make_create(
             if "messages" in kwargs:
                 session.runtime = await state.aresolve_runtime()
                 try:
-                    kwargs["messages"] = await session.aprepare(*_call_args(kwargs))
+                    plan = _prepare(state, session, kwargs)
+                    kwargs["messages"] = (
+                        plan.messages_to_send
+                        if plan is not None
+                        else await session.aprepare(*_call_args(kwargs))
+                    )
                 except Exception as e:  # noqa: BLE001
                     state.policy_failed(session, e)
-                _edits_spliced_here(kwargs, session.runtime)
+                _edits_spliced_here(kwargs, session.runtime, state)
             try:
                 response = await original(*args, **kwargs)
                 return state.observe(session, response, stream, is_async=True)
@@ -336,10 +376,15 @@ def _make_create(
         if "messages" in kwargs:
             session.runtime = state.resolve_runtime()
             try:
-                kwargs["messages"] = session.prepare(*_call_args(kwargs))
+                plan = _prepare(state, session, kwargs)
+                kwargs["messages"] = (
+                    plan.messages_to_send
+                    if plan is not None
+                    else session.prepare(*_call_args(kwargs))
+                )
             except Exception as e:  # noqa: BLE001 - let the user's call through
                 state.policy_failed(session, e)
-            _edits_spliced_here(kwargs, session.runtime)
+            _edits_spliced_here(kwargs, session.runtime, state)
         try:
             response = original(*args, **kwargs)
             return state.observe(session, response, stream, is_async=False)

@@ -54,8 +54,11 @@ async def prepare_chat(
     leyline: Any,
     tools: list[dict[str, Any]] | None,
     ns: Namespace,
+    *,
+    declared: frozenset[int] = frozenset(),
 ) -> PreparedChat | None:
-    """The conversation-tracked form of the request, or None (serve it as it is)."""
+    """The conversation-tracked form of the request, or None (serve it as it is).
+    ``declared``: indices the request says it edited in place (``request_edits``)."""
     opts = parse_leyline_options(leyline)
     tok = st.worker.engine.tokenizer  # called on the worker thread only (inside the job)
 
@@ -68,7 +71,7 @@ async def prepare_chat(
         return None
     messages = messages_for_template(raw_messages)  # canonical (chat_input)
     store = st.conversations
-    match = store.find(ns.tenant, ns.session, messages)
+    match = store.find(ns.tenant, ns.session, messages, declared=declared)
     conv = match.conversation if match is not None else store.new(ns.tenant, ns.session)
     conv_ns = Namespace(ns.tenant, conv.session)
 

@@ -101,9 +101,18 @@ class ConversationStore:
         self._tenants: dict[str, OrderedDict[str, Conversation]] = {}
 
     def find(
-        self, tenant: str, session: str | None, messages: Sequence[Mapping[str, Any]]
+        self,
+        tenant: str,
+        session: str | None,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        declared: frozenset[int] = frozenset(),
     ) -> Match | None:
-        """The conversation ``messages`` (normalized) continue, as the module doc says."""
+        """The conversation ``messages`` (normalized) continue, as the module doc says.
+        ``declared``: messages a request of a named session says it edited in place
+        (``request_edits``): believed edited as a directive request naming the session would
+        be, without the echo proof (a user message too; tool results keep their call ids)."""
+        declared = declared if session is not None else frozenset()
         with self._lock:
             convs = list(self._tenants.get(tenant, {}).values())
         scored = []
@@ -112,7 +121,7 @@ class ConversationStore:
                 continue
             if session is None and not c.session.startswith(CONVERSATION_PREFIX):
                 continue
-            m = _continues(c, messages)
+            m = _continues(c, messages, declared)
             if m is not None:
                 scored.append(((m.known, -len(m.edited), c.used), m))
         if not scored:
@@ -148,7 +157,9 @@ class ConversationStore:
             return sum(len(v) for v in self._tenants.values())
 
 
-def _continues(c: Conversation, messages: Sequence[Mapping[str, Any]]) -> Match | None:
+def _continues(
+    c: Conversation, messages: Sequence[Mapping[str, Any]], declared: frozenset[int] = frozenset()
+) -> Match | None:
     if not c.raw:
         return None
     if len(messages) <= len(c.raw):
@@ -158,10 +169,11 @@ def _continues(c: Conversation, messages: Sequence[Mapping[str, Any]]) -> Match 
     for i, (old, new) in enumerate(zip(c.raw, messages, strict=False)):
         if old == new:
             continue
-        if not edited_in_place(old, new, user=echo == "ids"):
+        if not edited_in_place(old, new, user=echo == "ids" or i in declared):
             return None
         edited.append(i)
     echoed = echo is not None
-    if edited and not echoed:
-        return None  # an edit is only believed from the client that got the reply
+    if edited and not echoed and not set(edited) <= declared:
+        return None  # an edit is only believed from the client that got the reply, or
+        # declared by a request that names the session (what a directive request may do)
     return Match(c, tuple(edited), len(c.raw) + int(echoed))

@@ -55,6 +55,7 @@ from leyline_agent.server.openai_api import (
     now,
     usage,
 )
+from leyline_agent.server.request_edits import outcome, request_edits
 from leyline_agent.server.state import ServerState, state
 from leyline_agent.server.streaming import DONE, StreamedText, sse
 from leyline_agent.server.tenants import namespace
@@ -104,14 +105,19 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     tools = check_messages(req)
     choice = parse_tool_choice(req.tool_choice, tools)  # see tool_choice.py
     forced = choice.forced_prefix() if tools is not None else ""
-    messages = messages_for_template(req.messages)
+    edits = request_edits(req.leyline, req.messages)  # leyline.edits checked and applied
+    messages = messages_for_template(edits.messages)
     longest, limit = st.model.limits.longest_token_bytes, st.model.max_prompt_tokens
     check_text_bound(message_text_bytes(messages), longest, limit, "messages")
+    cm, opts, declared = req.context_management, edits.options, edits.declared
     ctx = await prepare_chat(
-        request, st, req.messages, req.context_management, req.leyline, tools, ns
+        request, st, edits.messages, cm, opts, tools, ns, declared=declared
     )  # server-side edits and splices (chat_context); None: served as it is
     if ctx is not None:
         messages, ns = ctx.messages, ctx.namespace
+        if edits.edits:  # what came of leyline.edits, in the answer's leyline field
+            done = outcome(edits, ctx.body["leyline"]["edited_messages"], ns.session or "")
+            ctx.body["leyline"]["edits"] = done
     ids = await run_connected(
         request,
         st.worker,
