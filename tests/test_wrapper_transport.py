@@ -3,8 +3,9 @@
 Every way of calling the SDK (``with_options``, ``copy``, ``with_raw_response``,
 ``with_streaming_response``, streamed, async) passes through the transport: the chat bodies
 the stub received are the stale-tool-edited histories (computed here independently), the
-edits of cached messages arrive as directives naming the call's session, and replies are
-observed (else the session would reset or forward nothing).
+edits of cached messages ride in the chat body's ``leyline.edits`` (no directive request),
+the call names its session, and replies are observed (else the session would reset or
+forward nothing). httpx2 clients (the OpenAI SDK's own library) pass through it as well.
 """
 
 from __future__ import annotations
@@ -91,18 +92,21 @@ def test_every_sdk_path_goes_through_the_transport():
         assert session.stats.resets == 0 and session.stats.turns == 5
         for body, headers in zip(bodies, stub.chat_headers(), strict=True):
             assert headers["x-leyline-session"] == session.session_id
-            assert body["leyline"] == {"client_edits": "off"}
+            assert body["leyline"]["client_edits"] == "amortize"
         # what was sent is the stubbed history (independent computation), turn by turn
         for k, body in enumerate(bodies):
             raw = history[: 1 + 2 * k]
             assert body["messages"] == stubbed(raw)
-        # from turn 3 on, one new stale tool result per turn, each forwarded as a directive
-        dirs = stub.directive_bodies()
-        assert len(dirs) == 3 == session.stats.forwarded_edits
-        assert all(d["session"] == session.session_id for d in dirs)
-        for d in dirs:
-            changed = [b for a, b in zip(d["old_messages"], d["new_messages"], strict=True) if a != b]
-            assert [m["content"] for m in changed] == ["[stale output of bash elided]"]
+        # from turn 3 on, one new stale tool result per turn, each riding in its chat body
+        assert stub.directive_bodies() == []
+        edits = [b["leyline"].get("edits") for b in bodies]
+        assert [e is not None for e in edits] == [False, False, True, True, True]
+        assert session.stats.forwarded_edits == 3 == session.stats.body_edits
+        for k, body in enumerate(bodies):
+            for e in edits[k] or ():
+                assert e["content"] == "[stale output of bash elided]"
+                assert body["messages"][e["index"]]["content"] == e["content"]
+                assert bodies[k - 1]["messages"][e["index"]]["content"] != e["content"]
 
 
 def test_streamed_and_async_share_one_transport():
@@ -125,7 +129,9 @@ def test_streamed_and_async_share_one_transport():
                     c["arguments"] += tc.function.arguments or ""
             tool_calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls.values()]  # fmt: skip
             history.append({"role": "assistant", "content": content, "tool_calls": tool_calls})
-            history.append({"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": f"o{k} " * 40})
+            history.append(
+                {"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": f"o{k} " * 40}
+            )
         return history
 
     with StubServer(script(5)) as stub:
@@ -133,7 +139,9 @@ def test_streamed_and_async_share_one_transport():
         asyncio.run(run(t, stub))
         [session] = t.sessions
         assert session.stats.resets == 0
-        assert session.stats.forwarded_edits == 2 == len(stub.directive_bodies())
+        assert session.stats.forwarded_edits == 2 == session.stats.body_edits
+        assert stub.directive_bodies() == []
+        assert sum(1 for b in stub.chat_bodies() if b["leyline"].get("edits")) == 2
 
 
 def test_named_sessions_and_contradictions():
@@ -160,8 +168,13 @@ def test_plain_endpoint_gets_no_directives_and_no_leyline_field():
         client = openai.OpenAI(base_url=stub.base_url, api_key="k", http_client=httpx.Client(transport=t))  # fmt: skip
         history = [{"role": "user", "content": "go"}]
         for k in range(4):
-            msg = message_of(client.chat.completions.create(model="m", messages=history, tools=TOOLS))
-            history += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": f"x{k}"}]
+            msg = message_of(
+                client.chat.completions.create(model="m", messages=history, tools=TOOLS)
+            )
+            history += [
+                msg,
+                {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": f"x{k}"},
+            ]
         bodies = stub.chat_bodies()
         assert all("leyline" not in b for b in bodies)
         assert bodies[-1]["messages"] == stubbed(history[:-2])
@@ -172,8 +185,8 @@ def test_plain_endpoint_gets_no_directives_and_no_leyline_field():
 def test_three_concurrent_conversations_on_one_client_get_their_own_sessions(wrapper):
     """Real ``leyline serve`` (scripted tiny engine): three threads run their own tool loop
     on one client (``LeylineTransport``, or ``wrap_openai``), no session ids; each
-    conversation is found by content, gets its own session and its own directives, and
-    nothing resets."""
+    conversation is found by content, gets its own session and its own spliced edits (riding
+    in its chat requests), and nothing resets."""
     import threading
 
     from leyline_agent.testing.frameworks import scripted_server, stats
@@ -217,6 +230,45 @@ def test_three_concurrent_conversations_on_one_client_get_their_own_sessions(wra
         per = turns - 1 - KEEP  # stale results per conversation: turns 2..4 each stub one
         for s in sessions:
             assert s.stats.turns == turns and s.stats.resets == 0, s.stats
-            assert s.stats.forwarded_edits == per == s.stats.runtime_calls
+            assert s.stats.forwarded_edits == per == s.stats.body_edits
+            assert s.stats.runtime_calls == 0  # no directive requests: the edits rode along
             assert s.stats.server_fallbacks == 0
         assert stats(srv)["splices"]["amortize"] == 3 * per
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_httpx2_clients_go_through_the_transport(is_async):
+    """The OpenAI SDK and pydantic-ai build httpx2 clients: their requests are forwarded by
+    an httpx2 transport and observed like httpx's (streamed and not)."""
+    httpx2 = pytest.importorskip("httpx2")
+
+    async def loop(client, history):
+        for k in range(4):
+            kw = {"model": "m", "messages": history, "tools": TOOLS}
+            if k % 2:
+                stream = await client.chat.completions.create(**kw, stream=True)
+                chunks = [ch async for ch in stream]
+                call = next(tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or ())
+                fn = {"name": call.function.name, "arguments": call.function.arguments}
+                msg = {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": fn}]}  # fmt: skip
+            else:
+                msg = message_of(await client.chat.completions.create(**kw))
+            history += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": f"out {k} " * 30}]  # fmt: skip
+
+    with StubServer(script(5)) as stub:
+        t = LeylineTransport([{"name": "stale-tool", "keep": KEEP}])
+        history = [{"role": "user", "content": "go"}]
+        if is_async:
+            client = openai.AsyncOpenAI(base_url=stub.base_url, api_key="k", http_client=httpx2.AsyncClient(transport=t))  # fmt: skip
+            asyncio.run(loop(client, history))
+        else:
+            client = openai.OpenAI(base_url=stub.base_url, api_key="k", http_client=httpx2.Client(transport=t))  # fmt: skip
+            for k in range(4):
+                msg = message_of(client.chat.completions.create(model="m", messages=history, tools=TOOLS, stream=False))  # fmt: skip
+                history += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": f"out {k} " * 30}]  # fmt: skip
+        [session] = t.sessions
+        assert session.stats.resets == 0 and session.stats.turns == 4
+        bodies = stub.chat_bodies()
+        assert bodies[-1]["messages"] == stubbed(history[:-2])
+        assert all(h["x-leyline-session"] == session.session_id for h in stub.chat_headers())
+        assert session.stats.body_edits == 2 == sum(1 for b in bodies if b["leyline"].get("edits"))
