@@ -16,7 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from leyline_agent.directives import Directive, ImplementedMode, Mode
 
-__all__ = ["Counters", "DirectivesRequest", "DirectivesResponse", "ErrorBody", "StatsResponse"]
+__all__ = [
+    "BODY_EDITS",
+    "Counters", "DirectivesRequest", "DirectivesResponse", "ErrorBody",
+    "StatsResponse",
+]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -94,6 +98,9 @@ class DirectivesResponse(BaseModel):
     elapsed_s: float = 0.0
 
 
+BODY_EDITS = "body_edits"  # StatsResponse.features: `leyline.edits` in chat bodies
+
+
 class StatsResponse(BaseModel):
     """``GET /leyline/v1/stats``: cumulative counters of one serving process (of one tenant,
     where the serving side keeps them per tenant: every counter is the tenant's own)."""
@@ -122,6 +129,11 @@ class StatsResponse(BaseModel):
         default=0, description="splice results evicted before their session's next request"
     )
     tenant: str | None = Field(default=None, description="whose counters these are (per key)")
+    features: tuple[str, ...] = Field(
+        default=(),
+        description="optional front features this server has; BODY_EDITS: it applies a chat "
+        "request's `leyline.edits` in the turn's own job",
+    )
 
 
 def _no_splices() -> dict[str, int]:

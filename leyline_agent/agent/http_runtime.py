@@ -59,7 +59,13 @@ from leyline_agent.errors import (
 )
 from leyline_agent.logs import get_logger
 from leyline_agent.namespaces import SESSION_HEADER
-from leyline_agent.wire import DirectivesRequest, DirectivesResponse, ErrorBody, StatsResponse
+from leyline_agent.wire import (
+    BODY_EDITS,
+    DirectivesRequest,
+    DirectivesResponse,
+    ErrorBody,
+    StatsResponse,
+)
 
 __all__ = [
     "AsyncHTTPRuntime",
@@ -163,6 +169,9 @@ class _HTTPRuntimeBase:
         self.backoff_s = backoff_s
         self.max_retry_after_s = max_retry_after_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # learnt from the stats answer: the server applies `leyline.edits` of a chat body
+        # (`leyline serve`); elsewhere (the vLLM and SGLang plugins) edits go as directives
+        self.body_edits = False
 
     def _retry_kwargs(self, method: str) -> dict[str, Any]:
         errors = _POST_RETRY_ERRORS if method == "POST" else _GET_RETRY_ERRORS
@@ -304,7 +313,7 @@ class HTTPRuntime(_HTTPRuntimeBase):
         """True if the server answers ``/leyline/v1/stats``; False for a plain endpoint.
         Raises ``RuntimeUnavailableError`` if the server cannot be reached at all."""
         try:
-            self.stats()
+            self.body_edits = BODY_EDITS in self.stats().features
         except NoLeylineRoutesError:
             return False
         return True
@@ -352,7 +361,7 @@ class AsyncHTTPRuntime(_HTTPRuntimeBase):
 
     async def has_leyline(self) -> bool:
         try:
-            await self.stats()
+            self.body_edits = BODY_EDITS in (await self.stats()).features
         except NoLeylineRoutesError:
             return False
         return True

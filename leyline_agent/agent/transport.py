@@ -210,11 +210,11 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
             self.failures += 1
             log.warning("leyline_transport.unreadable", error=f"{type(e).__name__}: {e}")
             return request, None
-        from leyline_agent.agent.wrappers import with_leyline_field
+        from leyline_agent.agent.wrappers import rides_in_body, with_leyline_field
 
         session = entry.session
         session.runtime = self._runtime(entry.root, request)
-        rides = session.runtime is not None and self._runtime_spec in (None, "auto")
+        rides = rides_in_body(session.runtime) and self._runtime_spec in (None, "auto")
         tools = body.get("tools")
         args = (
             body["messages"],

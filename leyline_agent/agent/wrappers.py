@@ -300,6 +300,13 @@ def _call_args(kwargs: dict[str, Any]) -> tuple[list[Any], list[Any] | None, str
     )
 
 
+def rides_in_body(runtime: Any) -> bool:
+    """Does the runtime's server apply a chat body's ``leyline.edits`` (its stats say so)?
+    Otherwise the session sends its edits as directive requests: a server that ignored the
+    field would drop them silently."""
+    return runtime is not None and bool(getattr(runtime, "body_edits", False))
+
+
 def with_leyline_field(body: dict[str, Any], key: str, ours: dict[str, Any]) -> None:
     """Put the wrapper's ``leyline`` options into ``body[key]`` (the ``extra_body`` of a
     call, or a request body itself): the caller's own keys win, and its ``"client_edits":
@@ -315,7 +322,7 @@ def _prepare(state: LeylineState, session: ContextSession, kwargs: dict[str, Any
     """With edits riding in the body: the plan, its ``leyline`` field set on the call's
     ``extra_body``. None: the session goes through ``prepare`` (a ``Runtime`` given, or a
     plain endpoint)."""
-    if not (state.rides and session.runtime is not None):
+    if not (state.rides and rides_in_body(session.runtime)):
         return None
     plan = session.plan(*_call_args(kwargs))
     extra = dict(kwargs.get("extra_body") or {})
@@ -329,7 +336,7 @@ def _edits_spliced_here(kwargs: dict[str, Any], runtime: Any, state: LeylineStat
     splice them a second time as client-made edits (``{"leyline": {"client_edits":
     "off"}}``), unless the call sets its own ``leyline`` options. Not sent to a plain
     endpoint (no runtime), nor when the edits ride in the body."""
-    if runtime is None or state.rides:
+    if runtime is None or (state.rides and rides_in_body(runtime)):
         return
     extra = dict(kwargs.get("extra_body") or {})
     extra.setdefault("leyline", {"client_edits": "off"})

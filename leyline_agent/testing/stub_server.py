@@ -48,7 +48,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from leyline_agent.wire import DirectivesRequest, DirectivesResponse, ErrorBody, StatsResponse
+from leyline_agent.wire import (
+    BODY_EDITS,
+    DirectivesRequest,
+    DirectivesResponse,
+    ErrorBody,
+    StatsResponse,
+)
 
 __all__ = ["RecordedRequest", "StubServer", "prompt_tokens"]
 
@@ -165,7 +171,9 @@ class StubServer:
                 splices[mode] = splices.get(mode, 0) + 1
         chats = self.chat_bodies()
         prompt = sum(prompt_tokens(b) for b in chats)
-        return StatsResponse(requests=len(chats), prompt_tokens=prompt, splices=splices)
+        return StatsResponse(  # it says, as leyline serve does, that chat bodies carry edits
+            requests=len(chats), prompt_tokens=prompt, splices=splices, features=(BODY_EDITS,)
+        )
 
 
 def prompt_tokens(body: Any) -> int:
