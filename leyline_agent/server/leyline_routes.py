@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from leyline_agent.chat_input import canonical_tools
-from leyline_agent.directives import plan_batch
+from leyline_agent.directives import Directive, plan_batch
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.server.completions import (
     check_message_shapes,
@@ -40,7 +40,7 @@ from leyline_agent.server.openai_api import ToolSpec
 from leyline_agent.server.state import state
 from leyline_agent.server.tenants import namespace
 from leyline_agent.server.worker import session_key
-from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
+from leyline_agent.wire import BODY_EDITS, DirectivesRequest, DirectivesResponse, StatsResponse
 
 __all__ = ["FlushResponse", "router"]
 
@@ -55,6 +55,7 @@ def checked(req: DirectivesRequest, request: Request) -> DirectivesRequest:
         check_prompt_length(len(req.tokens), st.model, "tokens")
         check_prompt_ids(req.tokens, st.model.limits, "tokens")
         plan_batch(req.directives, seq_len=len(req.tokens))  # raises naming directives[i]
+        check_directive_sizes(req.tokens, req.directives, st.model)
         for i, d in enumerate(req.directives):
             if isinstance(d.replacement, list) and d.replacement:
                 check_prompt_ids(d.replacement, st.model.limits, f"directives[{i}].replacement")
@@ -79,6 +80,36 @@ def checked(req: DirectivesRequest, request: Request) -> DirectivesRequest:
     )
 
 
+def check_directive_sizes(tokens: list[int], directives: list[Directive], model: Any) -> None:
+    """Refuse, before any prefill, a replacement or a resulting sequence longer than the
+    server's ``max_prompt_tokens`` (the model's context unless set lower): such a splice
+    would hold the engine for its R prefill and leave rows no completion may use. A text
+    replacement is counted from below (its bytes over the longest token's) before it is
+    tokenized, so a huge text is refused without tokenizing it."""
+    limit = model.max_prompt_tokens
+    if limit is None:
+        return
+    longest = model.limits.longest_token_bytes
+    length, from_below = len(tokens), False
+    for i, d in enumerate(directives):
+        field = f"directives[{i}].replacement"
+        if isinstance(d.replacement, str):
+            n_bytes = len(d.replacement.encode("utf-8", "surrogatepass"))
+            check_text_bound(n_bytes, longest, limit, field)
+            n, from_below = (n_bytes // longest if longest else 0), True
+        else:
+            n = len(d.replacement)
+            if n > limit:
+                raise RequestError(f"the replacement has {n} tokens; the limit is {limit}", field)
+        length += n - (d.end - d.start)
+    if length > limit:
+        raise RequestError(
+            f"the spliced sequence would have {'at least ' * from_below}{length} tokens; "
+            f"the limit is {limit}",
+            "directives",
+        )
+
+
 @router.post("/leyline/v1/directives", response_model=DirectivesResponse)
 async def directives(req: DirectivesRequest, request: Request) -> DirectivesResponse:
     st = state(request)
@@ -96,7 +127,8 @@ async def directives(req: DirectivesRequest, request: Request) -> DirectivesResp
 @router.get("/leyline/v1/stats", response_model=StatsResponse)
 async def stats(request: Request) -> StatsResponse:
     tenant = namespace(request).tenant
-    return await run_connected(request, state(request).worker, lambda e: e.stats(tenant=tenant))
+    counts = await run_connected(request, state(request).worker, lambda e: e.stats(tenant=tenant))
+    return counts.model_copy(update={"features": (BODY_EDITS,)})  # request_edits applies them
 
 
 @router.post("/leyline/v1/flush", response_model=FlushResponse)
