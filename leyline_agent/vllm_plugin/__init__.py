@@ -70,22 +70,25 @@ def register() -> None:
 
 
 class LeylineEndpoints:
-    """The ``vllm.endpoint_plugins`` factory: routes, the session middleware, their state."""
+    """The ``vllm.endpoint_plugins`` factory: routes, the guard middleware, their state."""
 
     name = PLUGIN_NAME
     required_tasks = ("generate",)
 
     def attach_router(self, app: Any) -> None:
-        from leyline_agent.vllm_plugin.route import SessionSaltMiddleware, add_routes
+        from leyline_agent.vllm_plugin.guard import LeylineGuard
+        from leyline_agent.vllm_plugin.route import add_routes
 
         add_routes(app)
-        app.add_middleware(SessionSaltMiddleware)
+        app.add_middleware(LeylineGuard)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         import structlog
 
+        from leyline_agent.vllm_plugin.guard import KEYS_STATE, api_keys
         from leyline_agent.vllm_plugin.route import LeylineRoute
 
+        setattr(state, KEYS_STATE, api_keys(args))  # the guard's key check, vLLM's keys
         if engine_client is None:
             return
         names = list(getattr(args, "served_model_name", None) or []) or [str(args.model)]

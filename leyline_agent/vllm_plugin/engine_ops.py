@@ -16,6 +16,8 @@ while an op does. The general plugin adds this one method to ``EngineCore``. Ops
   on, so that the FORGET's normal request re-prefills them.
 - ``release``: give back a lock or a hold (a failed directive).
 - ``stats``: counters and cache occupancy.
+- ``flush``: every cached block no request holds leaves the prefix cache (its rows are
+  free for reuse); a block a request in flight (or a directive's hold) holds stays cached.
 
 Errors travel back as ``{"error": {"type", "message", "field"}}`` with the Leyline class
 name, never as an exception through vLLM's utility machinery.
@@ -247,6 +249,21 @@ def _stats(engine: Any) -> dict[str, Any]:
     }
 
 
+def _flush(engine: Any) -> dict[str, Any]:
+    sched = _scheduler(engine)
+    pool, bs = sched.block_pool, sched.block_size
+    free, kept = set(), 0
+    for blk in pool.blocks:
+        if blk.is_null or blk.block_hash is None:
+            continue
+        if blk.ref_cnt == 0:
+            free.add(blk.block_id)
+        else:
+            kept += 1
+    pool.evict_blocks(free)
+    return {"flushed_tokens": len(free) * bs, "kept_tokens": kept * bs}
+
+
 _OPS = {
     "describe": _describe,
     "lock": _lock,
@@ -254,4 +271,5 @@ _OPS = {
     "splice": _splice,
     "forget": _forget,
     "stats": _stats,
+    "flush": _flush,
 }

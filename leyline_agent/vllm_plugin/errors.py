@@ -1,10 +1,10 @@
 """Every failure of a Leyline route on vLLM as ``{"error": {"type", "message", "field", "code"}}``.
 
 The mapping is ``leyline_agent.http_errors`` (the one ``leyline serve`` and the SGLang route
-use), with what only this route meets: a bad body is 422 ``ValidationError`` (vLLM's own
-routes answer 422; ``UnsupportedModeError`` for a reserved mode), ``ModelNotFoundError`` 404,
-and a ``RuntimeUnavailableError`` (503) names the setting at fault when its message starts
-with it.
+use), with what only this route meets: ``ModelNotFoundError`` 404, a refused guard check
+(``http_guards.GuardError``: 400, 401, 413) with its own status and type, and a
+``RuntimeUnavailableError`` (503) naming the setting at fault when its message starts with
+it. A bad body is 400 ``ValidationError``, as on ``leyline serve``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from leyline_agent.directives.http_guards import GuardError
 from leyline_agent.errors import DirectiveError, RuntimeUnavailableError
 from leyline_agent.http_errors import classify as classify_leyline
 from leyline_agent.http_errors import error_body, lift_field, validation_answer
@@ -26,8 +27,9 @@ class ModelNotFoundError(DirectiveError):
 
 def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
     if isinstance(exc, ValidationError):
-        _, kind, message, field = validation_answer(exc.errors())
-        return 422, kind, message, field
+        return validation_answer(exc.errors())
+    if isinstance(exc, GuardError):
+        return exc.status, exc.type_name, str(exc), exc.field
     if isinstance(exc, ModelNotFoundError):
         return 404, "ModelNotFoundError", str(exc), "model"
     if isinstance(exc, RuntimeUnavailableError):
@@ -37,4 +39,7 @@ def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
 
 def error_content(exc: BaseException) -> tuple[int, dict[str, Any]]:
     status, kind, message, field = classify(exc)
-    return status, {"error": error_body(kind, message, field).model_dump(mode="json")}
+    code = exc.code if isinstance(exc, GuardError) else None
+    if isinstance(exc, ValidationError) and exc.errors():  # pydantic's type, as leyline serve
+        code = str(exc.errors()[0].get("type", "invalid_value")).replace(".", "_")
+    return status, {"error": error_body(kind, message, field, code).model_dump(mode="json")}

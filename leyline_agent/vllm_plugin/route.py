@@ -24,7 +24,6 @@ import asyncio
 import json
 import time
 import uuid
-from collections import OrderedDict
 from typing import Any
 
 import structlog
@@ -32,22 +31,25 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from leyline_agent.directives import Directive, Mode, plan_batch, splice_tokens
+from leyline_agent.directives import Directive, Mode, http_guards, plan_batch, splice_tokens
 from leyline_agent.directives.compile import (
     clip_to_cached,
     message_edits,
     to_directives,
     token_form,
 )
+from leyline_agent.directives.flush import FlushResponse
+from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
 from leyline_agent.errors import CacheMissError, DirectiveError, RuntimeUnavailableError
 from leyline_agent.families import chat_format, token_id
-from leyline_agent.namespaces import SESSION_HEADER, Namespace, check_session_id, named_namespace
+from leyline_agent.namespaces import SESSION_HEADER, named_namespace
 from leyline_agent.vllm_plugin.errors import ModelNotFoundError, error_content
+from leyline_agent.vllm_plugin.guard import BODY_KEY
 from leyline_agent.vllm_plugin.namespace import salt_for
 from leyline_agent.vllm_plugin.scheduler import HOLD_KEY
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
-__all__ = ["LeylineRoute", "SessionSaltMiddleware", "add_routes"]
+__all__ = ["LeylineRoute", "add_routes"]
 
 log = structlog.get_logger(__name__)
 _ERROR_TYPES = {
@@ -55,7 +57,7 @@ _ERROR_TYPES = {
     "DirectiveError": DirectiveError,
     "RuntimeUnavailableError": RuntimeUnavailableError,
 }
-_MEMORY = 1024  # request ids remembered for idempotent retries
+_MEMORY = 1024  # request ids remembered per namespace for idempotent retries
 
 
 class LeylineRoute:
@@ -69,7 +71,7 @@ class LeylineRoute:
         self.directive_errors = 0
         self._locks: dict[str, asyncio.Lock] = {}  # one per namespace (salt)
         self._info: dict[str, Any] | None = None
-        self._answers: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.memory: RequestMemory[dict[str, Any]] = RequestMemory(_MEMORY)
 
     # -- engine calls --------------------------------------------------------------------
     async def rpc(self, op: str, **kwargs: Any) -> dict[str, Any]:
@@ -109,16 +111,19 @@ class LeylineRoute:
         except ValidationError as e:
             self.directive_errors += 1
             return error_content(e)
-        if req.request_id is not None and req.request_id in self._answers:
-            return 200, self._answers[req.request_id]
         t0 = time.perf_counter()
         try:
+            check_request_id(req.request_id)
             key = salt_for(named_namespace(req.session, session_header))
         except Exception as e:  # noqa: BLE001 - a bad session id is an answer too
             self.directive_errors += 1
             return error_content(e)
-        async with self._namespace_lock(key):
+        digest = fingerprint(req)
+        async with self._namespace_lock(key):  # the lookup and the run: one at a time
             try:
+                seen = self.memory.lookup(key, req.request_id, digest)
+                if seen is not None:
+                    return 200, seen
                 resp = await self._run(req, session_header)
             except Exception as e:  # noqa: BLE001 - every failure is an answer
                 self.directive_errors += 1
@@ -126,17 +131,14 @@ class LeylineRoute:
                 if status >= 500:
                     log.error("leyline directive failed", error=repr(e))
                 return status, content
-        resp = resp.model_copy(update={"elapsed_s": time.perf_counter() - t0})
-        for k, v in resp.splices.items():
-            self.splices[k] = self.splices.get(k, 0) + v
-        self.rotated_tokens += resp.rotated_tokens
-        self.prefilled_tokens += resp.prefilled_tokens
-        self.fallbacks += int(resp.fallback)
-        content = resp.model_dump(mode="json")
-        if req.request_id is not None:
-            self._answers[req.request_id] = content
-            while len(self._answers) > _MEMORY:
-                self._answers.popitem(last=False)
+            resp = resp.model_copy(update={"elapsed_s": time.perf_counter() - t0})
+            for k, v in resp.splices.items():
+                self.splices[k] = self.splices.get(k, 0) + v
+            self.rotated_tokens += resp.rotated_tokens
+            self.prefilled_tokens += resp.prefilled_tokens
+            self.fallbacks += int(resp.fallback)
+            content = resp.model_dump(mode="json")
+            self.memory.remember(key, req.request_id, digest, content)
         return 200, content
 
     def _namespace_lock(self, key: str) -> asyncio.Lock:
@@ -254,6 +256,18 @@ class LeylineRoute:
             rotated_tokens=rotated,
         )  # fmt: skip
 
+    async def flush(self) -> dict[str, Any]:
+        """Every cached block no request holds is freed (``/leyline/v1/flush``, as on
+        ``leyline serve``); vLLM keeps no pins or conversations. Counters are untouched."""
+        info = await self.info()
+        if info.get("problem"):
+            raise RuntimeUnavailableError(f"{info['problem']} (Leyline directives are off)")
+        done = await self.rpc("flush")
+        return FlushResponse(
+            tenant="", flushed_tokens=done["flushed_tokens"], kept_tokens=done["kept_tokens"],
+            dropped_pins=0, dropped_conversations=0,
+        ).model_dump(mode="json")  # fmt: skip
+
     async def stats(self) -> dict[str, Any]:
         s = await self.rpc("stats")
         return StatsResponse(
@@ -272,103 +286,59 @@ class LeylineRoute:
 
 
 def add_routes(app: Any) -> None:
-    def route_of(request: Request) -> LeylineRoute | None:
-        return getattr(request.app.state, "leyline", None)
+    """``/leyline/v1/directives``, ``/leyline/v1/stats``, ``/leyline/v1/flush``. Their key
+    check, body cap and JSON checks are ``guard.LeylineGuard``'s (in front of every route);
+    a route reached without it (a test app) parses its body with the same checks."""
 
-    async def directives(request: Request) -> JSONResponse:
-        route = route_of(request)
+    def route_of(request: Request) -> LeylineRoute:
+        route = getattr(request.app.state, "leyline", None)
         if route is None:
-            status, content = error_content(
-                RuntimeUnavailableError("the Leyline route has no engine")
-            )
-            return JSONResponse(content, status_code=status)
+            raise RuntimeUnavailableError("the Leyline route has no engine")
+        return route
+
+    async def answer(request: Request, work: Any) -> JSONResponse:
         try:
-            body = await request.json()
-        except ValueError:
-            route.directive_errors += 1
-            status, content = error_content(DirectiveError("body: not valid JSON"))
-            return JSONResponse(content, status_code=422 if status == 400 else status)
-        status, content = await route.directives(body, request.headers.get(SESSION_HEADER))
+            status, content = await work(route_of(request))
+        except Exception as e:  # noqa: BLE001 - every failure is an answer
+            status, content = error_content(e)
+            if status >= 500:
+                log.error("leyline route failed", path=request.url.path, error=repr(e))
         return JSONResponse(content, status_code=status)
 
+    async def body_of(request: Request) -> Any:
+        if BODY_KEY in request.scope:
+            return request.scope[BODY_KEY]
+        raw = await request.body()
+        return http_guards.parse_json(raw) if raw.strip() else None
+
+    async def directives(request: Request) -> JSONResponse:
+        async def work(route: LeylineRoute) -> tuple[int, dict[str, Any]]:
+            try:
+                body = await body_of(request)
+            except http_guards.GuardError:
+                route.directive_errors += 1
+                raise
+            return await route.directives(body, request.headers.get(SESSION_HEADER))
+
+        return await answer(request, work)
+
     async def stats(request: Request) -> JSONResponse:
-        route = route_of(request)
-        try:
-            if route is None:
-                raise RuntimeUnavailableError("the Leyline route has no engine")
-            return JSONResponse(await route.stats())
-        except Exception as e:  # noqa: BLE001
-            status, content = error_content(e)
-            return JSONResponse(content, status_code=status)
+        async def work(route: LeylineRoute) -> tuple[int, dict[str, Any]]:
+            return 200, await route.stats()
+
+        return await answer(request, work)
+
+    async def flush(request: Request) -> JSONResponse:
+        async def work(route: LeylineRoute) -> tuple[int, dict[str, Any]]:
+            body = await body_of(request)
+            if body not in (None, {}):
+                raise http_guards.GuardError(
+                    "this route takes no fields; send no body or {}", "body"
+                )
+            return 200, await route.flush()
+
+        return await answer(request, work)
 
     app.add_api_route("/leyline/v1/directives", directives, methods=["POST"])
     app.add_api_route("/leyline/v1/stats", stats, methods=["GET"])
-
-
-_SALTED_PATHS = ("/v1/chat/completions", "/v1/completions")
-
-
-class SessionSaltMiddleware:
-    """Pure ASGI: a completion request with ``X-Leyline-Session: id`` gets
-    ``cache_salt = salt_for(Namespace(session=id))`` in its JSON body, so vLLM serves it from
-    that session's namespace (the scheduler then routes it, ``namespace.route_salt``). A bad
-    id, or a body ``cache_salt`` of its own next to the header, is a 400 naming the field."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if (
-            scope["type"] != "http"
-            or scope.get("method") != "POST"
-            or scope.get("path") not in _SALTED_PATHS
-        ):
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        raw = headers.get(SESSION_HEADER.lower())
-        if raw is None:
-            await self.app(scope, receive, send)
-            return
-        body = b""
-        more = True
-        while more:
-            msg = await receive()
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-        try:
-            sid = check_session_id(raw.decode("utf-8", "replace"), SESSION_HEADER)
-            data = json.loads(body) if body else None
-            if isinstance(data, dict):
-                salt = salt_for(Namespace(session=sid))
-                if data.get("cache_salt") not in (None, salt):
-                    raise DirectiveError(
-                        f"cache_salt: cannot be combined with the {SESSION_HEADER} header "
-                        "(the session's blocks live under its own salt)"
-                    )
-                data["cache_salt"] = salt
-                body = json.dumps(data).encode()
-        except ValueError as e:  # includes DirectiveError and bad JSON (vLLM answers that)
-            if isinstance(e, json.JSONDecodeError):
-                pass
-            else:
-                from starlette.responses import JSONResponse
-
-                status, content = error_content(
-                    e if isinstance(e, DirectiveError) else DirectiveError(str(e))
-                )
-                await JSONResponse(content, status_code=status)(scope, receive, send)
-                return
-        new_headers = [
-            (k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"
-        ] + [(b"content-length", str(len(body)).encode())]
-        sent = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app({**scope, "headers": new_headers}, replay, send)
+    app.add_api_route("/leyline/v1/flush", flush, methods=["POST"])

@@ -83,12 +83,12 @@ def test_bad_directives_leave_the_cache_unchanged(llama):
             400,
             "directives[0].replacement[0]",
         ),
-        ({"tokens": t, "directives": [{**d, "mode": "pin"}]}, 422, "directives[0].mode"),
-        ({"tokens": t, "directives": [{**d, "start": "40"}]}, 422, "directives[0].start"),
+        ({"tokens": t, "directives": [{**d, "mode": "pin"}]}, 400, "directives[0].mode"),
+        ({"tokens": t, "directives": [{**d, "start": "40"}]}, 400, "directives[0].start"),
         ({"tokens": t + [3] * 10**4, "directives": [d]}, 400, "tokens"),
         ({"tokens": live.ids(43, 5 * b), "directives": [d]}, 409, "directives[0]"),  # not cached
         ({"tokens": t, "directives": [d], "model": "another-model"}, 404, "model"),
-        ({"tokens": t}, 422, None),
+        ({"tokens": t}, 400, None),
     ]
     for body, status, field in bad:
         r = live.directive(body)
