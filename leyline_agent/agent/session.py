@@ -249,20 +249,32 @@ class ContextSession:
 
     def continued_by(self, messages: Sequence[dict[str, Any]]) -> tuple[int, bool] | None:
         """Does ``messages`` continue this session's conversation? ``(n, echoed)``: it
-        repeats the ``n`` messages of the last turn (and, ``echoed``, the reply observed to
-        them); None if it does not. A list equal to the last one counts only while no reply
-        was observed (a retry); once answered, the same list again is another conversation
-        that starts alike. Used to find the session of a request by its content."""
+        repeats the ``n`` messages of the last turn, or edits some of them in place as
+        ``plan`` accepts (then only with the reply echoed), and (``echoed``) the reply
+        observed to them; None if it does not. A list equal to the last one counts only
+        while no reply was observed (a retry); once answered, the same list again is another
+        conversation that starts alike. Used to find the session of a request by its content."""
         st = self._state
         if st.raw is None:
             return None
         n = len(st.raw)
-        if len(messages) < n or [dict(m) for m in messages[:n]] != st.raw:
+        if len(messages) < n:
             return None
+        head = [dict(m) for m in messages[:n]]
+        changed = [i for i in range(n) if head[i] != st.raw[i]]
         if len(messages) == n:
-            return (n, False) if st.reply is None else None
+            return (n, False) if st.reply is None and not changed else None
         echo = dict(messages[n])
-        return n, st.reply is not None and _same_reply(st.reply, echo)
+        echoed = st.reply is not None and _same_reply(st.reply, echo)
+        if changed:
+            trusted = echoed or (st.reply is None and echo.get("role") == "assistant")
+            reply = st.reply if st.reply is not None else normalize_reply(echo)
+            proof = trusted and bool(reply.get("tool_calls"))
+            if not trusted or not all(
+                edited_in_place(st.raw[i], head[i], user=proof) for i in changed
+            ):
+                return None
+        return n, echoed
 
     def _cached_messages(
         self, raw: list[dict[str, Any]]

@@ -1,7 +1,9 @@
 """What the agent-framework tests share (``tests/test_framework_*.py``).
 
-``scripted_server(script, client_edits=...)``: a real ``leyline serve`` app on loopback whose
-tiny engine answers the script (``ScriptedEngine``); yields ``(server, engine)``.
+``scripted_server(script, client_edits=..., paths=...)``: a real ``leyline serve`` app on
+loopback whose tiny engine answers the script (``ScriptedEngine``); yields ``(server,
+engine)``; ``paths``, a list, receives the path of every HTTP request the server gets (to
+count directive requests).
 ``Recorder``: an httpx request hook that keeps every ``/chat/completions`` body as the
 framework built it (before any transport: httpx runs request hooks first).
 ``rendered(tok, body)``: the prompt of a chat body by the tokenizer's own chat template (an
@@ -28,14 +30,22 @@ ARCH = "deepseek_v2"
 
 @contextlib.contextmanager
 def scripted_server(
-    script: Sequence[str], *, client_edits: str = "amortize"
+    script: Sequence[str], *, client_edits: str = "amortize", paths: list[str] | None = None
 ) -> Iterator[tuple[ThreadServer, ScriptedEngine]]:
     from leyline_agent.engine.checkpoints.store import tiny_model_dir
     from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
 
     engine = ScriptedEngine(Engine.from_pretrained(tiny_model_dir(ARCH)), script)
-    with serve_in_thread(create_app(engine, client_edits=client_edits)) as srv:
+    app = create_app(engine, client_edits=client_edits)
+    if paths is not None:
+
+        @app.middleware("http")
+        async def record(request: Any, call_next: Any) -> Any:
+            paths.append(request.url.path)
+            return await call_next(request)
+
+    with serve_in_thread(app) as srv:
         yield srv, engine
 
 
