@@ -71,7 +71,11 @@ async def prepare_chat(
         return None
     messages = messages_for_template(raw_messages)  # canonical (chat_input)
     store = st.conversations
-    match = store.find(ns.tenant, ns.session, messages, declared=declared)
+    # an anonymous request claims the state it continues, so that clients with the same
+    # opening that arrive together each get a conversation of their own
+    match = store.find(
+        ns.tenant, ns.session, messages, declared=declared, claim=ns.session is None
+    )
     conv = match.conversation if match is not None else store.new(ns.tenant, ns.session)
     conv_ns = Namespace(ns.tenant, conv.session)
 

@@ -23,7 +23,13 @@ has a server-side session id of its own (``leyline-conv-`` + 128 random bits), w
 the namespace of its spliced rows. If the best match is ambiguous (two conversations of
 different sessions fit equally well) and one of them holds spliced rows, the request
 starts a new conversation: rows that depend on a history are never handed to a request
-that might not share it. Bounded: the least recently used conversations are forgotten.
+that might not share it. A request that names no session *claims* the state it continues
+(``find(claim=True)``, decided under the store's lock): a second request that matches the
+same state (a client with the same opening, arriving together) continues another one or
+starts its own, and a repeat of the last prompt never continues an anonymous conversation
+(it proves nothing about who sent it). The answer's commit saves the next state unclaimed;
+a request that fails leaves its state claimed, so the client's next turn starts afresh.
+Bounded: the least recently used conversations are forgotten.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class Conversation:
     labels: dict[int, str] = field(default_factory=dict)  # served index -> edit type
     spliced: bool = False  # its session holds spliced rows
     used: int = 0
+    claimed: bool = False  # an anonymous request is continuing it (``find(claim=True)``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,23 +114,39 @@ class ConversationStore:
         messages: Sequence[Mapping[str, Any]],
         *,
         declared: frozenset[int] = frozenset(),
+        claim: bool = False,
     ) -> Match | None:
         """The conversation ``messages`` (normalized) continue, as the module doc says.
         ``declared``: messages a request of a named session says it edited in place
         (``request_edits``): believed edited as a directive request naming the session would
         be, without the echo proof (a user message too; tool results keep their call ids)."""
         declared = declared if session is not None else frozenset()
-        with self._lock:
-            convs = list(self._tenants.get(tenant, {}).values())
+        with self._lock:  # held to the claim: two requests never continue one state
+            best = self._best(tenant, session, messages, declared, claim)
+            if best is not None and claim:
+                best.conversation.claimed = True
+            return best
+
+    def _best(
+        self,
+        tenant: str,
+        session: str | None,
+        messages: Sequence[Mapping[str, Any]],
+        declared: frozenset[int],
+        claim: bool,
+    ) -> Match | None:
         scored = []
-        for c in convs:
+        for c in self._tenants.get(tenant, {}).values():
             if session is not None and c.session != session:
                 continue
             if session is None and not c.session.startswith(CONVERSATION_PREFIX):
                 continue
+            if claim and c.claimed:
+                continue  # another request already continues this state
             m = _continues(c, messages, declared)
-            if m is not None:
-                scored.append(((m.known, -len(m.edited), c.used), m))
+            if m is None or (claim and m.retry):
+                continue  # a repeat of the last prompt proves nothing about who sent it
+            scored.append(((m.known, -len(m.edited), c.used), m))
         if not scored:
             return None
         scored.sort(key=lambda s: s[0], reverse=True)
