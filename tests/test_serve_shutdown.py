@@ -91,6 +91,8 @@ def test_sigterm_ends_long_streams_within_the_timeout(model_dir, tmp_path):
     assert all(e in ("error", "last-token") for e in endings), endings
     assert "error" in endings, f"no stream was still running at the deadline: {endings}"
     for s in range(STREAMS):
-        errors = [d["error"] for k, d in out[s] if k == "data" and isinstance(d, dict) and "error" in d]
+        errors = [
+            d["error"] for k, d in out[s] if k == "data" and isinstance(d, dict) and "error" in d
+        ]
         for err in errors:
             assert err["type"] == "GenerationStopped" and "shutting down" in err["message"]

@@ -112,7 +112,9 @@ def test_more_messages_than_the_limit_are_refused_and_the_limit_is_served(http, 
 
 
 def test_a_20000_message_chat_is_refused_fast(default_http, name):
-    turns = [{"role": "user" if k % 2 == 0 else "assistant", "content": "hello"} for k in range(20000)]
+    turns = [
+        {"role": "user" if k % 2 == 0 else "assistant", "content": "hello"} for k in range(20000)
+    ]
     default_http.post(CHAT, json=_chat(name, turns[:1]))  # warm the connection
     t0 = time.perf_counter()
     r = default_http.post(CHAT, json=_chat(name, turns))

@@ -60,7 +60,10 @@ def _flood(model_dir, key_file, *share: str) -> dict:
     """B caches one prompt, A floods, B comes back: the stats and B's cached tokens."""
     prompts, name = _prompts(), model_dir.name
     args = ("--api-key-file", str(key_file), "--cache-tokens", str(CACHE_TOKENS), *share)
-    with serve_in_process(model_dir, *args) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+    with (
+        serve_in_process(model_dir, *args) as srv,
+        httpx.Client(base_url=srv.url, timeout=120) as c,
+    ):
         _complete(c, name, "beta", prompts["beta"][0])
         beta_before = _stats(c, "beta")
         for p in prompts["alpha"]:
