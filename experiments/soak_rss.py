@@ -13,13 +13,35 @@ from __future__ import annotations
 
 import argparse
 import random
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from leyline_agent.testing.server import serve_in_process
+
+def start_server(model: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """``leyline serve`` on a free loopback port; returns once ``/health`` answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "leyline_agent.cli", "serve", "--model", str(model)]
+    proc = subprocess.Popen([*cmd, "--port", str(port), *extra], stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise RuntimeError("leyline serve exited before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError("leyline serve was not ready")
 
 
 def rss_mb(pid: int) -> float:
@@ -60,17 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-arg", action="append", default=[], help="extra leyline serve args")
     args = p.parse_args(argv)
     model = Path(args.model)
-    with serve_in_process(model, *args.serve_arg) as srv:
-        pid = srv.process.pid
+    proc, url = start_server(model, *args.serve_arg)
+    try:
+        pid = proc.pid
         print(f"server pid {pid}: RSS at start {rss_mb(pid):.0f} MB", flush=True)
         first = None
         for k in range(1, args.rounds + 1):
             counts = [0, 0]
             until = time.monotonic() + args.seconds
             threads = [
-                threading.Thread(
-                    target=client, args=(srv.url, model.name, k * 1000 + i, until, counts)
-                )
+                threading.Thread(target=client, args=(url, model.name, k * 1000 + i, until, counts))
                 for i in range(args.clients)
             ]
             for t in threads:
@@ -85,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"round_{k}/round_1 = {rss / first:.3f}",
                 flush=True,
             )
+    finally:
+        proc.terminate()
+        proc.wait(60)
     return 0
 
 
