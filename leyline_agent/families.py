@@ -15,12 +15,6 @@ A row says:
   the server parses. Every family Leyline serves speaks ChatML with Hermes-style tool calls
   (the toy tokenizer's template, and Qwen's); a tokenizer without the boundary token gets
   whole-sequence diffs, which are exact too, only coarser.
-- ``tool_formats``: the tool-call formats the family's own checkpoints write (Llama 3's
-  JSON, DeepSeek V3's special-token calls, Qwen3-Coder's XML-ish calls), tried in order
-  against the served chat template; ``tool_format`` picks the first whose marker the
-  template holds, else Hermes (``<tool_call>{json}</tool_call>``, which the toy tokenizer's
-  template and Qwen's speak). The server parses replies by it (``server/tool_calls.py``,
-  reasoning in ``<think>`` included) and writes the grammar of a forced call from it.
 
 No torch, no imports from the rest of the package: the engine, the kernels, the SGLang
 plugin, the server and the reference oracles all read this table.
@@ -28,19 +22,11 @@ plugin, the server and the reference oracles all read this table.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
     "CHATML_HERMES",
-    "DEEPSEEK_V3",
-    "HERMES",
-    "LLAMA3_JSON",
-    "QWEN3_XML",
-    "TOOL_FORMATS",
-    "ToolFormat",
-    "tool_format",
     "FAMILIES",
     "ChatFormat",
     "Family",
@@ -71,59 +57,6 @@ CHATML_HERMES = ChatFormat(
 
 
 @dataclass(frozen=True, slots=True)
-class ToolFormat:
-    """How one call is written: ``open_tag`` (what opens any call), ``name_open``, the name
-    (as a JSON string when ``name_json``), ``args_open``, the arguments as JSON (None: not
-    JSON, so no grammar can force them), ``call_close``. ``marker``: a chat template holding
-    it speaks this format; ``answer_start``: where the assistant's answer starts in a
-    rendered prompt."""
-
-    name: str
-    marker: str
-    answer_start: str
-    open_tag: str
-    name_open: str
-    args_open: str | None
-    call_close: str
-    name_json: bool = True
-
-    def call_head(self, tool: str) -> str:
-        """The text of a call of ``tool`` up to its arguments."""
-        return (
-            self.open_tag
-            + self.name_open
-            + (_json_str(tool) if self.name_json else tool)
-            + (self.args_open or "")
-        )
-
-
-def _json_str(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)
-
-
-HERMES = ToolFormat(
-    "hermes", "<tool_call>", "<|im_start|>assistant\n",
-    "<tool_call>\n", '{"name": ', ', "arguments": ', "}\n</tool_call>",
-)  # fmt: skip
-LLAMA3_JSON = ToolFormat(
-    "llama3_json", "<|start_header_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n",
-    "", '{"name": ', ', "parameters": ', "}",
-)  # fmt: skip
-DEEPSEEK_V3 = ToolFormat(
-    "deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜Assistant｜>",
-    "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", "\n```json\n",
-    "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", name_json=False,
-)  # fmt: skip
-QWEN3_XML = ToolFormat(
-    "qwen3_xml", "<function=", "<|im_start|>assistant\n", "<tool_call>\n", "<function=", None,
-    "</function>\n</tool_call>", name_json=False,
-)  # fmt: skip
-TOOL_FORMATS: dict[str, ToolFormat] = {
-    f.name: f for f in (HERMES, LLAMA3_JSON, DEEPSEEK_V3, QWEN3_XML)
-}
-
-
-@dataclass(frozen=True, slots=True)
 class Family:
     model_type: str
     rope_layout: Layout
@@ -132,26 +65,17 @@ class Family:
     sglang_rope: Literal["half", "config"] | None = None
     embedded: bool = False
     chat: ChatFormat = CHATML_HERMES
-    tool_formats: tuple[ToolFormat, ...] = ()
 
 
-_DS, _QW = (DEEPSEEK_V3,), (QWEN3_XML,)
 _ROWS = (
-    Family(
-        "deepseek_v2",
-        "interleaved",
-        mla=True,
-        sglang_rope="config",
-        embedded=True,
-        tool_formats=_DS,
-    ),
-    Family("deepseek_v3", "half", mla=True, sglang_rope="config", embedded=True, tool_formats=_DS),
-    Family("llama", "half", sglang_rope="half", embedded=True, tool_formats=(LLAMA3_JSON,)),
+    Family("deepseek_v2", "interleaved", mla=True, sglang_rope="config", embedded=True),
+    Family("deepseek_v3", "half", mla=True, sglang_rope="config", embedded=True),
+    Family("llama", "half", sglang_rope="half", embedded=True),
     Family("qwen2", "half", sglang_rope="half", embedded=True),
-    Family("qwen3", "half", sglang_rope="half", embedded=True, tool_formats=_QW),
-    Family("qwen3_moe", "half", sglang_rope="half", tool_formats=_QW),
+    Family("qwen3", "half", sglang_rope="half", embedded=True),
     Family("mistral", "half", sglang_rope="half"),
     Family("qwen2_moe", "half", sglang_rope="half"),
+    Family("qwen3_moe", "half", sglang_rope="half"),
     Family("glm", "interleaved", rope_partial=True),
     Family("glm4", "interleaved", rope_partial=True),
     Family("phi3", "half", rope_partial=True),
@@ -175,16 +99,6 @@ def chat_format(model_type: str | None) -> ChatFormat:
     """The chat format of ``model_type``'s family (ChatML + Hermes when it is not known)."""
     row = family(model_type)
     return row.chat if row is not None else CHATML_HERMES
-
-
-def tool_format(model_type: str | None, chat_template: str | None) -> ToolFormat:
-    """The tool-call format of a checkpoint: the first of its family's formats whose marker
-    its chat template holds, else Hermes."""
-    row = family(model_type)
-    for fmt in row.tool_formats if row is not None else ():
-        if chat_template and fmt.marker in chat_template:
-            return fmt
-    return HERMES
 
 
 def embedded_model_types() -> tuple[str, ...]:

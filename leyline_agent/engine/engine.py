@@ -97,7 +97,6 @@ class Engine:
         self._counters: dict[str, Counters] = {}
         self._stopped: str | None = None  # why generations stop (stop_generations)
         self.memory = MemoryTrimmer()
-        self._grammar_cache: Any = None  # see _grammars
         chat = chat_format(self.config.model_type)
         ids = {token_id(tokenizer, t) for t in chat.stop_tokens}
         ids |= set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
@@ -190,7 +189,6 @@ class Engine:
         if self._stopped is not None:
             raise GenerationStopped(self._stopped)
         on_token = self._stoppable(on_token)
-        constraint = self._grammars().constraint(params.grammar) if params.grammar else None
         stop_ids = frozenset(self.stop_token_ids) | frozenset(extra_stop)
         t0 = time.perf_counter()
         with self.stepper.exclusive():
@@ -199,7 +197,7 @@ class Engine:
             self.cache.hold(m)
             seq = sequence.Sequence(
                 prompt_ids=ids, params=params, namespace=namespace, match=m,
-                sampler=Sampler(params, self.device, constraint), detok=Detokenizer(self.tokenizer, params.stop),
+                sampler=Sampler(params, self.device), detok=Detokenizer(self.tokenizer, params.stop),
                 stop_ids=stop_ids, t0=t0, splice_lost=splice_lost, on_token=on_token,
                 logprobs=[] if params.logprobs else None,
             )  # fmt: skip
@@ -216,14 +214,6 @@ class Engine:
             result = self._commit(seq)
         self.memory.after_request(idle=not self.stepper.running)  # outside the lock
         return result
-
-    def _grammars(self) -> Any:
-        """The grammar compiler (``engine/grammar.py``), built on the first constrained request."""
-        if self._grammar_cache is None:
-            from leyline_agent.engine.grammar import Grammars
-
-            self._grammar_cache = Grammars(self.tokenizer, self.vocab_size, self.stop_token_ids)
-        return self._grammar_cache
 
     def stop_generations(self, reason: str = "the server is shutting down") -> None:
         """From now on every generation, running or yet to start, fails at its next token

@@ -1,42 +1,20 @@
-"""Token choice and logprobs (no model here; stop strings: ``detokenizer``).
-
-A sampler may carry a ``constraint`` (``engine/grammar.py``): the step masks the logits of
-every constrained sequence in one batch before any choice (``grammar.mask_logits``), and
-``choose`` then advances the constraint past the token it picked."""
+"""Token choice and logprobs (no model here; stop strings: ``detokenizer``)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from leyline_agent.engine.params import GREEDY_BELOW, SamplingParams, TokenLogprob
 
-if TYPE_CHECKING:
-    from leyline_agent.engine.grammar import Constraint
-
-__all__ = ["Sampler", "mask_batch"]
-
-
-def mask_batch(logits: torch.Tensor, samplers: list[Sampler]) -> None:
-    """Mask row ``i`` of ``logits`` by ``samplers[i]``'s constraint, all rows in one batch
-    (xgrammar is imported only once a sequence has a constraint)."""
-    constraints = [s.constraint for s in samplers]
-    if any(c is not None for c in constraints):
-        from leyline_agent.engine.grammar import mask_logits
-
-        mask_logits(logits, constraints)
+__all__ = ["Sampler"]
 
 
 class Sampler:
     """Greedy at temperature 0 (or below ``GREEDY_BELOW``); otherwise temperature + nucleus
     with a per-request generator."""
 
-    def __init__(
-        self, params: SamplingParams, device: torch.device, constraint: Constraint | None = None
-    ) -> None:
+    def __init__(self, params: SamplingParams, device: torch.device) -> None:
         self.params = params
-        self.constraint = constraint  # the sequence's grammar, if it has one
         self.greedy = params.temperature < GREEDY_BELOW
         self.gen: torch.Generator | None = None
         if not self.greedy:
@@ -47,13 +25,6 @@ class Sampler:
                 self.gen.seed()
 
     def choose(self, logits: torch.Tensor) -> int:
-        """The next token from ``logits`` (already masked when there is a constraint)."""
-        tok = self._pick(logits)
-        if self.constraint is not None:
-            self.constraint.accept(tok)
-        return tok
-
-    def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
         if self.greedy:
             return int(torch.argmax(logits))

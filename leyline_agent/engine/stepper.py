@@ -36,7 +36,6 @@ from typing import Any, Protocol
 
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.model.runner import ModelRunner, StepInput
-from leyline_agent.engine.sampler import mask_batch
 from leyline_agent.engine.scheduler import DEFAULT_STEP_TOKENS, schedule
 from leyline_agent.engine.sequence import SeqStatus, Sequence
 
@@ -164,9 +163,6 @@ class Stepper:
                 alloc.free(f)
             raise
         self.steps += 1
-        if logits is not None:  # grammar masks of the constrained rows, in one batch
-            wanting = zip(plan, inputs, strict=True)
-            mask_batch(logits, [p.seq.sampler for p, i in wanting if i.want_logits])
         k = 0
         for p, fresh, more, inp in zip(plan, new, ahead, inputs, strict=True):
             s = p.seq

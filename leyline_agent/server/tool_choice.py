@@ -1,24 +1,22 @@
 """``tool_choice``: ``auto``, ``none``, ``required`` and a named function.
 
+How it is enforced (the embedded engine has no grammar-constrained sampler): by the prompt,
+then checked.
+
 - ``auto``: the model decides; a well-formed call in its answer becomes ``tool_calls``.
 - ``none``: the tools are still rendered into the prompt (so the prompt, and its cache, is
   the same whatever the choice: an agent that alternates choices keeps its cache hits), but
   the answer is never parsed for calls: it is all ``content``.
-- ``required``: the answer is forced to open with the format's call tag (Hermes:
-  ``<tool_call>\\n``, appended after the generation prompt as if the model had written it),
-  and the rest is constrained by a grammar (``grammar``): one call of one of the tools, its
-  arguments valid under that tool's ``parameters`` schema, then the call's close.
-- ``{"type": "function", "function": {"name": F}}``: the answer is forced to open with the
-  call of ``F`` up to its arguments (Hermes: ``<tool_call>\\n{"name": "F", "arguments": ``);
-  the grammar constrains the arguments to ``F``'s schema and closes the call.
+- ``required``: the answer is forced to open with the family's tool-call tag (the tokens of
+  ``<tool_call>\\n`` are appended after the generation prompt, as if the model had written
+  them); the model writes the rest.
+- ``{"type": "function", "function": {"name": F}}``: the answer is forced to open with
+  ``<tool_call>\\n{"name": "F", "arguments": ``; the model writes the arguments.
 
-The format is the served checkpoint's (``families.tool_format``). The forced text is part
-of the answer (it is parsed with the rest). The embedded engine masks its sampling by the
-grammar (``engine/grammar.py``), so the call always parses; if an answer still holds no
-well-formed call (``max_tokens`` cut it short, or an engine without grammars served it), the
+The forced text is part of the answer (it is parsed with the rest). If the answer still
+holds no well-formed call (or, for a named function, a call of another function), the
 request fails with 422 ``ToolChoiceNotMetError`` (``param`` ``tool_choice``), never a reply
-that silently ignores the choice. ``F`` must be one of ``tools``, else 400; a format whose
-arguments are not JSON cannot be constrained: 400 naming ``tool_choice``.
+that silently ignores the choice. ``F`` must be one of ``tools``, else 400.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from leyline_agent.engine import grammar_spec as gs
-from leyline_agent.families import HERMES, ToolFormat, tool_format
+from leyline_agent.families import CHATML_HERMES, ChatFormat
 from leyline_agent.server.errors import RequestError
 from leyline_agent.server.tool_calls import ParsedOutput, parse_tool_calls
 
@@ -38,15 +35,7 @@ __all__ = [
     "check_met",
     "parse_answer",
     "parse_tool_choice",
-    "served_format",
 ]
-
-
-def served_format(engine: Any) -> ToolFormat:
-    """The tool-call format of the served engine's checkpoint (Hermes when unknown)."""
-    model_type = getattr(getattr(engine, "config", None), "model_type", None)
-    template = getattr(getattr(engine, "tokenizer", None), "chat_template", None)
-    return tool_format(model_type, template if isinstance(template, str) else None)
 
 
 class ToolChoiceNotMetError(RequestError):
@@ -64,42 +53,13 @@ class ToolChoice:
     def parses_calls(self) -> bool:
         return self.mode != "none"
 
-    def forced_prefix(self, fmt: ToolFormat = HERMES) -> str:
+    def forced_prefix(self, fmt: ChatFormat = CHATML_HERMES) -> str:
         """The text the answer is forced to start with ("" for auto and none)."""
         if self.mode == "required":
-            return fmt.open_tag
+            return fmt.tool_call_open + "\n"
         if self.mode == "function":
-            assert self.name is not None
-            return fmt.call_head(self.name)
+            return fmt.tool_call_open + '\n{"name": ' + json.dumps(self.name) + ', "arguments": '
         return ""
-
-    def grammar(
-        self, tools: list[dict[str, Any]] | None, fmt: ToolFormat = HERMES
-    ) -> gs.GrammarSpec | None:
-        """What the answer must match after ``forced_prefix`` (None for auto and none)."""
-        if self.mode not in ("required", "function") or not tools:
-            return None
-        if fmt.args_open is None:
-            raise RequestError(
-                f"the served model's tool-call format ({fmt.name}) does not write arguments "
-                "as JSON, so a call cannot be forced; use 'auto'",
-                "tool_choice",
-            )
-        by_name = {t["function"]["name"]: t["function"] for t in tools}
-        close = gs.text(fmt.call_close)
-        if self.mode == "function":
-            assert self.name is not None
-            return gs.GrammarSpec(((_arguments(by_name[self.name]), close),), "tool_choice")
-        alts = tuple(
-            (gs.text(fmt.call_head(name)[len(fmt.open_tag) :]), _arguments(f), close)
-            for name, f in by_name.items()
-        )
-        return gs.GrammarSpec(alts, "tool_choice")
-
-
-def _arguments(function: dict[str, Any]) -> gs.GrammarPart:
-    schema = function.get("parameters") or {"type": "object", "properties": {}}
-    return gs.json_schema(schema)
 
 
 def parse_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> ToolChoice:
@@ -147,10 +107,10 @@ def check_met(choice: ToolChoice, calls: list[dict[str, Any]], text: str) -> Non
         )
 
 
-def parse_answer(choice: ToolChoice, text: str, fmt: ToolFormat = HERMES) -> ParsedOutput:
+def parse_answer(choice: ToolChoice, text: str) -> ParsedOutput:
     """The answer ``text`` (what the model wrote after the forced prefix) as content and
     calls; raises ``ToolChoiceNotMetError`` if it misses a ``required``/named choice."""
-    full = choice.forced_prefix(fmt) + text
-    parsed = parse_tool_calls(full, fmt)
+    full = choice.forced_prefix(CHATML_HERMES) + text
+    parsed = parse_tool_calls(full)
     check_met(choice, parsed.tool_calls, full)
     return parsed
