@@ -5,7 +5,7 @@ One mapping for every HTTP side that speaks the Leyline routes (``leyline serve`
 is). No web framework here: pydantic's error lists are read as plain dicts.
 
 ======================================  ======  ============================================
-raised                                  status  ``type``
+raised                                  status  ``leyline_type``
 ======================================  ======  ============================================
 an invalid request body (pydantic)      400     ``ValidationError`` (``UnsupportedModeError``
                                                 for a reserved directive mode)
@@ -20,6 +20,14 @@ anything else                           500     ``InternalError``
 ``directives[0].end``. Errors raised below the routes carry it as the prefix of their
 message (``"directives[0].end: ..."``); it is lifted from there. ``code`` is a short
 snake_case reason (``error_code``).
+
+On the wire the type column above is ``error.leyline_type`` (a Leyline client raises the
+same class from it), and ``error.type`` is OpenAI's, from the status (``openai_type``):
+``invalid_request_error`` (400, 404, 409, 413, 422 and other 4xx), ``authentication_error``
+(401), ``permission_error`` (403), ``not_found_error`` (a 404 for a route or a stored object
+that does not exist; an unknown model stays ``invalid_request_error`` with code
+``model_not_found``, as OpenAI answers it), ``rate_limit_error`` (429), ``server_error``
+(5xx). So an OpenAI SDK client sees the types it knows.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ __all__ = [
     "error_code",
     "field_path",
     "lift_field",
+    "openai_type",
     "printable",
     "validation_answer",
 ]
@@ -116,12 +125,53 @@ def error_code(type_: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", stem).lower()
 
 
+# The status a Leyline type is answered with, for a caller that does not pass it.
+_STATUS_OF = {
+    "AuthenticationError": 401,
+    "ModelNotFoundError": 404,
+    "NotFound": 404,
+    "ResponseNotFoundError": 404,
+    "MethodNotAllowed": 405,
+    "CacheMissError": 409,
+    "PayloadTooLargeError": 413,
+    "RuntimeUnavailableError": 503,
+    "QueueTimeoutError": 503,
+    "InternalError": 500,
+}
+_INVALID_404 = frozenset({"ModelNotFoundError"})  # OpenAI: invalid_request_error there
+
+
+def openai_type(status: int, leyline_type: str) -> str:
+    """OpenAI's ``error.type`` for an answer of ``status`` (see the module doc)."""
+    if status >= 500:
+        return "server_error"
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status == 404 and leyline_type not in _INVALID_404:
+        return "not_found_error"
+    return "invalid_request_error"
+
+
 def error_body(
-    type_: str, message: str, field: str | None = None, code: str | None = None
+    type_: str,
+    message: str,
+    field: str | None = None,
+    code: str | None = None,
+    *,
+    status: int | None = None,
 ) -> ErrorBody:
-    """OpenAI's error shape; ``code`` defaults to the type's (``error_code``)."""
+    """OpenAI's error shape for a Leyline error of class name ``type_`` answered with
+    ``status`` (by default the type's usual one, else 400): ``type`` OpenAI's
+    (``openai_type``), ``leyline_type`` the class name; ``code`` defaults to the type's
+    (``error_code``)."""
+    answered = status if status is not None else _STATUS_OF.get(type_, 400)
     return ErrorBody(
-        type=type_,
+        type=openai_type(answered, type_),
+        leyline_type=type_,
         message=printable(message),
         field=field and printable(field),
         code=code or error_code(type_),

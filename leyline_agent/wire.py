@@ -191,17 +191,21 @@ class Counters:
 
 class ErrorBody(BaseModel):
     """Body of every 4xx/5xx answer, shaped as OpenAI's: ``{"error": {"message", "type",
-    "param", "code", "field"}}``.
+    "param", "code", "field", "leyline_type"}}``.
 
-    ``type`` is the Leyline error class name (clients raise the same class); ``param`` is the
-    request field at fault, as a path (``messages[2].role``), where the OpenAI SDK reads it,
-    and ``field`` the same value under its older name; ``code`` a short snake_case reason
-    (``invalid_value``, ``model_not_found``, ``cache_miss``, pydantic's ``missing``...)."""
+    ``type`` is OpenAI's error type (``invalid_request_error``, ``authentication_error``,
+    ``not_found_error``, ``rate_limit_error``, ``server_error``...; ``http_errors``);
+    ``leyline_type`` the Leyline error class name (clients raise the same class; None from a
+    server that predates it, whose ``type`` was that name); ``param`` is the request field at
+    fault, as a path (``messages[2].role``), where the OpenAI SDK reads it, and ``field`` the
+    same value under its older name; ``code`` a short snake_case reason (``invalid_value``,
+    ``model_not_found``, ``cache_miss``, pydantic's ``missing``...)."""
 
     model_config = _FROZEN
 
     message: str
     type: str
+    leyline_type: str | None = None
     param: str | None = None
     code: str | None = None
     field: str | None = None

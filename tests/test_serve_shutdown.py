@@ -95,4 +95,4 @@ def test_sigterm_ends_long_streams_within_the_timeout(model_dir, tmp_path):
             d["error"] for k, d in out[s] if k == "data" and isinstance(d, dict) and "error" in d
         ]
         for err in errors:
-            assert err["type"] == "GenerationStopped" and "shutting down" in err["message"]
+            assert err["leyline_type"] == "GenerationStopped" and "shutting down" in err["message"]

@@ -371,7 +371,7 @@ def test_queue_timeout_with_several_threads_counts_from_arrival_to_start(model_d
             t.join(60)
             r = out["r"]
             assert r.status_code == 503, r.text
-            assert r.json()["error"]["type"] == "QueueTimeoutError"
+            assert r.json()["error"]["leyline_type"] == "QueueTimeoutError"
             assert int(r.headers["retry-after"]) >= 1
         assert _stats(srv) == before  # nothing ran
 
@@ -387,7 +387,7 @@ def test_queue_timeout_with_several_threads_counts_from_arrival_to_start(model_d
         t.join(60)
         assert hold.result(30) is True
         r = parked["r"]
-        assert r.status_code == 503 and r.json()["error"]["type"] == "QueueTimeoutError", r.text
+        assert r.status_code == 503 and r.json()["error"]["leyline_type"] == "QueueTimeoutError", r.text
         again = httpx.post(url, json=body, headers={"X-Leyline-Session": "busy"}, timeout=30)
         assert again.status_code == 200, again.text
 

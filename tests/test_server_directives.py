@@ -197,7 +197,7 @@ def test_bad_inputs_get_json_4xx_naming_the_field_and_change_nothing(client, htt
             assert field.split("[")[0].split(".")[0] in err["message"], err
     assert http.get("/nowhere").status_code == 404
     types = {
-        f: http.post(p, json=b).json()["error"]["type"] for p, b, _, f in _bad_requests(name, T)[:3]
+        f: http.post(p, json=b).json()["error"]["leyline_type"] for p, b, _, f in _bad_requests(name, T)[:3]
     }
     assert types == {
         "directives[0].end": "DirectiveError",
@@ -213,7 +213,7 @@ def test_bad_inputs_get_json_4xx_naming_the_field_and_change_nothing(client, htt
     miss = http.post(
         "/leyline/v1/directives", json={"tokens": U, "directives": [{"start": 2, "end": 4}]}
     )
-    assert miss.status_code == 409 and miss.json()["error"]["type"] == "CacheMissError", miss.text
+    assert miss.status_code == 409 and miss.json()["error"]["leyline_type"] == "CacheMissError", miss.text
     assert http.get("/leyline/v1/stats").json() == {
         **stats,
         "directive_errors": stats["directive_errors"] + 1,

@@ -124,7 +124,7 @@ def test_lone_surrogates_in_any_text_field_are_400_naming_the_field(http, name):
         r = _post(http, path, body)
         assert r.status_code == 400, (path, field, r.text)
         err = r.json()["error"]
-        assert err["type"] == "RequestError" and err["field"] == field, (field, err)
+        assert err["leyline_type"] == "RequestError" and err["field"] == field, (field, err)
         assert "surrogate" in err["message"]
 
 
@@ -135,7 +135,7 @@ def test_strict_types_reserved_modes_and_numbers_get_4xx_naming_the_field(http, 
         assert r.status_code == status, (path, field, r.text[:300])
         assert r.headers["content-type"] == "application/json", r.text[:300]
         err = r.json()["error"]
-        assert (err["field"], err["type"]) == (field, type_), (field, err)
+        assert (err["field"], err["leyline_type"]) == (field, type_), (field, err)
 
 
 def test_session_header_and_field_are_checked(http, name):
@@ -229,7 +229,7 @@ def test_an_unexpected_exception_is_a_json_500_and_the_connection_lives(tok):
             else:
                 assert r.status_code == 500, r.text
                 assert (
-                    r.json()["error"]["type"] == "InternalError"
+                    r.json()["error"]["leyline_type"] == "InternalError"
                     and "boom" in r.json()["error"]["message"]
                 )
             assert _local_port(r) == port

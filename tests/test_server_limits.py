@@ -82,7 +82,7 @@ def test_a_40_mb_body_gets_413_within_seconds(served):
     r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert time.monotonic() - t < 5
     err = _error(r, 413, "body")
-    assert err["type"] == "PayloadTooLargeError" and str(16 * MIB) in err["message"]
+    assert err["leyline_type"] == "PayloadTooLargeError" and str(16 * MIB) in err["message"]
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
         yield b'{"model": "'
@@ -94,7 +94,8 @@ def test_a_40_mb_body_gets_413_within_seconds(served):
     with httpx.Client(base_url=srv.url, timeout=30) as fresh:
         r = fresh.post("/leyline/v1/directives", content=chunks())
     assert time.monotonic() - t < 5
-    assert _error(r, 413, "body")["type"] == "PayloadTooLargeError"
+    assert _error(r, 413, "body")["leyline_type"] == "PayloadTooLargeError"
+    assert _error(r, 413, "body")["type"] == "invalid_request_error"
     # just under the limit is read and parsed (then refused for what it says)
     small = b'{"model": "' + b"z" * (MIB) + b'", "prompt": [1], "max_tokens": 1}'
     r = c.post("/v1/completions", content=small, headers={"content-type": "application/json"})
@@ -189,7 +190,7 @@ def test_queue_timeout_gives_503_with_retry_after_and_runs_nothing(model_dir):
         for key in ("plain", "stream"):
             r = results[key]
             err = _error(r, 503, None)
-            assert err["type"] == "QueueTimeoutError", err
+            assert err["leyline_type"] == "QueueTimeoutError", err
             assert int(r.headers["retry-after"]) >= 1
         assert _stats(c) == before  # nothing ran
         r = c.post("/v1/completions", json=body)

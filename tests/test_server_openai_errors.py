@@ -27,7 +27,8 @@ def test_bad_requests_are_400_with_param_and_code(client, name, kwargs, type_, p
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=name, **kwargs)
     assert e.value.status_code == 400
-    assert (e.value.type, e.value.param, e.value.code) == (type_, param, code)
+    assert (e.value.type, e.value.param, e.value.code) == ("invalid_request_error", param, code)
+    assert e.value.body["leyline_type"] == type_
     assert param in e.value.message
 
 
@@ -35,6 +36,7 @@ def test_unknown_model_is_404_model_not_found(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="no-such-model", messages=HELLO)
     assert (e.value.param, e.value.code) == ("model", "model_not_found")
+    assert e.value.type == "invalid_request_error"  # what OpenAI answers for an unknown model
 
 
 def test_error_body_has_openai_keys_and_the_leyline_field(server):
@@ -51,7 +53,9 @@ def test_a_missing_directive_base_is_409_cache_miss(server, name):
         f"{server.url}/leyline/v1/directives", json={**body, "fallback": False}, timeout=30
     )
     assert r.status_code == 409
-    assert (r.json()["error"]["type"], r.json()["error"]["code"]) == (
+    err = r.json()["error"]
+    assert (err["type"], err["leyline_type"], err["code"]) == (
+        "invalid_request_error",
         "CacheMissError",
         "cache_miss",
     )

@@ -64,7 +64,8 @@ def test_every_route_but_health_needs_a_valid_key(keyed):
         for headers in bad_headers:
             r = c.request(method, path, json=body, headers=headers)
             assert r.status_code == 401, (path, headers, r.text)
-            assert r.json()["error"]["type"] == "AuthenticationError"
+            assert r.json()["error"]["leyline_type"] == "AuthenticationError"
+            assert r.json()["error"]["type"] == "authentication_error"
             assert r.json()["error"]["field"] == "authorization"
             assert r.headers["www-authenticate"] == "Bearer"
     assert c.get("/health").status_code == 200
@@ -118,7 +119,8 @@ def test_host_allowlist_answers_loopback_names_and_the_names_given(model_dir):
                 r = c.get("/v1/models", headers={"Host": host})
                 assert r.status_code == 400, (host, r.text)
                 assert r.json()["error"] == {
-                    "type": "HostNotAllowedError",
+                    "type": "invalid_request_error",
+                    "leyline_type": "HostNotAllowedError",
                     "message": r.json()["error"]["message"],
                     "param": "host",
                     "code": "host_not_allowed",

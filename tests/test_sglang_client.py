@@ -151,11 +151,11 @@ def test_sglang_http_route_on_sglang_app(engine: Engine, loop: Loopback, monkeyp
     assert r.status_code == 400 and "directives" in r.json()["error"]["message"]
     body["directives"][0]["end"] = len(tokens) + 9
     r = client.post("/leyline/v1/directives", json=body)
-    assert r.status_code == 400 and r.json()["error"]["type"] == "DirectiveError"
+    assert r.status_code == 400 and r.json()["error"]["leyline_type"] == "DirectiveError"
     never = engine.tokenizer.encode("not cached", add_special_tokens=False)
     miss = {"tokens": never, "directives": [{"start": 0, "end": 1, "replacement": "[x]"}]}
     r = client.post("/leyline/v1/directives", json=miss)
-    assert r.status_code == 409 and r.json()["error"]["type"] == "CacheMissError"
+    assert r.status_code == 409 and r.json()["error"]["leyline_type"] == "CacheMissError"
     stats = StatsResponse.model_validate(client.get("/leyline/v1/stats").json())
     assert stats.directive_errors == 3 and stats.splices["amortize"] == 1
 
@@ -201,7 +201,7 @@ def test_sglang_http_route_sessions(engine: Engine, loop: Loopback, monkeypatch)
     r = client.post(
         "/leyline/v1/directives", json={**body, "session": "b"}, headers={"X-Leyline-Session": "a"}
     )
-    assert r.status_code == 400 and r.json()["error"]["type"] == "DirectiveError"
+    assert r.status_code == 400 and r.json()["error"]["leyline_type"] == "DirectiveError"
     assert "X-Leyline-Session" in r.json()["error"]["message"]
     r = client.post("/leyline/v1/directives", json={**body, "session": ""})
     assert r.status_code == 400 and "session" in r.json()["error"]["message"]

@@ -252,7 +252,8 @@ class _HTTPRuntimeBase:
 
 def _error_type(resp: httpx.Response) -> str | None:
     try:
-        return str(resp.json()["error"]["type"])
+        err = resp.json()["error"]
+        return str(err.get("leyline_type") or err["type"])
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -269,9 +270,10 @@ def _error_from_body(url: str, resp: httpx.Response) -> LeylineError:
         body = ErrorBody.model_validate(resp.json()["error"])
     except (ValueError, KeyError, TypeError, ValidationError):
         return DirectiveError(f"{url}: HTTP {resp.status_code}: {resp.text[:300]}")
-    cls = _ERRORS.get(body.type, DirectiveError)
+    kind = body.leyline_type or body.type  # a server that predates leyline_type named it here
+    cls = _ERRORS.get(kind, DirectiveError)
     field = f" (field {body.field})" if body.field else ""
-    return cls(f"{url}: {body.type}: {body.message}{field}")
+    return cls(f"{url}: {kind}: {body.message}{field}")
 
 
 class HTTPRuntime(_HTTPRuntimeBase):

@@ -206,7 +206,7 @@ def check_json_text(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
 # -- answers -----------------------------------------------------------------------------
 def error_message(exc: GuardError) -> tuple[int, dict[str, str], bytes]:
     """(status, headers, JSON bytes) of the answer to ``exc``."""
-    body = error_body(exc.type_name, str(exc), exc.field, exc.code)
+    body = error_body(exc.type_name, str(exc), exc.field, exc.code, status=exc.status)
     raw = json.dumps(
         {"error": body.model_dump(mode="json")},
         ensure_ascii=False, allow_nan=False, separators=(",", ":"),

@@ -1,7 +1,7 @@
 """Every failure of a request becomes ``{"error": ErrorBody}`` with a 4xx (or 5xx) status.
 
 =====================================  ======  =============================================
-raised                                  status  ``error.type``
+raised                                  status  ``error.leyline_type``
 =====================================  ======  =============================================
 ``RequestError`` (bad value, server)    400     ``RequestError``
 ``ModelNotFoundError``                  404     ``ModelNotFoundError``
@@ -26,11 +26,13 @@ normally, so the keep-alive connection stays usable (uvicorn closes a connection
 application raised).
 
 The body has OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` (plus
-``field``, the same as ``param``), and bad requests are 400 as OpenAI answers them
-(FastAPI's default for a validation error would be 422). ``type`` is the name of the
-Leyline error class, so that a client (``HTTPRuntime``) can raise the same class on its
-side; ``code`` is a snake_case reason (``error_code``; pydantic's error type for a
-validation error: ``missing``, ``int_type``).
+``field``, the same as ``param``, and ``leyline_type``), and bad requests are 400 as OpenAI
+answers them (FastAPI's default for a validation error would be 422). ``type`` is OpenAI's
+(``invalid_request_error``, ``authentication_error``, ``not_found_error``,
+``rate_limit_error``, ``server_error``: ``http_errors.openai_type``, from the status);
+``leyline_type`` is the name of the Leyline error class in the table, so that a client
+(``HTTPRuntime``) can raise the same class on its side; ``code`` is a snake_case reason
+(``error_code``; pydantic's error type for a validation error: ``missing``, ``int_type``).
 ``field`` names the request field at fault, as a path: ``messages[2].role``,
 ``directives[0].end``, ``prompt[7]``. Errors raised by the layers below carry it as the
 prefix of their message (``"directives[0].end: ..."``); it is lifted from there. The part
@@ -91,7 +93,7 @@ def error_response(
     headers: dict[str, str] | None = None,
     code: str | None = None,
 ) -> JSONResponse:
-    body = error_body(type_, message, field, code)
+    body = error_body(type_, message, field, code, status=status)
     return JSONResponse({"error": body.model_dump()}, status_code=status, headers=headers)
 
 

@@ -364,8 +364,8 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
                 async for item in items:
                     yield item
         except Exception as exc:  # headers are gone: report in-band, as OpenAI does
-            _, type_, message, field = classify(exc)
-            body = error_body(type_, message, field, exception_code(exc, type_))
+            status, type_, message, field = classify(exc)
+            body = error_body(type_, message, field, exception_code(exc, type_), status=status)
             yield sse({"error": body.model_dump()})
         yield DONE
 

@@ -119,7 +119,8 @@ def _validation_error(errors: Any) -> tuple[int, dict[str, Any]]:
 
 
 def _answer(status: int, type_: str, message: str, field: str | None) -> tuple[int, dict[str, Any]]:
-    return status, {"error": error_body(type_, message, field).model_dump(mode="json")}
+    body = error_body(type_, message, field, status=status)
+    return status, {"error": body.model_dump(mode="json")}
 
 
 def add_routes(app: Any, route: LeylineRoute) -> None:

@@ -48,6 +48,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from leyline_agent.http_errors import error_body
 from leyline_agent.wire import (
     BODY_EDITS,
     DirectivesRequest,
@@ -209,7 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, status: int, type_: str, message: str, field: str | None = None) -> None:
         self._send_json(
-            status, {"error": ErrorBody(type=type_, message=message, field=field).model_dump()}
+            status, {"error": error_body(type_, message, field, status=status).model_dump()}
         )
 
     def _read_json(self) -> Any:

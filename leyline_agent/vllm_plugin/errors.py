@@ -42,4 +42,5 @@ def error_content(exc: BaseException) -> tuple[int, dict[str, Any]]:
     code = exc.code if isinstance(exc, GuardError) else None
     if isinstance(exc, ValidationError) and exc.errors():  # pydantic's type, as leyline serve
         code = str(exc.errors()[0].get("type", "invalid_value")).replace(".", "_")
-    return status, {"error": error_body(kind, message, field, code).model_dump(mode="json")}
+    body = error_body(kind, message, field, code, status=status)
+    return status, {"error": body.model_dump(mode="json")}

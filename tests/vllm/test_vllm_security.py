@@ -91,7 +91,8 @@ def test_every_leyline_route_is_401_without_the_key(srv, c, auth):
         assert r.json() == {  # leyline serve's body, as its tests see it
             "error": {
                 "message": f"authorization: {problem}",
-                "type": "AuthenticationError",
+                "type": "authentication_error",
+                "leyline_type": "AuthenticationError",
                 "param": "authorization",
                 "code": "invalid_api_key",
                 "field": "authorization",
@@ -213,7 +214,7 @@ def test_a_40_mb_body_is_a_413_within_seconds(srv, c):
         r = _raw(c, path, big)
         assert time.monotonic() - t0 < 5
         err = _error(r, 413, "body")
-        assert err["type"] == "PayloadTooLargeError"
+        assert (err["type"], err["leyline_type"]) == ("invalid_request_error", "PayloadTooLargeError")
 
     def chunks():  # no Content-Length: counted as it arrives
         for i in range(0, len(big), 1 << 20):

@@ -60,4 +60,4 @@ def test_prefix_caching_off_is_refused_by_name():
         )
         assert r.status_code == 503, r.text
         err = r.json()["error"]
-        assert err["type"] == "RuntimeUnavailableError" and err["field"] == "enable_prefix_caching"
+        assert err["leyline_type"] == "RuntimeUnavailableError" and err["field"] == "enable_prefix_caching"
