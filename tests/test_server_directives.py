@@ -190,7 +190,7 @@ def test_bad_inputs_get_json_4xx_naming_the_field_and_change_nothing(client, htt
         r = http.post(path, **kw)
         assert r.status_code == status, (path, body, r.text)
         err = r.json()["error"]
-        assert set(err) == {"type", "message", "param", "code", "field"} and err["message"], err
+        assert set(err) == {"type", "leyline_type", "message", "param", "code", "field"} and err["message"], err
         assert err["param"] == err["field"] and err["code"], err
         if field is not None:
             assert (err["field"] or "").startswith(field), (field, err)
