@@ -1,6 +1,7 @@
 """``create_app(engine_or_worker, ...)``: the FastAPI application of ``leyline serve``.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (``openai_routes``),
+``/v1/responses`` (``responses_routes``, served through the chat route),
 ``/leyline/v1/directives``, ``/leyline/v1/stats`` (``leyline_routes``), ``/health``.
 Every engine call goes through one ``Worker``; an app built from an engine owns its
 worker (``concurrency`` threads: by default 16 for a thread-safe engine, 1 for any other;
@@ -31,6 +32,8 @@ from leyline_agent.server.inputs import DEFAULT_MAX_MESSAGES, InputLimits, check
 from leyline_agent.server.leyline_routes import router as leyline_router
 from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, longest_token_bytes
 from leyline_agent.server.openai_routes import router as openai_router
+from leyline_agent.server.responses_routes import router as responses_router
+from leyline_agent.server.responses_store import ResponseStore
 from leyline_agent.server.state import ServerState
 from leyline_agent.server.tenants import ApiKeys, BearerAuth, HostAllowlist, session_header
 from leyline_agent.server.worker import (
@@ -148,6 +151,8 @@ def create_app(
     errors.install(app)
     checks = [Depends(check_json_body), Depends(session_header)]
     app.include_router(openai_router, dependencies=checks)
+    app.include_router(responses_router, dependencies=checks)
+    app.state.leyline_responses = ResponseStore()  # previous_response_id (responses_routes)
     app.include_router(leyline_router, dependencies=checks)
 
     @app.get("/health")

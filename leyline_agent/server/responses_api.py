@@ -1,0 +1,237 @@
+"""``POST /v1/responses``: the request on the wire, checked, and turned into a chat request.
+
+The Responses API is served through the chat route: ``chat_request`` turns a checked
+``ResponsesRequest`` (plus the history of its ``previous_response_id``, if any) into the body of
+a ``/v1/chat/completions`` request, so everything chat does - the template, tool-call
+parsing, ``tool_choice``, conversations, client edits, ``context_management``, sessions -
+applies to a response unchanged. A client that replays its items itself (stateless, the
+Agents SDK's ``store=False`` way) and edits an earlier one is an in-place edit of the
+conversation the server cached, spliced as chat splices it.
+
+Input items and the chat messages they become:
+
+- a message (``{"role", "content"}``, ``type: "message"`` optional): ``developer`` and
+  ``system`` become a system message, ``user`` a user message, ``assistant`` an assistant
+  message; content a string or a list of ``input_text`` / ``output_text`` parts (joined);
+- ``function_call`` items (``call_id``, ``name``, ``arguments``) join the assistant message
+  before them (or open one with ``content: null``) as its ``tool_calls``, ids = ``call_id``;
+- ``function_call_output`` (``call_id``, ``output``) becomes a ``tool`` message.
+
+``instructions`` is a system message at the head (not carried over from a previous
+response, as OpenAI does). Anything the embedded engine cannot honour - images, files, other
+item and tool types, ``background``, ``reasoning`` effort, ``truncation: "auto"``, ``include`` -
+is refused with a 400 naming the field, never dropped. Unknown top-level fields are ignored,
+as on the chat route.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from leyline_agent.server.errors import RequestError
+
+__all__ = ["FunctionTool", "ResponsesRequest", "chat_request", "input_messages"]
+
+_REQUEST = ConfigDict(frozen=True, extra="ignore", strict=True)
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+_MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
+_MESSAGE_ROLES["developer"] = "system"
+
+
+class FunctionTool(BaseModel):
+    """A Responses function tool: flat, not nested under ``function`` as in chat."""
+
+    model_config = _REQUEST
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = _REQUEST
+
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    seed: int | None = None
+    # accepted where their value asks for nothing the engine does not do
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    conversation: Any = None
+    prompt: Any = None
+    # Leyline's, passed to the chat route as they are
+    context_management: Any = None
+    leyline: Any = None
+
+
+def _refuse_unsupported(req: ResponsesRequest) -> None:
+    if req.background:
+        raise RequestError("background responses are not supported", "background")
+    for key, value in (req.reasoning or {}).items():
+        if value is not None:
+            raise RequestError("the served model takes no reasoning options", f"reasoning.{key}")
+    if req.truncation == "auto":
+        raise RequestError("'auto' truncation is not supported; use 'disabled'", "truncation")
+    if req.include:
+        raise RequestError(f"{req.include[0]!r} cannot be included", "include[0]")
+    if req.top_logprobs:
+        raise RequestError("logprobs are not supported on /v1/responses", "top_logprobs")
+    if req.max_tool_calls is not None:
+        raise RequestError("max_tool_calls is not supported", "max_tool_calls")
+    for name in ("conversation", "prompt"):
+        if getattr(req, name) is not None:
+            raise RequestError(f"{name} objects are not supported", name)
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError("must be a string or a list of text parts", where)
+    out = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"{kind!r} parts are not supported (text only)", f"{where}[{j}]")
+        if not isinstance(part.get("text"), str):
+            raise RequestError("must be a string", f"{where}[{j}].text")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _str_field(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or (key != "arguments" and not value):
+        raise RequestError("must be a non-empty string", f"{where}.{key}")
+    return value
+
+
+def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> list[dict[str, Any]]:
+    """The chat messages of a request's ``input`` (see the module doc)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for k, item in enumerate(items):
+        at = f"{where}[{k}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = _MESSAGE_ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise RequestError(f"unknown role {item.get('role')!r}", f"{at}.role")
+            out.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
+        elif kind == "function_call":
+            call = {
+                "id": _str_field(item, "call_id", at),
+                "type": "function",
+                "function": {
+                    "name": _str_field(item, "name", at),
+                    "arguments": _str_field(item, "arguments", at),
+                },
+            }
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                out.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = _text(item.get("output"), f"{at}.output")
+            out.append(
+                {"role": "tool", "tool_call_id": _str_field(item, "call_id", at), "content": output}
+            )
+        else:
+            raise RequestError(f"{kind!r} items are not supported", f"{at}.type")
+    return out
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    out = []
+    for k, raw in enumerate(tools):
+        if not isinstance(raw, dict) or raw.get("type") != "function":
+            kind = raw.get("type") if isinstance(raw, dict) else None
+            raise RequestError(f"{kind!r} tools are not supported (functions only)", f"tools[{k}]")
+        tool = FunctionTool.model_validate(raw)
+        fn = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+    return out
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise RequestError(
+        "must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}", "tool_choice"
+    )
+
+
+def _response_format(text: dict[str, Any] | None, chat_fields: set[str]) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    if "response_format" not in chat_fields:
+        raise RequestError("only plain text output is supported by this server", "text.format")
+    if not isinstance(fmt, dict):
+        raise RequestError("must be an object", "text.format")
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    raise RequestError(f"unknown format type {fmt.get('type')!r}", "text.format.type")
+
+
+def chat_request(
+    req: ResponsesRequest, history: list[dict[str, Any]], chat_fields: set[str]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the chat body to serve, the conversation without ``instructions``: ``history`` and
+    the request's input, what a later ``previous_response_id`` continues)."""
+    _refuse_unsupported(req)
+    conversation = [*history, *input_messages(req.input)]
+    if not conversation:
+        raise RequestError("must hold at least one item", "input")
+    head = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": [*head, *conversation],
+        "stream": req.stream,
+    }
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    optional = {
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "seed": req.seed,
+        "user": req.user,
+        "tools": _chat_tools(req.tools),
+        "tool_choice": _chat_tool_choice(req.tool_choice),
+        "response_format": _response_format(req.text, chat_fields),
+        "context_management": req.context_management,
+        "leyline": req.leyline,
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
+    return body, conversation

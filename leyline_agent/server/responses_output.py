@@ -1,0 +1,259 @@
+"""The Response object and its stream, built from what the chat route answered.
+
+``output_items(message)`` turns the chat answer's assistant message into output items: a
+``message`` item with one ``output_text`` part (when the answer has text, or has neither text
+nor calls), then one ``function_call`` item per tool call (``call_id`` is the chat call's id,
+so a client that sends the items back echoes the ids the server's conversation matching
+checks). ``reply_message(items)`` is the inverse, the chat message a later turn continues.
+
+``ResponseEvents`` reads the chat route's stream (``chat.completion.chunk`` payloads) and
+writes the Responses event sequence the OpenAI SDK reads: ``response.created``,
+``response.in_progress``; for text ``response.output_item.added``,
+``response.content_part.added``, ``response.output_text.delta``... ``.done``,
+``response.content_part.done``, ``response.output_item.done``; per call
+``response.output_item.added``, ``response.function_call_arguments.delta`` / ``.done``,
+``response.output_item.done``; then ``response.completed`` with the whole response. An error
+after the stream started is an ``error`` event then ``response.failed``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "ResponseEvents",
+    "new_item_id",
+    "output_items",
+    "reply_message",
+    "response_object",
+    "responses_usage",
+]
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
+    content = [] if text is None else [_text_part(text)]
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
+
+
+def call_item(item_id: str, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    fn = call["function"]
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call["id"],
+        "name": fn["name"],
+        "arguments": fn["arguments"] if status == "completed" else "",
+        "status": status,
+    }
+
+
+def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """The output items of the chat answer's assistant ``message`` (see the module doc)."""
+    calls = message.get("tool_calls") or []
+    text = message.get("content")
+    items = []
+    if text or not calls:
+        items.append(message_item(new_item_id("msg"), text or ""))
+    items.extend(call_item(new_item_id("fc"), c) for c in calls)
+    return items
+
+
+def reply_message(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat assistant message of ``items`` (what the chat route committed as the reply:
+    ``content`` None for calls without text)."""
+    texts = [p["text"] for i in items if i["type"] == "message" for p in i["content"]]
+    calls = [
+        {
+            "id": i["call_id"],
+            "type": "function",
+            "function": {"name": i["name"], "arguments": i["arguments"]},
+        }
+        for i in items
+        if i["type"] == "function_call"
+    ]
+    text = "".join(texts) if texts else None
+    out: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def responses_usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    """Chat ``usage`` in the Responses shape. ``cache_write_tokens``: the prompt tokens this
+    request prefilled (every one of them is written to the prefix cache);
+    ``usage.leyline`` is kept."""
+    prompt = int(chat_usage["prompt_tokens"])
+    cached = int((chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    out = {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": prompt - cached},
+        "output_tokens": int(chat_usage["completion_tokens"]),
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": int(chat_usage["total_tokens"]),
+    }
+    if "leyline" in chat_usage:
+        out["leyline"] = chat_usage["leyline"]
+    return out
+
+
+def response_object(
+    head: dict[str, Any],
+    output: list[dict[str, Any]],
+    *,
+    status: str = "completed",
+    usage: dict[str, Any] | None = None,
+    finish_reason: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A Response: ``head`` (id, model, the request's echoed settings) with ``output``."""
+    incomplete = status == "completed" and finish_reason == "length"
+    body = {
+        **head,
+        "status": "incomplete" if incomplete else status,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "output": output,
+        "usage": usage,
+        "completed_at": time.time() if status == "completed" else None,
+    }
+    body.update(extra or {})
+    return body
+
+
+class ResponseEvents:
+    """The Responses events of one chat stream (see the module doc). Feed each chat payload
+    to ``chunk``; ``finish`` gives the closing events; ``items`` / ``reply`` /
+    ``response`` are the result once finished."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self.head = head
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []
+        self.text: list[str] = []
+        self.extra: dict[str, Any] = {}
+        self.usage: dict[str, Any] | None = None
+        self.finish_reason: str | None = None
+        self.response: dict[str, Any] | None = None
+        self._message: dict[str, Any] | None = None  # the open message item
+
+    def event(self, type_: str, **fields: Any) -> str:
+        payload = {"type": type_, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+        return f"event: {type_}\ndata: {data}\n\n"
+
+    def start(self) -> list[str]:
+        body = response_object(self.head, [], status="in_progress")
+        return [self.event("response.created", response=body),
+                self.event("response.in_progress", response=body)]  # fmt: skip
+
+    def chunk(self, payload: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        for key in ("leyline", "context_management"):
+            if key in payload:
+                self.extra[key] = payload[key]
+        if payload.get("usage"):
+            self.usage = responses_usage(payload["usage"])
+        for choice in payload.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._text_delta(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                out += self._close_message() + self._call(call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return out
+
+    def finish(self, store: Callable[[dict[str, Any]], None] | None = None) -> list[str]:
+        out = self._close_message()
+        if not self.items:  # no text and no call: an empty message, as answered unstreamed
+            out += self._open_message() + self._close_message()
+        self.response = response_object(
+            self.head, self.items, usage=self.usage, finish_reason=self.finish_reason,
+            extra=self.extra,
+        )  # fmt: skip
+        if store is not None:
+            store(self.response)
+        return [*out, self.event("response.completed", response=self.response)]
+
+    def failed(self, error: dict[str, Any]) -> list[str]:
+        code = error.get("code") or "server_error"
+        failed = response_object(
+            self.head, self.items, status="failed", extra={"error": {"code": "server_error",
+                                                                      "message": error["message"]}},
+        )  # fmt: skip
+        return [
+            self.event("error", code=code, message=error["message"], param=error.get("param")),
+            self.event("response.failed", response=failed),
+        ]
+
+    def reply(self) -> dict[str, Any]:
+        return reply_message(self.items)
+
+    # -- items -------------------------------------------------------------------------
+    def _open_message(self) -> list[str]:
+        item = message_item(new_item_id("msg"), None, "in_progress")
+        self._message, index = item, len(self.items)
+        self.items.append(item)
+        return [
+            self.event("response.output_item.added", output_index=index, item=item),
+            self.event(
+                "response.content_part.added", item_id=item["id"], output_index=index,
+                content_index=0, part=_text_part(""),
+            ),
+        ]  # fmt: skip
+
+    def _text_delta(self, delta: str) -> list[str]:
+        out = self._open_message() if self._message is None else []
+        self.text.append(delta)
+        assert self._message is not None
+        return [*out, self.event(
+            "response.output_text.delta", item_id=self._message["id"],
+            output_index=len(self.items) - 1, content_index=0, delta=delta, logprobs=[],
+        )]  # fmt: skip
+
+    def _close_message(self) -> list[str]:
+        if self._message is None:
+            return []
+        text, index = "".join(self.text), len(self.items) - 1
+        done = message_item(self._message["id"], text)
+        self.items[index], self._message = done, None
+        where = {"item_id": done["id"], "output_index": index, "content_index": 0}
+        return [
+            self.event("response.output_text.done", **where, text=text, logprobs=[]),
+            self.event("response.content_part.done", **where, part=_text_part(text)),
+            self.event("response.output_item.done", output_index=index, item=done),
+        ]
+
+    def _call(self, call: dict[str, Any]) -> list[str]:
+        call = {k: v for k, v in call.items() if k != "index"}
+        index, item_id = len(self.items), new_item_id("fc")
+        self.items.append(call_item(item_id, call))
+        args = call["function"]["arguments"]
+        where = {"item_id": item_id, "output_index": index}
+        return [
+            self.event(
+                "response.output_item.added", output_index=index,
+                item=call_item(item_id, call, "in_progress"),
+            ),
+            self.event("response.function_call_arguments.delta", **where, delta=args),
+            self.event("response.function_call_arguments.done", **where, arguments=args),
+            self.event("response.output_item.done", output_index=index, item=self.items[index]),
+        ]  # fmt: skip
