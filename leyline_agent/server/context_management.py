@@ -12,6 +12,12 @@ and defaults:
   arguments become ``{}`` too. Leyline counts a tool use as one assistant tool turn (its
   parallel calls age together) and counts tokens with the served model's tokenizer.
   ``placeholder`` (Leyline's) sets the stub text.
+- ``{"type": "clear_thinking_20251015"}`` (also ``clear_thinking``): the ``<think>`` spans of
+  all but the newest ``keep`` assistant turns with thinking (default
+  ``{"type": "thinking_turns", "value": 1}``; ``"all"`` keeps every one) are removed, a splice
+  like any other edit (``clear_thinking``); ``applied_edits`` says how many turns it cleared,
+  0 when there was nothing to clear. It may stand beside ``clear_tool_uses``, as Anthropic's
+  clients send them.
 - Leyline's own types run the built-in policies with their knobs (the same classes
   ``wrap_openai`` runs): ``{"type": "stale_tool", "keep": 2, ...}`` (``StaleToolTruncation``)
   and ``{"type": "failed_call", "after": 1, ...}`` (``FailedCallDetector``).
@@ -32,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from leyline_agent.http_errors import field_path
 from leyline_agent.policies import FailedCallDetector, Policy, StaleToolTruncation
+from leyline_agent.server.clear_thinking import ClearThinking
 from leyline_agent.server.errors import RequestError
 
 __all__ = [
@@ -82,6 +89,20 @@ class ClearToolUses(BaseModel):
     exclude_tools: list[str] | None = None
     clear_tool_inputs: bool = False
     placeholder: str | None = Field(default=None, min_length=1)
+
+
+class ThinkingTurns(BaseModel):
+    model_config = _STRICT
+    type: Literal["thinking_turns"]
+    value: int = Field(ge=0)
+
+
+class ClearThinkingEdit(BaseModel):
+    """Anthropic's ``clear_thinking`` edit."""
+
+    model_config = _STRICT
+    type: Literal["clear_thinking", "clear_thinking_20251015"]
+    keep: ThinkingTurns | Literal["all"] = ThinkingTurns(type="thinking_turns", value=1)
 
 
 class LeylineOptions(BaseModel):
@@ -149,9 +170,12 @@ def _edit(raw: Any, k: int, count: Callable[[str], int]) -> EditSpec:
         tokens = e.trigger.value if isinstance(e.trigger, InputTokens) else 0
         uses = e.trigger.value if isinstance(e.trigger, ToolUses) else 0
         return EditSpec(kind, StaleToolTruncation(**knobs), tokens, uses)
+    if kind.startswith("clear_thinking"):
+        t = _validate(ClearThinkingEdit, raw, where)
+        return EditSpec(kind, ClearThinking(None if t.keep == "all" else t.keep.value))
     cls = _LEYLINE_TYPES.get(kind)
     if cls is None:
-        known = ["clear_tool_uses", "stale_tool", "failed_call"]
+        known = ["clear_tool_uses", "clear_thinking", "stale_tool", "failed_call"]
         raise RequestError(
             f"unknown edit type {kind!r}; known: {known}", field_path((*where, "type"))
         )

@@ -136,6 +136,11 @@ def applied_edits(
                 uses += 1
             tokens += max(0, count(message_text(before)) - count(message_text(after)))
             tokens += max(0, count(_args(before)) - count(_args(after)))
+        if spec.type.startswith("clear_thinking"):  # Anthropic's fields for this edit
+            cleared = sum(1 for i, label in plan.labels.items() if label == str(k))
+            entry = {"type": spec.type, "cleared_thinking_turns": cleared}
+            out.append({**entry, "cleared_input_tokens": tokens})
+            continue
         out.append({"type": spec.type, "cleared_tool_uses": uses, "cleared_input_tokens": tokens})
     return out
 
