@@ -39,7 +39,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from leyline_agent.trajectory import call_ids, edited_in_place, message_text
@@ -169,6 +169,46 @@ class ConversationStore:
             convs.move_to_end(conv.id)
             while len(convs) > self.per_tenant:
                 convs.popitem(last=False)
+
+    def forgotten(
+        self,
+        tenant: str,
+        session: str | None,
+        old: Sequence[Mapping[str, Any]],
+        new: Sequence[Mapping[str, Any]],
+    ) -> int:
+        """A message-form FORGET ``old`` -> ``new`` (normalized) has run: each conversation of
+        the directive's session (anonymous ones for a directive that names none) whose prompt
+        ``old`` starts with takes ``new``'s messages in place of the ones it changed, so the
+        chat request that sends the edited history continues it with nothing left to splice
+        (a client edit there would be AMORTIZE by default, undoing the FORGET). Only in-place
+        edits (lists of one length) are recorded: after a FORGET that drops or adds messages
+        the edited history no longer continues the conversation, and is prefilled exactly.
+        How many conversations were updated."""
+        if len(old) != len(new):
+            return 0
+        old, new = list(old), list(new)
+        updated = 0
+        with self._lock:
+            convs = self._tenants.get(tenant, {})
+            for cid, c in list(convs.items()):
+                if session is not None and c.session != session:
+                    continue
+                if session is None and not c.session.startswith(CONVERSATION_PREFIX):
+                    continue
+                n = len(c.raw)
+                if not n or len(old) < n or old[:n] not in (c.raw, c.served):
+                    continue
+                changed = [i for i in range(n) if old[i] != new[i]]
+                if not changed:
+                    continue
+                raw, served = list(c.raw), list(c.served)
+                labels = {i: v for i, v in c.labels.items() if i not in changed}
+                for i in changed:
+                    raw[i] = served[i] = dict(new[i])
+                convs[cid] = replace(c, raw=raw, served=served, labels=labels)
+                updated += 1
+        return updated
 
     def forget_tenant(self, tenant: str) -> int:
         """Drop every conversation of ``tenant`` (a cache flush); how many there were."""

@@ -4,6 +4,8 @@ Everything that can be checked without the cache is checked here before the engi
 asked (model name, message shapes, token ids, directive spans against ``len(tokens)``), so
 a refused request costs the engine nothing and changes none of its counters. What needs
 the cache (is ``tokens`` cached?) is the engine's to say: ``CacheMissError`` -> 409.
+A message-form FORGET also updates the conversations it edits (``ConversationStore.forgotten``),
+so the chat request that sends the edited history is not taken for a client edit.
 A directive runs in its session's order (``worker.session_key``): never in the middle of
 another request of the same session; the engine runs it between two steps of the others.
 
@@ -24,7 +26,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from leyline_agent.chat_input import canonical_tools
-from leyline_agent.directives import Directive, plan_batch
+from leyline_agent.directives import Directive, Mode, plan_batch
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.server.completions import (
     check_message_shapes,
@@ -119,7 +121,13 @@ async def directives(req: DirectivesRequest, request: Request) -> DirectivesResp
     memory = st.directive_memory
 
     def job(engine: Any) -> DirectivesResponse:  # on the worker: lookup + execute, atomic
-        return memory.run(req, ns, lambda: engine.apply_directives(ready, namespace=ns))
+        out = memory.run(req, ns, lambda: engine.apply_directives(ready, namespace=ns))
+        if ready.mode == Mode.FORGET and ready.old_messages is not None:
+            # the conversation takes the edited messages: its next chat request continues
+            # it as it is, so no client edit amortizes the forgotten span back
+            assert ready.new_messages is not None
+            st.conversations.forgotten(ns.tenant, ns.session, ready.old_messages, ready.new_messages)
+        return out
 
     return await run_connected(request, st.worker, job, key=session_key(ns))
 
