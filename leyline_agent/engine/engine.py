@@ -192,7 +192,7 @@ class Engine:
         stop_ids = frozenset(self.stop_token_ids) | frozenset(extra_stop)
         t0 = time.perf_counter()
         with self.stepper.exclusive():
-            splice_lost = self.cache.arrive(namespace)
+            splice_lost = self.cache.arrive(namespace, ids)
             m = self.cache.match(ids[:-1], namespace)
             self.cache.hold(m)
             seq = sequence.Sequence(

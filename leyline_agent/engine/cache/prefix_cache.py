@@ -106,9 +106,10 @@ class PrefixCache:
         if self.enabled:
             self.pins.pin(ns, list(tokens))
 
-    def arrive(self, ns: Namespace) -> bool:
-        """``ns`` starts a request: its pin ends. True if its last splice result was lost."""
-        lost = self.pins.release(ns)
+    def arrive(self, ns: Namespace, prompt: Sequence[int] | None = None) -> bool:
+        """``ns`` starts a request (of ``prompt``'s tokens, if given): its pin ends. True if
+        its last splice result was lost since, pinned or not (``pins``), said once."""
+        lost = self.pins.release(ns, prompt)
         self.allocator.free(self.tree.collect())
         return lost
 
