@@ -8,7 +8,9 @@ Order of work (nothing is mutated until every check has passed):
    (``directives.compile.message_edits``), clip spans to the cached prefix
    (``directives.compile.clip_to_cached``).
 2. match the base ``T`` in the radix tree (pure). Token form: every span must end inside
-   the cached prefix of ``T``; message form: something of the conversation must be cached.
+   the cached prefix of ``T``; message form: every edited span must be cached (with
+   ``fallback``, only something of the conversation: the spans are clipped to the cached
+   prefix, and what they leave out the next request prefills).
    Otherwise ``CacheMissError`` (counted in ``directive_errors``), or with ``fallback`` a
    counted fallback: nothing is executed and the next request re-prefills.
 3. ``plan_splice`` (pure), then ``execute_splice`` on fresh slots, insert ``T'`` (the part
@@ -134,11 +136,12 @@ def _apply(
             return _outcome(new_tokens, [], plan_splice(old, []), "noop", 0, t0)
         m = cache.match(old, ns)
         kept = clip_to_cached(spans, m.length)
-        if m.length == 0 or not kept:
+        if m.length == 0 or not kept or (kept != spans and not req.fallback):
             return _miss(
                 host, req, ns, new_tokens, [],
-                f"old_messages: the edits start at token {spans[0].start} but only the first "
-                f"{m.length} tokens of the rendered conversation are cached",
+                f"old_messages: the edits span tokens [{spans[0].start}, {spans[-1].end}) of "
+                f"the rendered conversation but only its first {m.length} tokens are cached "
+                "(without fallback no edit is applied in part)",
             )  # fmt: skip
         order = plan_batch(to_directives(kept, req.mode), seq_len=m.length)
         base = old[: m.length]
