@@ -111,3 +111,35 @@ def test_message_form_forget_then_edited_chat_equals_a_fresh_prefill(srv, model_
     assert r.model_extra["leyline"]["directives"] == []
     assert text == fresh_text
     assert _same(got, fresh), (got, fresh)
+
+
+def test_token_form_forget_in_a_session_keeps_its_detected_edits_exact(srv, model_dir, tok):
+    """A token-form FORGET names token spans, which the server cannot map back to messages:
+    the session's conversations are marked exact, so the edited chat request that follows
+    is spliced as FORGET (a fresh prefill's answer), not AMORTIZE."""
+    name, headers = model_dir.name, {"X-Leyline-Session": "s-token-forget"}
+    client = openai.OpenAI(
+        base_url=srv.base_url, api_key="-", max_retries=0, timeout=300, default_headers=headers
+    )
+    _flush(srv)
+    reply = _first_turn(client, name)
+    _, _, nxt = _edited(reply)
+    _flush(srv)
+    _, fresh_text, fresh = _chat(client, name, nxt)
+
+    _flush(srv)
+    assert _first_turn(client, name) == reply
+    out = tok.apply_chat_template(_history(), tools=TOOLS, add_generation_prompt=True)
+    cached = list(out if isinstance(out, list) else out["input_ids"])
+    n = len(cached)
+    body = {"tokens": cached, "directives": [
+        {"start": n - 30, "end": n - 10, "replacement": cached[n - 12 : n - 10],
+         "mode": "forget"}]}  # fmt: skip
+    d = httpx.post(f"{srv.url}/leyline/v1/directives", json=body, headers=headers, timeout=300)
+    assert d.status_code == 200, d.text
+    r, text, got = _chat(client, name, nxt)
+    assert r.model_extra["leyline"]["edited_messages"] == [3]
+    [step] = r.model_extra["leyline"]["directives"]
+    assert step["splices"]["amortize"] == 0 and step["splices"]["forget"] >= 1
+    assert text == fresh_text
+    assert _same(got, fresh), (got, fresh)

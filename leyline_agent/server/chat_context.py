@@ -140,6 +140,7 @@ async def prepare_chat(
                 reply=canonical_message(reply),
                 labels=plan.labels,
                 spliced=bool(spliced),
+                exact=conv.exact,
             ),
         )
 

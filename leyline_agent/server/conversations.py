@@ -87,6 +87,7 @@ class Conversation:
     spliced: bool = False  # its session holds spliced rows
     used: int = 0
     claimed: bool = False  # an anonymous request is continuing it (``find(claim=True)``)
+    exact: bool = False  # a token-form FORGET in its session: its detected edits are FORGETs
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +210,17 @@ class ConversationStore:
                 convs[cid] = replace(c, raw=raw, served=served, labels=labels)
                 updated += 1
         return updated
+
+    def mark_exact(self, tenant: str, session: str) -> int:
+        """A token-form FORGET has run in ``session`` (its spans cannot be mapped back to
+        messages): from now on the session's conversations splice detected client edits as
+        FORGET, never AMORTIZE, so no later edit of the same span amortizes it back. How many
+        conversations were marked."""
+        with self._lock:
+            mine = [c for c in self._tenants.get(tenant, {}).values() if c.session == session]
+            for c in mine:
+                c.exact = True
+            return len(mine)
 
     def forget_tenant(self, tenant: str) -> int:
         """Drop every conversation of ``tenant`` (a cache flush); how many there were."""

@@ -5,7 +5,9 @@ asked (model name, message shapes, token ids, directive spans against ``len(toke
 a refused request costs the engine nothing and changes none of its counters. What needs
 the cache (is ``tokens`` cached?) is the engine's to say: ``CacheMissError`` -> 409.
 A message-form FORGET also updates the conversations it edits (``ConversationStore.forgotten``),
-so the chat request that sends the edited history is not taken for a client edit.
+so the chat request that sends the edited history is not taken for a client edit; a
+token-form FORGET in a named session marks that session's conversations exact
+(``ConversationStore.mark_exact``: their detected edits are FORGETs).
 A directive runs in its session's order (``worker.session_key``): never in the middle of
 another request of the same session; the engine runs it between two steps of the others.
 
@@ -127,6 +129,9 @@ async def directives(req: DirectivesRequest, request: Request) -> DirectivesResp
             # it as it is, so no client edit amortizes the forgotten span back
             assert ready.new_messages is not None
             st.conversations.forgotten(ns.tenant, ns.session, ready.old_messages, ready.new_messages)
+        forgets = any(d.mode == Mode.FORGET for d in ready.directives or [])
+        if forgets and ns.session is not None:  # token form: the session's edits stay exact
+            st.conversations.mark_exact(ns.tenant, ns.session)
         return out
 
     return await run_connected(request, st.worker, job, key=session_key(ns))

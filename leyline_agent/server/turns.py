@@ -8,7 +8,8 @@ none), the checked ``context_management`` edits and the splice mode, and returns
   are the client's; then the server's policies run on the result (idempotent on stubs).
 - up to two message-form directives, in order: the client's own edits (cached prompt ->
   prompt with the client's edits), then the policies' (-> ``served``). Both use the turn's
-  mode (``amortize`` / ``forget``); with ``off`` there are none and the next prefill is exact.
+  mode (``amortize`` / ``forget``; always ``forget`` in a conversation marked exact by a
+  FORGET of its session); with ``off`` there are none and the next prefill is exact.
 - ``labels``: which ``context_management`` edit stubbed each served message (for
   ``applied_edits``, counted over the whole prompt, as Anthropic reports them).
 
@@ -91,7 +92,7 @@ def plan_turn(
     if conv is None or match is None or match.retry or mode == "off":
         return plan
     n = len(conv.raw) + 1  # the cached prompt and the reply
-    splice_mode = Mode.FORGET if mode == "forget" else Mode.AMORTIZE
+    splice_mode = Mode.FORGET if mode == "forget" or conv.exact else Mode.AMORTIZE
     cached = [*conv.served, messages[len(conv.raw)]]
     steps = [("client_edits", cached, base[:n]), ("context_management", base[:n], served[:n])]
     for kind, old, new in steps:
