@@ -27,7 +27,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-# What each replay arm is, in words (the legend), in the order the README's table reads.
+# What each replay arm is, in words (the legend), in the order the tables of docs/measurements.md read.
 ARM_LABELS = {
     "full": "full history, no edits",
     "radix": "edits, prefix cache only",

@@ -21,7 +21,7 @@ maxima and sums (flash-decoding's split-K), so that one sequence keeps every thr
 No row is copied out of the pool. Why a kernel: torch's CPU flash attention takes a 4-row
 query against 8k rows at a third to half of this machine's read bandwidth (small GEMMs per
 512-row block), and at batch 8 x 512 rows the per-sequence torch ops cost more than their
-arithmetic (README, ``leyline bench engine``).
+arithmetic (docs/measurements.md, ``leyline bench engine``).
 
 The C file is compiled on first use (``cbuild.py``: the system's C compiler, ``-O3
 -march=native -fopenmp``, cached per source, compiler and CPU); its OpenMP runtime is the

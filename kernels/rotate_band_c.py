@@ -5,7 +5,7 @@ the same plan: the C loop forms the same fp32 products and sums one by one, and 
 bf16 the way torch does. Why: the reference gathers the rows, rotates them through a
 handful of full-size temporaries and scatters them back, several passes over the tail a
 splice moves; the kernel reads each source row once and writes each destination once
-(README, ``bench_splice``: the tail move).
+(docs/measurements.md, ``bench_splice``: the tail move).
 
 Takes fp32 and bf16 buffers on CPU whose plan needs no gathering first (no item reads a
 row another writes: ``RotationPlan.gather_first``); ``fits`` says so, and ``rotate_band``

@@ -11,12 +11,11 @@ Shapes::
 A decode step of one or a few sequences is this product for every linear layer of the model:
 each weight is read once per step, so the step's time is the weights' read. The kernel
 (``skinny_linear.c``) reads NS interleaved streams of weight rows with a software prefetch;
-threads take contiguous ranges of output rows. Where it pays (measured in one process,
-interleaved, mini models): bf16 weights, whose few-row products oneDNN and MKL run well
-below the read bandwidth (a llama decode step 0.73x oneDNN's packed time on one thread,
-0.75x on two; ``leyline bench engine --dtype bfloat16``, its "oneDNN linear" column). In
-fp32 MKL already reads at bandwidth (the kernel within 3 %, either way), so the engine
-keeps ``F.linear`` there (``engine/model/linear.py``).
+threads take contiguous ranges of output rows. Where it pays: bf16 weights, whose few-row
+products oneDNN and MKL run well below the read bandwidth (``leyline bench engine --dtype
+bfloat16`` measures it against oneDNN's packed product, its "oneDNN linear" column). In
+fp32 MKL already reads at bandwidth, so the engine keeps ``F.linear`` there
+(``engine/model/linear.py``).
 
 Built on first use (``cbuild.py``); ``available()`` says whether it built, ``build_error()``
 why not; without it the engine keeps its oneDNN and MKL products.

@@ -1,7 +1,7 @@
 """Leyline: KV-cache directives for agentic inference.
 
 The agent-side API (directives, policies, wrappers) imports no torch. The package is one
-folder per layer, the contracts at the bottom (see the README's layout table)::
+folder per layer, the contracts at the bottom (docs/architecture.md)::
 
     errors, namespaces, families, wire, protocols, trajectory, chat_input,
     http_errors, directives.core     contracts

@@ -14,7 +14,7 @@ the prompt. So both routes reduce their input to this form first, and nothing el
   ``id``, ``type``, ``function.name``, ``function.arguments``);
 - a tool keeps ``type`` and ``function.name``, ``function.description`` and
   ``function.parameters``; ``strict`` and any other key are dropped (the server does not
-  enforce a schema: see the README on ``tool_choice``).
+  enforce a schema: see docs/server.md on ``tool_choice``).
 
 Shapes are the caller's to validate first (``server.openai_api.ChatMessage``/``ToolSpec``);
 this module only projects. Pure, no torch, no pydantic models.

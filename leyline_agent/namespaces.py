@@ -1,6 +1,6 @@
 """Cache namespaces: whose KV rows a request may reuse (no torch, no runtime imports).
 
-The rule (the README's exactness section states it for users):
+The rule (docs/exactness.md states it for users):
 
 - Rows from an exact prefill depend on their tokens only. They are shared by token
   identity, but only inside one **tenant** (an API key of ``leyline serve``; ``""`` when the

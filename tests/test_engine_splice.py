@@ -1,6 +1,6 @@
 """Splices on real (tiny, fp32) transformers models against independent constructions.
 
-AMORTIZE ground truth (per the issue): prefix KV from a plain prefill of T[:start], R's KV
+AMORTIZE ground truth (the paper's definition): prefix KV from a plain prefill of T[:start], R's KV
 from a plain prefill of T[:start] + R, tail latents / values from the original forward of
 T, and tail k_pe / keys recomputed from the original PRE-RoPE projections (forward hooks)
 at positions i + delta with the model's own rotary functions. FORGET: a plain prefill of T'.
@@ -76,7 +76,7 @@ def max_kv_diff(a, b) -> float:
 
 
 def literal_amortize_reference(model, T, s, e, R):
-    """The issue's construction, literally."""
+    """The ground truth of the module docstring, step by step."""
     delta = len(R) - (e - s)
     pre_kv = plain_kv(model, T[:s])
     r_kv = plain_kv(model, T[:s] + R)

@@ -120,10 +120,13 @@ def bash_turns(*outputs: str) -> list[dict]:
     return t.messages
 
 
-# Issue 14, as the property found it: stale-tool (min_tokens=5) leaves the small failed
-# output at index 13 alone, failed-call replaces it by a longer stub, and a second run of
-# stale-tool found that stub big enough to stub (an edit at index 13 on the second run).
-ISSUE_14 = bash_turns("x" * 300, "ok", "a.py b.py", "3 passed", "x" * 300, "exit code 3", "ok")
+# A stub that grows past min_tokens, as the property found it: stale-tool (min_tokens=5)
+# leaves the small failed output at index 13 alone, failed-call replaces it by a longer stub,
+# and a second run of stale-tool found that stub big enough to stub (an edit at index 13 on
+# the second run).
+STUB_GROWS_PAST_MIN_TOKENS = bash_turns(
+    "x" * 300, "ok", "a.py b.py", "3 passed", "x" * 300, "exit code 3", "ok"
+)
 # The same cause read the other way: a stale stub of a failed call (index 5) counted as a
 # success, so on a second run failed-call saw a recovery and stubbed the failure before it.
 STALE_STUB_AS_SUCCESS = bash_turns(
@@ -137,7 +140,7 @@ NEGATIVE_SAVINGS = bash_turns("Error: nope", "x" * 272, "ok")
 @settings(max_examples=120, deadline=None)
 @given(msgs=trajectories(), policies=POLICIES)
 @example(
-    msgs=ISSUE_14, policies=[StaleToolTruncation(keep=1, min_tokens=5), FailedCallDetector(after=1)]
+    msgs=STUB_GROWS_PAST_MIN_TOKENS, policies=[StaleToolTruncation(keep=1, min_tokens=5), FailedCallDetector(after=1)]
 )
 @example(
     msgs=STALE_STUB_AS_SUCCESS,

@@ -1,4 +1,4 @@
-"""Directives over HTTP: the issue's splice checks through the server, bad inputs, binding.
+"""Directives over HTTP: the engine's splice checks through the server, bad inputs, binding.
 
 Ground truths: FORGET and plain requests against plain Hugging Face forwards; AMORTIZE
 (which by design is not a fresh prefill) against a separate in-process ``Engine``

@@ -1,4 +1,4 @@
-"""The trust issue's reproductions, over HTTP against a real ``leyline serve`` (in a thread).
+"""Provenance attacks, over HTTP against a real ``leyline serve`` (in a thread).
 
 Ground truth never comes from the server: a fresh prefill is a plain transformers forward
 of the whole sequence; an AMORTIZE state is ``RefState`` (the model's own modules).

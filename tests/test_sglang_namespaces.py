@@ -182,7 +182,7 @@ def test_sglang_identical_stubs_in_two_sessions(engine: Engine, server) -> None:
 
 
 def test_sglang_forget_after_coinciding_amortize_is_exact(engine: Engine, server) -> None:
-    """The issue's reproduction: AMORTIZE (10, 20) -> [5, 6] gives T1; FORGET (10, 12) ->
+    """A FORGET that coincides with an AMORTIZE: AMORTIZE (10, 20) -> [5, 6] gives T1; FORGET (10, 12) ->
     [5, 6] on T1 gives T1 again. The session must then be served a fresh prefill of T1."""
     lb, rt = server
     cache = lb.cache

@@ -77,7 +77,7 @@ def rendered(tok: Any, body: dict[str, Any]) -> list[int]:
 
 
 def _tool(t: dict[str, Any]) -> dict[str, Any]:
-    """A tool as the server renders it (README: ``strict`` and unknown keys dropped)."""
+    """A tool as the server renders it (docs/server.md: ``strict`` and unknown keys dropped)."""
     fn = t["function"]
     keep = {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
     return {"type": "function", "function": keep}

@@ -15,14 +15,10 @@ Shapes (one packed forward of N new tokens, ``context.py``; H query heads):
   ``q_lat = q_nope · W_uk`` (``kv_b_proj``'s key half), scores ``q_lat·c_kv + q_pe·k_pe``,
   output ``(p · c_kv) · W_uv`` (the value half). Cached latents are never re-expanded. A
   sequence with nothing cached and at least ``EXPAND_MIN_TOKENS`` new tokens expands its
-  own chunk instead (cheaper there: head dim 192 instead of 576). Measured by
-  ``bench_splice --switch`` (README; mini model, 1 thread): with nothing cached,
-  expanding wins from 16 tokens on in every run since the projections take packed weights
-  (expanded/absorbed 0.85-0.89 at 16 over three runs at ``7304647``, 0.82-0.84 at 32, 0.48
-  at 512; before, 16 was a tie: 0.87-1.02); with 4096 rows cached, re-expanding them would
-  be 9-10x slower for a 16-token chunk and about even from 256 on. (The benchmark starts at
-  16 tokens; shorter fresh chunks stay absorbed.)
-  Chunks with a cached context stay absorbed: the cached latents are never re-expanded.
+  own chunk instead (cheaper there: head dim 192 instead of 576). Chunks with a cached
+  context stay absorbed: re-expanding the cached latents would cost more than it saves for
+  every chunk but very long ones. ``bench_splice --switch`` measures both sides of the
+  switch (docs/measurements.md).
 
 Decode (one new token per sequence; CPU, fp32 or bf16 pools): every decoding sequence of
 the forward in one call per layer of ``kernels/decode_attn.c``, over its runs of pool rows
@@ -177,10 +173,9 @@ def _gqa_decode(
     ``vs[i]``: ``[KVH, run, d]``) -> ``[H, d]``, a kv head's query heads as its query rows.
     One run: one SDPA call. Several, on CPU: one flash-attention call per run, which also
     returns each run's log-sum-exp, and the runs' outputs weighted by their share of the
-    total (exact: the softmax over all rows, taken run by run; no rows copied). Measured at
-    an 8k context in two runs (mini llama, 1 thread, 4 layers): 5.9-7.4 ms against
-    8.1 ms for the scores of every run side by side, one softmax and the values summed run
-    by run, which stays for other devices."""
+    total (exact: the softmax over all rows, taken run by run; no rows copied). Other
+    devices: the scores of every run side by side, one softmax, the values summed run by run
+    (slower than the flash calls on CPU)."""
     kvh = ks[0].shape[0]
     qf = q.reshape(1, kvh, q.shape[0] // kvh, q.shape[-1])  # [1, KVH, group, d]
     if len(ks) == 1:
@@ -205,10 +200,8 @@ def _gqa_extend(
     of the pool), a kv head's query heads folded into its query rows (nothing broadcast);
     the chunk's own rows causally (a square: the flash kernel skips the blocks above the
     diagonal). The parts are merged by their log-sum-exps: the softmax over all rows, exact.
-    Measured against one SDPA call with the ``[t, n]`` mask (mini llama shapes, 1 thread):
-    512 new tokens after 7680 cached 146 vs 204 ms, 2048 after 6144 603 vs 1002 ms, 16 after
-    4080 3.1 vs 3.8 ms; an 8k prefill in 512-token chunks (``ModelRunner.prefill``, eight
-    alternating pairs in one process) 542 vs 489 tokens/s."""
+    Cheaper than one SDPA call with a ``[t, n]`` mask, which the CPU flash kernel applies
+    block by block (docs/measurements.md)."""
     h, t, d = q.shape[1:]
     kvh, c = pk.shape[0], s.num_cached
     cached, own = _split_runs(s.kv_runs, c)

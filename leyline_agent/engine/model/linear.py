@@ -3,25 +3,17 @@
 
 A decode step of eight sequences is a GEMM with eight rows per weight matrix. On CPU, the
 default path (``F.linear``: MKL's sgemm) runs such few-row products well below the
-machine's arithmetic speed (measured on one [1536, 1024] weight, 2 threads: 8 rows take 2.9x
-the time of 1), although each weight is read once for all rows. A weight reordered once
-into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's
-CPU freezing pass does) runs them faster. Measured by ``leyline bench engine --runner
---threads 2`` (both variants interleaved in one run; fp32, mini models, 512-token contexts):
-a decode step of 8 sequences takes 0.78-0.80x the plain time on the llama mini and 0.94x on
-the DeepSeek mini (its routed experts are not ``nn.Linear``), 0.88-0.98x at 4 and 16; at 1
-and 2 rows the packed fp32 product is slower (1.08-1.18x at 2), so fp32 forwards of fewer
-than ``PACKED_MIN_ROWS`` rows keep ``F.linear``. In bf16 the packed product is never slower
-(0.88-0.99x from 1 row on), but bf16 forwards of at most ``skinny_linear.MAX_ROWS`` rows
-(a decode step of up to four sequences) take ``kernels/skinny_linear.c`` instead: it reads
-the bf16 weights near the machine's bandwidth, which oneDNN's and MKL's few-row bf16
-products do not. Measured on the mini models, one thread: steps interleaved in one process,
-a llama decode step of one sequence at 512 cached tokens 19.2 ms against 26.3 packed and
-28.0 plain (13.9 against 18.5 packed on two threads; four sequences 19.4 against 22.8);
-in separate processes taking turns (three each; ratio of their mean step times), 0.82x
-packed (llama, 512), 0.88x (llama, 8k), 0.80x / 0.81x (DeepSeek, 512 / 8k), single pairs
-swinging from 0.59x to 1.09x. In fp32 the kernel and MKL both read at bandwidth (within 3 %, either way), so fp32
-keeps ``F.linear``. ``LEYLINE_LINEAR_KERNEL=0`` switches the kernel off (benchmarks' A/B).
+machine's arithmetic speed, although each weight is read once for all rows. A weight
+reordered once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
+what inductor's CPU freezing pass does) runs them faster. In fp32 the packed product is
+slower for a row or two, so fp32 forwards of fewer than ``PACKED_MIN_ROWS`` rows keep
+``F.linear``; in bf16 it is never slower. bf16 forwards of at most ``skinny_linear.MAX_ROWS`` rows (a decode
+step of up to four sequences) take ``kernels/skinny_linear.c`` instead: it reads the bf16
+weights near the machine's bandwidth, which oneDNN's and MKL's few-row bf16 products do
+not. In fp32 MKL already reads at bandwidth, so fp32 keeps ``F.linear``.
+``LEYLINE_LINEAR_KERNEL=0`` switches the kernel off (benchmarks' A/B). ``leyline bench
+engine --runner`` and ``--dtype bfloat16`` measure each choice side by side
+(docs/measurements.md).
 
 Only inside the engine's forwards (an attention context is set): a plain forward of the same
 model object, the tests' ground truth, runs transformers' ``nn.Linear`` unchanged. Each layer
@@ -43,7 +35,7 @@ from leyline_agent.kernels import skinny_linear
 
 __all__ = ["KERNEL_DTYPES", "PACKED_MIN_ROWS", "install_packed", "packed_available"]
 
-# rows per forward from which the packed weight is used, by dtype (measured: see above)
+# rows per forward from which the packed weight is used, by dtype (see above)
 PACKED_MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 # weight dtypes whose forwards of at most skinny_linear.MAX_ROWS rows take the C kernel
 KERNEL_DTYPES = (torch.bfloat16,)
