@@ -36,7 +36,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from leyline_agent.directives import RESERVED_MODES
+from leyline_agent.directives.core import RESERVED_MODES
 from leyline_agent.errors import CacheMissError, LeylineError, RuntimeUnavailableError
 from leyline_agent.wire import ErrorBody
 

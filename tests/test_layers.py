@@ -5,6 +5,9 @@ Fails on:
 - an import circle between modules;
 - an import against the direction of the layers (``ALLOWED``): contracts at the bottom,
   ``directives`` on them, the engine on ``directives`` and the kernels, the server on top;
+  a contract that needs ``Directive`` or ``MessageEdit`` imports ``directives.core``, never
+  the ``directives`` package, whose other modules build on the contracts (the package's
+  namespace counts as a contract for the layers above, as it re-exports ``core`` only);
   the SGLang (and vLLM) plugin beside the engine, importing neither it nor the server;
   policies and the agent side on the contracts only (never the engine or the server);
 - torch (or triton, transformers) imported by the contracts, ``directives``, the
@@ -47,7 +50,7 @@ CONTRACTS = {
     "leyline_agent.chat_input",
     "leyline_agent.http_errors",
     "leyline_agent.logs",
-    "leyline_agent.directives",  # the package namespace: core's names
+    "leyline_agent.directives",  # the package namespace: core's names (for the layers above)
     "leyline_agent.directives.core",  # Directive, Mode, MessageEdit: wire contracts
 }
 # layer -> the layers it may import (besides its own modules)
@@ -71,6 +74,7 @@ ALLOWED: dict[str, set[str]] = {
     },  # fmt: skip
     "testing": set(),  # anything: fixtures and doubles
 }
+DIRECTIVES_PACKAGE = "leyline_agent.directives"
 TORCH_FREE = {"contracts", "directives", "policies", "agent"}
 TORCH = ("torch", "triton", "transformers")
 
@@ -219,6 +223,8 @@ def violations(modules: dict[str, Module]) -> Iterator[str]:
                     yield f"{where}: the {layer} layer imports {imp.target}"
                 continue
             target_layer = layer_of(imp.target)
+            if layer == "contracts" and imp.target == DIRECTIVES_PACKAGE:
+                target_layer = "directives"  # a contract takes core's names from core
             if target_layer == "testing" and layer != "testing":
                 yield f"{where}: imports {imp.target} (test support) outside testing/"
             elif layer != "testing" and target_layer != layer and target_layer not in allowed:
@@ -281,6 +287,27 @@ def test_no_import_circle_and_no_import_against_the_layers(package):
     assert not problems, "\n" + _fmt(problems)
 
 
+
+def test_the_directives_namespace_re_exports_core_only(package):
+    """The premise of counting ``leyline_agent.directives`` as a contract above the contracts."""
+    init = package[DIRECTIVES_PACKAGE]
+    targets = {i.target for i in init.imports if i.target.startswith("leyline_agent")}
+    assert targets == {"leyline_agent.directives.core"}, targets
+
+
+def test_no_contract_imports_the_directives_layer(package):
+    """Contracts take ``MessageEdit``, ``Directive``, ``Mode`` from ``directives.core``; so
+    ``trajectory`` (which ``directives.checks`` imports) never imports the package back."""
+    collect = [
+        f"{m.name}:{i.line}: {i.target}"
+        for m in package.values()
+        if layer_of(m.name) == "contracts" and m.name != DIRECTIVES_PACKAGE
+        for i in m.imports
+        if i.target == DIRECTIVES_PACKAGE
+        or (i.target.startswith(DIRECTIVES_PACKAGE + ".") and i.target not in CONTRACTS)
+    ]
+    assert not collect, collect
+
 # ---- the checker itself -----------------------------------------------------------------
 def _check(texts: dict[str, str]) -> list[str]:
     return check(parse_sources(texts))
@@ -307,6 +334,11 @@ def test_the_checker_finds_imports_against_the_layers():
             "leyline_agent.testing.models": "",
             "leyline_agent.errors": "from leyline_agent.directives.compile import render\n",
             "leyline_agent.directives.compile": "",
+            "leyline_agent.trajectory": "from leyline_agent.directives import MessageEdit\n",
+            "leyline_agent.directives.__init__": "from leyline_agent.directives.core import X\n",
+            "leyline_agent.directives.core": "",
+            "leyline_agent.wire": "from leyline_agent.directives.core import Directive\n",
+            "leyline_agent.policies.p": "from leyline_agent.directives import MessageEdit\n",
         }
     )
     assert sorted(found) == sorted(
@@ -320,6 +352,8 @@ def test_the_checker_finds_imports_against_the_layers():
             "(test support) outside testing/",
             "leyline_agent.errors:1: the contracts layer imports "
             "leyline_agent.directives.compile (directives)",
+            "leyline_agent.trajectory:1: the contracts layer imports "
+            "leyline_agent.directives (directives)",
         ]
     )
 
@@ -360,3 +394,30 @@ def test_pyproject_lists_every_sub_package(package):
     listed = set(config["tool"]["setuptools"]["packages"])
     found = {m.name for m in package.values() if m.is_package}
     assert found == listed, f"missing: {sorted(found - listed)}, extra: {sorted(listed - found)}"
+
+
+RUNTIME_ONLY = ("torch", "triton", "transformers", "fastapi", "uvicorn", "safetensors")
+
+
+def test_the_wrapper_installs_without_the_runtime():
+    """``pip install leyline-agent`` (no extra) is the wrapper for a user with their own server:
+    its core dependencies hold none of the runtime's, and the agent side imports with every
+    runtime package made unimportable."""
+    import subprocess
+    import sys
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    core = {d.split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip().lower()
+            for d in config["project"]["dependencies"]}  # fmt: skip
+    assert not core & set(RUNTIME_ONLY), core
+    blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in RUNTIME_ONLY)
+    code = (
+        f"import sys; {blocked}\n"
+        "from leyline_agent import LeylineTransport, wrap_openai, HTTPRuntime, Directive\n"
+        "from leyline_agent.policies import PolicyPipeline, load_policy\n"
+        "PolicyPipeline([load_policy('stale-tool'), load_policy('failed-call')])\n"
+        "print('wrapper ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "wrapper ok" in r.stdout, r.stderr[-2000:]
