@@ -12,7 +12,10 @@ Engine facade. Thread-safe: concurrent ``generate`` calls share batched steps
   evicted rows and lost splice results included, each counted for the tenant whose rows
   they were.
 - ``stop_generations``: make every generation fail at its next token (a server's shutdown
-  deadline). After a generation, freed memory is handed back to the OS (``memory.py``).
+  deadline). After a generation, freed memory is handed back to the OS (``memory.py``), and
+  when the engine goes idle the KV pool shrinks back towards its first capacity if the top of
+  it is free (``_shrink_pool``): a burst of long prompts does not hold its rows' memory for
+  good.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse, 
 __all__ = ["Engine", "GenerationResult", "GenerationStopped", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
+SHRINK_INTERVAL_S = 1.0  # the KV pool looks for a free top at most this often (idle)
 
 
 class GenerationStopped(RuntimeUnavailableError):
@@ -85,6 +89,7 @@ class Engine:
         cap = min(cache_budget_tokens + 1024, 8192)
         self.pool = KVPool(self.layout, self.rope_spec, self.dtype, self.device, capacity=cap)
         self.allocator = SlotAllocator(cap, grow=self.pool.grow)
+        self._first_capacity, self._last_shrink = cap, 0.0
         try:
             self.cache = PrefixCache(
                 self.allocator, cache_budget_tokens, enabled=prefix_cache, pin_ttl_s=pin_ttl_s,
@@ -208,12 +213,29 @@ class Engine:
         except BaseException:
             with self.stepper.exclusive():
                 self._abort(seq)
+                self._shrink_pool()
             self.memory.after_request(idle=not self.stepper.running)
             raise
         with self.stepper.exclusive():
             result = self._commit(seq)
+            self._shrink_pool()
         self.memory.after_request(idle=not self.stepper.running)  # outside the lock
         return result
+
+    def _shrink_pool(self) -> None:
+        """Under the lock, when no sequence is running and at most half the pool is in use:
+        give back the free top of the pool, down to its first capacity (at most once per
+        ``SHRINK_INTERVAL_S``: finding the top is O(capacity)). Rows in use keep their slots."""
+        cap = self.pool.capacity
+        if self.stepper.running or cap <= self._first_capacity:
+            return
+        if self.allocator.num_used > cap // 2:
+            return
+        now = time.monotonic()
+        if now - self._last_shrink < SHRINK_INTERVAL_S:
+            return
+        self._last_shrink = now
+        self.pool.shrink(self.allocator.trim(self._first_capacity))
 
     def stop_generations(self, reason: str = "the server is shutting down") -> None:
         """From now on every generation, running or yet to start, fails at its next token

@@ -2,7 +2,9 @@
 
 Three levels (see ``radix.py``): the radix tree holds slot indices, this allocator owns
 which indices are free, the pool (``kv_pool.py``) holds the bytes. The allocator never
-runs out: when the free list is short it asks the pool to grow (``grow`` callback).
+runs out: when the free list is short it asks the pool to grow (``grow`` callback). ``trim``
+gives the top of the index range back when nothing there is in use, so the pool can shrink
+after a burst (the engine calls it when it goes idle).
 """
 
 from __future__ import annotations
@@ -53,3 +55,16 @@ class SlotAllocator:
         slots = list(slots)
         self._free.extend(reversed(slots))
         self._used -= len(slots)
+
+    def trim(self, floor: int) -> int:
+        """Drop the free indices at the top of the range, down to ``floor`` at most: the new
+        capacity is the smallest one at or above ``floor`` past every index in use. Returns it
+        (the pool then shrinks to it). O(capacity)."""
+        free = set(self._free)
+        cap = self.capacity
+        while cap > floor and cap - 1 in free:
+            cap -= 1
+        if cap < self.capacity:
+            self._free = [s for s in self._free if s < cap]
+            self.capacity = cap
+        return cap

@@ -89,6 +89,15 @@ class KVPool:
         self.values = _extend(self.values, new)
         return new
 
+    def shrink(self, capacity: int) -> None:
+        """Keep slots ``[0, capacity)`` (their rows unchanged) and free the memory of the rest;
+        the caller has made sure no slot at or above ``capacity`` is in use
+        (``SlotAllocator.trim``)."""
+        if capacity >= self.capacity:
+            return
+        self.keys = self.keys[:, :, :capacity].clone()
+        self.values = self.values[:, :, :capacity].clone()
+
     def _idx(self, slots: Sequence[int]) -> torch.Tensor:
         return slot_tensor(slots, self.device)
 
@@ -99,17 +108,6 @@ class KVPool:
         k = self.keys.index_select(2, idx)
         v = self.values.index_select(2, idx)
         return [(k[i].unsqueeze(0), v[i].unsqueeze(0)) for i in range(self.layout.num_layers)]
-
-    def write_from_cache(self, cache: Any, start: int, slots: Sequence[int]) -> None:
-        """Copy rows ``[start, start+len(slots))`` of every layer of a DynamicCache into slots."""
-        if not slots:
-            return
-        idx = self._idx(slots)
-        end = start + len(slots)
-        k = torch.stack([layer.keys[0, :, start:end] for layer in cache.layers])
-        v = torch.stack([layer.values[0, :, start:end] for layer in cache.layers])
-        self.keys.index_copy_(2, idx, k.to(self.dtype))
-        self.values.index_copy_(2, idx, v.to(self.dtype))
 
     # ------------------------------------------------------------------ splice side
     def copy_rotated(
@@ -149,11 +147,6 @@ class KVPool:
         """Copies of the rows of ``slots`` (tests: bitwise comparisons)."""
         idx = self._idx(slots)
         return self.keys.index_select(2, idx).clone(), self.values.index_select(2, idx).clone()
-
-    def nbytes_per_token(self) -> int:
-        lo = self.layout
-        per = lo.num_layers * (lo.k_heads * lo.k_dim + lo.v_heads * lo.v_dim)
-        return per * self.keys.element_size()
 
 
 def _run_start(idx: torch.Tensor) -> int:

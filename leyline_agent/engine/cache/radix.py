@@ -253,10 +253,6 @@ class RadixCache:
         return freed
 
     @property
-    def locked_tokens(self) -> int:
-        return sum(len(n.key) for n in self._nodes() if n.lock_ref > 0 and n is not self.root)
-
-    @property
     def detached_slots(self) -> list[int]:
         """Slots held by detached branches still locked (not in the tree, not free)."""
         return [s for r in self._graveyard for n in _subtree(r) for s in n.slots]
