@@ -138,15 +138,12 @@ def test_field_paths_name_the_field_like_the_request_writes_it():
 
 
 def _params(body: dict, prompt_len: int = 10, context: int | None = 100, default: int = 50):
-    from leyline_agent.engine.params import SamplingParams
     from leyline_agent.server.completions import ModelLimits, ServedModel, sampling_params
     from leyline_agent.server.openai_api import ChatCompletionRequest, CompletionRequest
 
     model = ServedModel("m", frozenset(), 0, ModelLimits(1000, context), default_max_tokens=default)
     cls = ChatCompletionRequest if "messages" in body else CompletionRequest
-    return sampling_params(
-        cls.model_validate({"model": "m", **body}), prompt_len, model, SamplingParams
-    )
+    return sampling_params(cls.model_validate({"model": "m", **body}), prompt_len, model)
 
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}

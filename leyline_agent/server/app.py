@@ -58,18 +58,11 @@ def model_limits(engine: ServedEngine) -> ModelLimits:
     )
 
 
-def _default_params_cls() -> type:
-    from leyline_agent.engine.params import SamplingParams
-
-    return SamplingParams
-
-
 def create_app(
     engine_or_worker: ServedEngine | Worker,
     *,
     served_model_name: str | None = None,
     aliases: Iterable[str] = (),
-    params_cls: type | None = None,
     default_max_tokens: int = CHAT_DEFAULT_MAX_TOKENS,
     api_keys: ApiKeys | Iterable[str | tuple[str, str | None]] = (),
     allowed_hosts: Iterable[str] | None = None,
@@ -139,7 +132,6 @@ def create_app(
     app.state.leyline = ServerState(
         worker=worker,
         model=model,
-        params_cls=params_cls or _default_params_cls(),
         directive_memory=DirectiveMemory(remembered_request_ids),
         client_edits=client_edits,
         inputs=InputLimits(

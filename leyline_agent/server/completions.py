@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from leyline_agent.chat_input import canonical_messages, canonical_tools
 from leyline_agent.directives.checks import check_token_ids
-from leyline_agent.engine.params import GREEDY_BELOW, SEED_MAX
+from leyline_agent.engine.params import GREEDY_BELOW, SEED_MAX, SamplingParams
 from leyline_agent.http_errors import field_path
 from leyline_agent.server.errors import ModelNotFoundError, RequestError
 from leyline_agent.server.openai_api import (
@@ -106,8 +106,7 @@ def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
     prompt_len: int,
     model: ServedModel,
-    params_cls: type,
-) -> Any:
+) -> SamplingParams:
     """The engine's ``SamplingParams`` for ``req`` (raises ``RequestError`` naming the field)."""
     _refuse_unsupported(req)
     limits = model.limits
@@ -146,7 +145,7 @@ def sampling_params(
     if req.seed is not None and not 0 <= req.seed <= SEED_MAX:
         raise RequestError(f"{req.seed} is outside [0, 2**63 - 1]", "seed")
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
-    return params_cls(
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=1.0 if req.top_p is None else req.top_p,

@@ -127,7 +127,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         ),
     )
     check_prompt_ids(ids, st.model.limits, "messages")
-    params = sampling_params(req, len(ids), st.model, st.params_cls)
+    params = sampling_params(req, len(ids), st.model)
     if req.stream:
         tools_on = choice if tools is not None and choice.parses_calls else None
         tag = OPEN_TAG if tools_on else None
@@ -214,7 +214,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         check_prompt_length(len(prompt), st.model, "prompt")
         ids = prompt  # token ids are used as given: no BOS, no template
     check_prompt_ids(ids, st.model.limits, "prompt")
-    params = sampling_params(req, len(ids), st.model, st.params_cls)
+    params = sampling_params(req, len(ids), st.model)
     if req.stream:
         text = StreamedText()
         events = await _started(request, _generate(st, ids, params, text, ns))

@@ -1,7 +1,7 @@
-"""What every route reads: the worker, the served model, the engine's parameter class,
-the memory of directive request ids (used on the worker threads), the splice mode of
-client-made edits, the conversations found by content (``chat_context``) and the bounds on
-message lists checked before a body is validated (``inputs``)."""
+"""What every route reads: the worker, the served model, the memory of directive request ids
+(used on the worker threads), the splice mode of client-made edits, the conversations found
+by content (``chat_context``) and the bounds on message lists checked before a body is
+validated (``inputs``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ __all__ = ["ServerState", "state"]
 class ServerState:
     worker: Worker
     model: ServedModel
-    params_cls: type  # the engine's SamplingParams
     directive_memory: DirectiveMemory = field(default_factory=DirectiveMemory)
     client_edits: str = "off"  # amortize | forget | off (``leyline serve --client-edits``)
     conversations: ConversationStore = field(default_factory=ConversationStore)
