@@ -20,10 +20,11 @@ demo: setup
 
 # The test suite (what CI runs). Not `python -m pytest`: that would put the repository root
 # on sys.path, where kernels/ and policies/ would shadow PyPI packages of those names.
-# tests/vllm/ (live `vllm serve` + the Leyline plugin) runs with .venv-vllm's pytest only.
+# tests/vllm/ (live `vllm serve` + the Leyline plugin) and tests/conformance/ (leyline serve and
+# vllm serve side by side; it starts leyline serve with .venv's Python) run with .venv-vllm's pytest.
 test: setup setup-vllm
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests --ignore=tests/vllm
-	.venv-vllm/bin/pytest -q -p no:cacheprovider tests/vllm
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests --ignore=tests/vllm --ignore=tests/conformance
+	.venv-vllm/bin/pytest -q -p no:cacheprovider tests/vllm tests/conformance
 
 lint: setup
 	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests

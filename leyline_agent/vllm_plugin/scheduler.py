@@ -131,7 +131,7 @@ class LeylineScheduler(Scheduler):
             blocks = list(self.kv_cache_manager.get_blocks(rid).blocks[0])
             self.block_pool.touch(blocks)
             self.leyline_held[hold_id] = Held(blocks, request.cache_salt, cached)
-        else:
+        elif not rid.startswith("leyline-forget-"):  # a FORGET's re-prefill: the route counts it
             self.leyline_served.count_generation(
                 request.num_prompt_tokens, cached, request.num_output_tokens
             )

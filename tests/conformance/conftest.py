@@ -1,0 +1,141 @@
+"""The two live servers of the conformance suite, side by side, on one >= 3-layer checkpoint.
+
+``leyline serve`` (the embedded engine, started with ``.venv``'s Python) and ``vllm serve``
+with the Leyline plugin (``.venv-vllm``, block size 32: the CPU backend takes multiples of
+32), both on the 4-layer llama ``mini`` checkpoint, both behind ``--api-key KEY``, both on
+loopback. ``make test`` runs this folder with ``.venv-vllm``'s pytest (it needs both venvs:
+vLLM for one server, transformers for the oracle); the main run ignores it.
+
+``Srv`` is one server seen over plain HTTP: posts with the key, completions by token ids
+that return ``(cached_tokens, sampled logprob, the top-20 logprobs sorted)``: values, not
+token texts, so the two detokenizers cannot make a difference. ``held(n)`` is how many rows
+of an n-token sequence the server keeps for the next request: every row on ``leyline
+serve``, whole blocks on vLLM (the stated difference the chain cases assert).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import vllm  # noqa: F401  (this folder needs the vLLM venv: fail loudly, never skip)
+
+from leyline_agent.engine.checkpoints.store import model_dir
+from leyline_agent.testing.server import free_port, wait_ready
+from leyline_agent.vllm_plugin.launch import serve_vllm
+
+KEY = "sk-conformance"
+BLOCK = 32
+TOP = 20
+ROOT = Path(__file__).resolve().parents[2]
+SERVERS = ["leyline", "vllm"]
+
+
+@dataclass
+class Srv:
+    name: str
+    url: str
+    model: str
+    block: int | None  # None: every row is kept
+    client: httpx.Client
+
+    def held(self, n: int) -> int:
+        return n if self.block is None else (n // self.block) * self.block
+
+    def post(
+        self,
+        path: str,
+        body: Any = None,
+        *,
+        raw: bytes | None = None,
+        session: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        h = dict(headers or {})
+        if session is not None:
+            h["X-Leyline-Session"] = session
+        if raw is not None:
+            h.setdefault("content-type", "application/json")
+            return self.client.post(self.url + path, content=raw, headers=h)
+        return self.client.post(self.url + path, json=body, headers=h)
+
+    def directive(self, body: Any, session: str | None = None) -> httpx.Response:
+        return self.post("/leyline/v1/directives", body, session=session)
+
+    def stats(self) -> dict[str, Any]:
+        r = self.client.get(self.url + "/leyline/v1/stats")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def complete(
+        self, prompt: list[int], session: str | None = None
+    ) -> tuple[int, float, list[float]]:
+        r = self.post("/v1/completions", {
+            "model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "logprobs": TOP,
+        }, session=session)  # fmt: skip
+        assert r.status_code == 200, (self.name, r.text)
+        j = r.json()
+        lp = j["choices"][0]["logprobs"]
+        top = sorted(lp["top_logprobs"][0].values(), reverse=True)
+        return j["usage"]["prompt_tokens_details"]["cached_tokens"], lp["token_logprobs"][0], top
+
+
+@pytest.fixture(scope="session")
+def ckpt() -> Path:
+    return model_dir("llama", "mini")  # 4 layers: a wrong context for R shows
+
+
+@pytest.fixture(scope="session")
+def oracle(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+def _client() -> httpx.Client:
+    return httpx.Client(timeout=300, headers={"Authorization": f"Bearer {KEY}"})
+
+
+@pytest.fixture(scope="session")
+def leyline_srv(ckpt):
+    py = os.environ.get("LEYLINE_MAIN_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="leyline-conformance-", suffix=".log")[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [py, "-m", "leyline_agent.cli", "serve", "--model", str(ckpt), "--port", str(port),
+             "--api-key", KEY, "--served-model-name", ckpt.name],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, 300, alive=lambda: proc.poll() is None)
+        with _client() as c:
+            yield Srv("leyline", url, ckpt.name, None, c)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def vllm_srv(ckpt, leyline_srv):  # started after leyline serve: one heavy start at a time
+    with serve_vllm(ckpt, block_size=BLOCK, extra_args=["--api-key", KEY]) as s, _client() as c:
+        yield Srv("vllm", s.url, s.model, BLOCK, c)
+
+
+@pytest.fixture(scope="session")
+def both(leyline_srv, vllm_srv) -> list[Srv]:
+    return [leyline_srv, vllm_srv]
