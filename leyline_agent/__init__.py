@@ -18,8 +18,10 @@ folder per layer, the contracts at the bottom (docs/architecture.md)::
 
 ``tests/test_layers.py`` checks that every import goes down this list.
 
-Deprecated names: ``PolicyEngine`` and ``EngineResult`` are ``PolicyPipeline`` and
-``PipelineResult`` (a ``DeprecationWarning`` says so).
+Deprecated names (a ``DeprecationWarning`` says so): ``PolicyEngine`` and ``EngineResult`` are
+``PolicyPipeline`` and ``PipelineResult``; ``apply_directives`` is ``splice_tokens`` (the pure
+``T'``; ``Engine.apply_directives`` and ``Runtime.apply_directives`` execute a request on a
+cache, which is another thing).
 """
 
 import warnings
@@ -67,16 +69,15 @@ __all__ = [
     "RuntimeUnavailableError",
     "TrajectoryError",
     "UnsupportedModeError",
-    "apply_directives",
     "plan_batch",
     "splice_tokens",
 ]
 
-# The pure T' function under the name users know (``Engine.apply_directives``, which executes
-# a request on a KV cache, is another thing): an alias here, at the top level only.
-apply_directives = splice_tokens
-
-_DEPRECATED = {"PolicyEngine": "PolicyPipeline", "EngineResult": "PipelineResult"}
+_DEPRECATED = {
+    "PolicyEngine": "PolicyPipeline",
+    "EngineResult": "PipelineResult",
+    "apply_directives": "splice_tokens",
+}
 
 
 def __getattr__(name: str) -> Any:

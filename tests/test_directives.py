@@ -117,3 +117,14 @@ def test_directives_request_forms():
     ):
         with pytest.raises(ValueError):
             DirectivesRequest.model_validate(bad)
+
+
+def test_apply_directives_at_the_top_level_is_a_deprecated_name_of_splice_tokens():
+    """One name, one idea: ``apply_directives`` executes a request on a cache (engines,
+    runtimes); the pure ``T'`` is ``splice_tokens``, and the old top-level name warns."""
+    import leyline_agent
+
+    assert "apply_directives" not in leyline_agent.__all__
+    with pytest.warns(DeprecationWarning, match="splice_tokens"):
+        old = leyline_agent.apply_directives
+    assert old is leyline_agent.splice_tokens

@@ -162,10 +162,8 @@ def plan_batch(
 
 
 def splice_tokens(tokens: Sequence[int], directives: Sequence[Directive | dict]) -> list[int]:
-    """The token sequence T' that a batch of compiled directives produces (pure).
-
-    ``leyline_agent.apply_directives`` is this function under its first name; the engine's
-    ``Engine.apply_directives`` is another thing: it executes a request on a KV cache."""
+    """The token sequence T' that a batch of compiled directives produces (pure; executing a
+    request on a KV cache is ``Engine.apply_directives``)."""
     out = list(tokens)
     for d in plan_batch(directives, seq_len=len(out)):
         if not isinstance(d.replacement, list):
