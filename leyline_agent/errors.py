@@ -37,6 +37,13 @@ class InvalidRequestError(LeylineError, ValueError):
         self.detail = message
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model the server does not serve (404 on every Leyline route)."""
+
+    def __init__(self, message: str, field: str | None = "model") -> None:
+        super().__init__(message, field)
+
+
 class CacheMissError(LeylineError, LookupError):
     """A directive's base sequence is not (or no longer) in the prefix cache."""
 

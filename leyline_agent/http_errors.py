@@ -9,6 +9,7 @@ raised                                  status  ``leyline_type``
 ======================================  ======  ============================================
 an invalid request body (pydantic)      400     ``ValidationError`` (``UnsupportedModeError``
                                                 for a reserved directive mode)
+``ModelNotFoundError``                  404     ``ModelNotFoundError``
 ``CacheMissError``                      409     ``CacheMissError``
 ``RuntimeUnavailableError``             503     its class name
 other ``LeylineError``                  400     its class name
@@ -37,7 +38,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from leyline_agent.directives.core import RESERVED_MODES
-from leyline_agent.errors import CacheMissError, LeylineError, RuntimeUnavailableError
+from leyline_agent.errors import (
+    CacheMissError,
+    LeylineError,
+    ModelNotFoundError,
+    RuntimeUnavailableError,
+)
 from leyline_agent.wire import ErrorBody
 
 __all__ = [
@@ -106,6 +112,8 @@ def validation_answer(errors: Sequence[dict[str, Any]]) -> tuple[int, str, str, 
 
 def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
     """(status, type, message, field) of an error raised by a Leyline layer (see the table)."""
+    if isinstance(exc, ModelNotFoundError):
+        return 404, "ModelNotFoundError", str(exc), exc.field
     if isinstance(exc, CacheMissError):
         return 409, "CacheMissError", str(exc), lift_field(str(exc)) or "tokens"
     if isinstance(exc, RuntimeUnavailableError):

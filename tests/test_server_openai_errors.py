@@ -59,3 +59,19 @@ def test_a_missing_directive_base_is_409_cache_miss(server, name):
         "CacheMissError",
         "cache_miss",
     )
+
+
+def test_one_model_not_found_error_for_every_route():
+    """``leyline serve`` and the vLLM plugin raise the same class, answered 404 naming
+    ``model`` by the one mapping (``http_errors.classify``)."""
+    from leyline_agent import http_errors
+    from leyline_agent.errors import InvalidRequestError, ModelNotFoundError
+    from leyline_agent.server import completions
+    from leyline_agent.vllm_plugin import errors as vllm_errors  # route.py needs vllm itself
+
+    assert completions.ModelNotFoundError is ModelNotFoundError
+    exc = ModelNotFoundError("'x' is not served here")
+    assert isinstance(exc, InvalidRequestError) and exc.field == "model"
+    want = (404, "ModelNotFoundError", "model: 'x' is not served here", "model")
+    assert http_errors.classify(exc) == want
+    assert vllm_errors.classify(exc) == want

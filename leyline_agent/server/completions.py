@@ -14,8 +14,9 @@ from pydantic import ValidationError
 from leyline_agent.chat_input import canonical_messages, canonical_tools
 from leyline_agent.directives.checks import check_token_ids
 from leyline_agent.engine.params import GREEDY_BELOW, SEED_MAX, SamplingParams
+from leyline_agent.errors import ModelNotFoundError
 from leyline_agent.http_errors import field_path
-from leyline_agent.server.errors import ModelNotFoundError, RequestError
+from leyline_agent.server.errors import RequestError
 from leyline_agent.server.openai_api import (
     ChatCompletionRequest,
     ChatMessage,

@@ -4,7 +4,7 @@
 raised                                  status  ``error.leyline_type``
 =====================================  ======  =============================================
 ``RequestError`` (bad value, server)    400     ``RequestError``
-``ModelNotFoundError``                  404     ``ModelNotFoundError``
+``ModelNotFoundError`` (``errors``)     404     ``ModelNotFoundError``
 FastAPI ``RequestValidationError``      400     ``ValidationError`` (``UnsupportedModeError``
                                                 for a reserved directive mode)
 ``CacheMissError``                      409     ``CacheMissError``
@@ -60,7 +60,6 @@ log = structlog.get_logger(__name__)
 __all__ = [
     "ClientDisconnected",
     "ErrorGuard",
-    "ModelNotFoundError",
     "RequestError",
     "TrackedSend",
     "classify",
@@ -74,10 +73,6 @@ class RequestError(InvalidRequestError):
     """A request the server refuses before any engine work: bad value, unsupported option."""
 
     status = 400
-
-
-class ModelNotFoundError(RequestError):
-    status = 404
 
 
 class ClientDisconnected(Exception):

@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from leyline_agent.errors import ModelNotFoundError
 from leyline_agent.http_errors import error_body
 from leyline_agent.namespaces import Namespace
 from leyline_agent.server import logprobs as lp
@@ -45,7 +46,7 @@ from leyline_agent.server.disconnect import (
     stop_when_gone,
     while_connected,
 )
-from leyline_agent.server.errors import ModelNotFoundError, classify, exception_code
+from leyline_agent.server.errors import classify, exception_code
 from leyline_agent.server.limits import check_text_bound, message_text_bytes
 from leyline_agent.server.openai_api import (
     ChatCompletionRequest,

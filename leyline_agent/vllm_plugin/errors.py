@@ -1,7 +1,7 @@
 """Every failure of a Leyline route on vLLM as ``{"error": {"type", "message", "field", "code"}}``.
 
 The mapping is ``leyline_agent.http_errors`` (the one ``leyline serve`` and the SGLang route
-use), with what only this route meets: ``ModelNotFoundError`` 404, a refused guard check
+use), with what only this route meets: a refused guard check
 (``http_guards.GuardError``: 400, 401, 413) with its own status and type, and a
 ``RuntimeUnavailableError`` (503) naming the setting at fault when its message starts with
 it. A bad body is 400 ``ValidationError``, as on ``leyline serve``.
@@ -14,15 +14,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from leyline_agent.directives.http_guards import GuardError
-from leyline_agent.errors import DirectiveError, RuntimeUnavailableError
+from leyline_agent.errors import RuntimeUnavailableError
 from leyline_agent.http_errors import classify as classify_leyline
 from leyline_agent.http_errors import error_body, lift_field, validation_answer
 
-__all__ = ["ModelNotFoundError", "classify", "error_content"]
-
-
-class ModelNotFoundError(DirectiveError):
-    """The request names a model this server does not serve (404)."""
+__all__ = ["classify", "error_content"]
 
 
 def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
@@ -30,8 +26,6 @@ def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
         return validation_answer(exc.errors())
     if isinstance(exc, GuardError):
         return exc.status, exc.type_name, str(exc), exc.field
-    if isinstance(exc, ModelNotFoundError):
-        return 404, "ModelNotFoundError", str(exc), "model"
     if isinstance(exc, RuntimeUnavailableError):
         return 503, type(exc).__name__, str(exc), lift_field(str(exc))
     return classify_leyline(exc)

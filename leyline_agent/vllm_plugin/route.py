@@ -40,10 +40,15 @@ from leyline_agent.directives.compile import (
 )
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
-from leyline_agent.errors import CacheMissError, DirectiveError, RuntimeUnavailableError
+from leyline_agent.errors import (
+    CacheMissError,
+    DirectiveError,
+    ModelNotFoundError,
+    RuntimeUnavailableError,
+)
 from leyline_agent.families import chat_format, token_id
 from leyline_agent.namespaces import SESSION_HEADER, named_namespace
-from leyline_agent.vllm_plugin.errors import ModelNotFoundError, error_content
+from leyline_agent.vllm_plugin.errors import error_content
 from leyline_agent.vllm_plugin.guard import BODY_KEY
 from leyline_agent.vllm_plugin.namespace import salt_for
 from leyline_agent.vllm_plugin.scheduler import HOLD_KEY
@@ -153,7 +158,7 @@ class LeylineRoute:
         salt = salt_for(ns)
         if req.model is not None and req.model not in self.model_names:
             raise ModelNotFoundError(
-                f"model: {req.model!r} is not served here (served: {', '.join(self.model_names)})"
+                f"{req.model!r} is not served here (served: {', '.join(self.model_names)})"
             )
         info = await self.info()
         if info.get("problem"):
