@@ -35,6 +35,8 @@ def test_sglang_server_kwargs() -> None:
     sa = ServerArgs(**kw)  # SGLang's own constructor rejects unknown keywords
     assert sa.page_size == 1 and sa.radix_cache_backend == RADIX_CACHE_BACKEND
     assert (sa.model_path, sa.port, sa.dtype) == ("/models/x", 30001, "bfloat16")
+    assert sa.served_model_name == "x"  # the folder name, as the embedded engine serves it
+    assert ServerArgs(**server_kwargs(_args(served_model_name="m1"))).served_model_name == "m1"
     with pytest.raises(RuntimeUnavailableError, match="--no-prefix-cache"):
         server_kwargs(_args(no_prefix_cache=True))
     with pytest.raises(RuntimeUnavailableError, match="--device cpu"):
@@ -57,3 +59,27 @@ def test_sglang_serve_refuses_in_one_line_without_gpu(tmp_path) -> None:
     assert proc.returncode != 0 and proc.stdout == ""
     assert len(err.splitlines()) == 1, err
     assert "CUDA" in err and "--engine embedded" in err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--cache-tokens", "1024"],
+        ["--pin-ttl-s", "0"],
+        ["--no-packed-linears"],
+        ["--api-key", "k"],
+        ["--max-messages", "8"],
+    ],
+)
+def test_flags_only_the_embedded_engine_reads_are_refused_by_name(flags) -> None:
+    """SGLang's server would not read them: ``--engine sglang`` names each one and stops,
+    never a silent default; the same flags are accepted by the embedded engine."""
+    from leyline_agent.cli import build_parser
+    from leyline_agent.errors import LeylineError
+    from leyline_agent.server.cli import _refuse_embedded_only
+
+    base = ["serve", "--model", "/models/x"]
+    with pytest.raises(LeylineError, match=flags[0]):
+        _refuse_embedded_only(build_parser().parse_args([*base, "--engine", "sglang", *flags]))
+    _refuse_embedded_only(build_parser().parse_args([*base, "--engine", "sglang"]))
+    _refuse_embedded_only(build_parser().parse_args([*base, "--served-model-name", "m"]))

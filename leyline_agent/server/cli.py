@@ -1,8 +1,8 @@
 """``leyline serve``: its arguments and its handler.
 
 ``--engine embedded`` (the default) runs ``server.main.serve``; ``--engine sglang`` hands
-over to SGLang's own server with the plugin (``sglang_plugin.launch``), refusing the flags
-only the embedded server has. Registration imports no torch; the handler imports the heavy
+over to SGLang's own server with the plugin (``sglang_plugin.launch``), refusing by name the
+flags only the embedded server has (``_EMBEDDED_ONLY``: SGLang's server would not read them). Registration imports no torch; the handler imports the heavy
 modules when it runs.
 """
 
@@ -26,7 +26,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-tokens",
         type=int,
-        default=65536,
+        default=_EMBEDDED_ONLY["cache_tokens"],
         help="prefix-cache budget in tokens (LRU eviction)",
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
@@ -39,7 +39,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pin-ttl-s",
         type=float,
-        default=300.0,
+        default=_EMBEDDED_ONLY["pin_ttl_s"],
         help="keep each session's latest splice result from eviction until its next request "
         "or this many seconds (0: no pinning; pins hold at most half the cache; default 300)",
     )
@@ -65,7 +65,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 MIB = 1024 * 1024
+# Flags only the embedded engine reads, with their defaults (``--engine sglang`` refuses any
+# other value; ``--served-model-name`` is passed on to SGLang).
 _EMBEDDED_ONLY = {
+    "cache_tokens": 65536,
+    "pin_ttl_s": 300.0,
+    "no_packed_linears": False,
     "api_key": [],
     "api_key_file": [],
     "allowed_host": [],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 from leyline_agent.errors import RuntimeUnavailableError
@@ -56,6 +57,8 @@ def server_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "host": args.host,
         "port": int(args.port),
         "dtype": {"float32": "float32", "bfloat16": "bfloat16"}.get(args.dtype, "auto"),
+        # the id /v1/models lists: the folder name unless given, as on the embedded engine
+        "served_model_name": getattr(args, "served_model_name", None) or Path(args.model).name,
         "page_size": 1,
         "radix_cache_backend": RADIX_CACHE_BACKEND,
     }
