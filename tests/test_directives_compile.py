@@ -109,7 +109,8 @@ def test_message_form_end_to_end(ref_model, mode):
 
 
 def test_message_form_span_straddling_the_cached_end(eng, ref_model):
-    """Only part of the edited message is cached: T[:start] + R is cached, exactly."""
+    """Only part of the edited message is cached: without ``fallback`` nothing is applied (a
+    miss naming ``old_messages``); with it, T[:start] + R is cached, exactly."""
     old = trajectory()
     T = eng.render(old, add_generation_prompt=False)
     new = [dict(m) for m in old]
@@ -119,7 +120,9 @@ def test_message_form_span_straddling_the_cached_end(eng, ref_model):
     cached = span.start + 2  # cache T up to two tokens into the edited span
     e2 = Engine.from_pretrained(tiny_model_dir("qwen3"))
     e2.generate(T[:cached], SamplingParams(max_tokens=0))
-    resp = e2.apply_directives(DirectivesRequest(old_messages=old, new_messages=new))
+    with pytest.raises(CacheMissError, match="old_messages"):
+        e2.apply_directives(DirectivesRequest(old_messages=old, new_messages=new))
+    resp = e2.apply_directives(DirectivesRequest(old_messages=old, new_messages=new, fallback=True))
     assert resp.tokens == Tn
     (d,) = resp.applied
     assert (d.start, d.end) == (span.start, cached)
