@@ -19,6 +19,7 @@ import json
 import random
 import re
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -272,12 +273,16 @@ def generate(
     rng = random.Random(seed)
     data_dir = data_dir or Path(".leyline") / "mini_nightmare"
     out = []
+    t0 = time.monotonic()
     for k in range(n):
         task = tasks[k % len(tasks)]
         turns = rng.randint(min_turns, max_turns)
         out.append(generate_one(task, seed * 1000 + k, turns, data_dir))
-        if progress:
-            print(f"  {out[-1].id}: {turns} turns", flush=True)
+        if progress:  # each session runs real tools (pytest, pdb): tens of seconds apiece
+            print(
+                f"  [{k + 1}/{n}] {out[-1].id}: {turns} turns, {time.monotonic() - t0:.0f} s",
+                flush=True,
+            )
     return out
 
 
