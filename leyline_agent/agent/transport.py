@@ -32,7 +32,8 @@ Sessions: a request that names one (its ``X-Leyline-Session`` header, the body's
 that one. Otherwise the session is found by content: the longest known conversation whose
 last turn the request repeats (preferring one whose observed reply it echoes), not counting
 sessions with a call in flight; none -> a new session. So concurrent runs on one client get
-their own sessions and their own directives.
+their own sessions and their own directives. The sessions live in a
+``registry.SessionRegistry`` (``wrap_openai``'s too), which keeps a bounded number of them.
 
 Failures of the middleware (a policy error, an unreadable body) are logged and counted and
 the request goes through as the SDK built it; ``strict=True`` raises them.
@@ -41,11 +42,9 @@ the request goes through as the SDK built it; ``strict=True`` raises them.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import sys
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -59,6 +58,7 @@ except ImportError:  # pragma: no cover - httpx alone
     httpx2 = None
 
 from leyline_agent.agent.http_runtime import AuthenticationError, HTTPRuntime, server_root
+from leyline_agent.agent.registry import SessionRegistry
 from leyline_agent.agent.session import ContextSession
 from leyline_agent.agent.stream_observer import ReplyAssembler
 from leyline_agent.directives import Mode
@@ -78,6 +78,11 @@ _TRANSPORTS = tuple(c for lib in _LIBS for c in (lib.BaseTransport, lib.AsyncBas
 _STREAMS = tuple(c for lib in _LIBS for c in (lib.SyncByteStream, lib.AsyncByteStream))
 
 
+def _root(request: Any) -> str:
+    """The server a chat request goes to (its URL before ``/chat/completions``, no ``/v1``)."""
+    return server_root(str(request.url).split(CHAT_PATH)[0])
+
+
 def _lib(request: Any) -> ModuleType:
     """The HTTP library (``httpx`` or ``httpx2``) a request object belongs to."""
     lib = sys.modules.get(type(request).__module__.split(".")[0])
@@ -85,18 +90,10 @@ def _lib(request: Any) -> ModuleType:
 
 
 @dataclass(slots=True)
-class _Entry:
-    session: ContextSession
-    root: str
-    order: int
-    busy: bool = False
-
-
-@dataclass(slots=True)
 class _Exchange:
     """One chat call in flight: its session, and how to record its reply."""
 
-    entry: _Entry
+    session: ContextSession
     stream: bool
     done: Callable[[], None] = field(default=lambda: None)
 
@@ -126,9 +123,7 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
             )
         self._runtime_spec = runtime
         self._runtimes: dict[str, Any] = {}  # server root -> runtime (None: plain endpoint)
-        self._entries: list[_Entry] = []
-        self._named: dict[str, _Entry] = {}
-        self._order = itertools.count()
+        self._registry = SessionRegistry(self._new_session)
         self._lock = threading.Lock()
         self._transport = transport
         self._async_transport = async_transport
@@ -138,8 +133,8 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
     # -- public state -------------------------------------------------------------------------
     @property
     def sessions(self) -> list[ContextSession]:
-        with self._lock:
-            return [e.session for e in self._entries]
+        """Every session kept (a snapshot), named ones first."""
+        return self._registry.sessions()
 
     # -- httpx ---------------------------------------------------------------------------------
     def _inner(self, request: Any, is_async: bool) -> Any:
@@ -203,7 +198,8 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
             body = json.loads(request.read())
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 return request, None
-            entry = self._entry(request, body)
+            session = self._session(request, body)
+            root = _root(request)
         except Exception as e:  # noqa: BLE001 - an unreadable body is the server's to refuse
             if self.strict or isinstance(e, LeylineError):
                 raise
@@ -212,8 +208,7 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
             return request, None
         from leyline_agent.agent.wrappers import rides_in_body, with_leyline_field
 
-        session = entry.session
-        session.runtime = self._runtime(entry.root, request)
+        session.runtime = self._runtime(root, request)
         rides = rides_in_body(session.runtime) and self._runtime_spec in (None, "auto")
         tools = body.get("tools")
         args = (
@@ -230,7 +225,7 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
                 body["messages"] = session.prepare(*args)
         except Exception as e:  # noqa: BLE001 - let the user's call through
             if self.strict:
-                self._release(_Exchange(entry, False))
+                self._release(_Exchange(session, False))
                 raise
             self.failures += 1
             session.reset()
@@ -250,7 +245,7 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
             content=json.dumps(body).encode(),
             extensions=request.extensions,
         )
-        return out, _Exchange(entry, body.get("stream") is True)
+        return out, _Exchange(session, body.get("stream") is True)
 
     def _after(self, ex: _Exchange | None, response: httpx.Response) -> httpx.Response:
         if ex is None:
@@ -258,14 +253,14 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
         if response.status_code != 200:
             self._release(ex)
             return response
-        entry = ex.entry
+        session = ex.session
 
         def on_body(raw: bytes | None) -> None:
             try:
                 if raw is not None:
                     reply = _reply(raw, response, ex.stream)
                     if reply is not None:
-                        entry.session.observe_reply(reply)
+                        session.observe_reply(reply)
             except Exception as e:  # noqa: BLE001 - observing must not break the call
                 log.warning("leyline_transport.observe_failed", error=f"{type(e).__name__}: {e}")
             finally:
@@ -276,15 +271,13 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
 
     def _release(self, ex: _Exchange | None) -> None:
         if ex is not None:
-            with self._lock:
-                ex.entry.busy = False
+            self._registry.release(ex.session)
 
     # -- sessions -------------------------------------------------------------------------------
-    def _entry(self, request: httpx.Request, body: dict[str, Any]) -> _Entry:
+    def _session(self, request: httpx.Request, body: dict[str, Any]) -> ContextSession:
         """The session of this request (marked busy): named, or found by content, or new."""
         from leyline_agent.agent.wrappers import client_session_id
 
-        root = server_root(str(request.url).split(CHAT_PATH)[0])
         sid = asked = None
         if SESSION_KEY in body:
             sid = asked = client_session_id(body.pop(SESSION_KEY), f"body.{SESSION_KEY}")
@@ -294,42 +287,15 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
             if asked is not None and sid != asked:
                 raise LeylineError(f"{SESSION_HEADER} {sid!r} contradicts {SESSION_KEY} {asked!r}")
         sid = sid or self.session_id
-        messages = body["messages"]
-        with self._lock:
-            if sid is not None:
-                entry = self._named.get(sid)
-                if entry is None:
-                    entry = self._new(sid, root)
-                    self._named[sid] = entry
-            else:
-                entry = self._find(messages, root) or self._new(None, root)
-            entry.busy = True
-            return entry
+        root = _root(request)
+        if sid is not None:
+            return self._registry.named(sid, root, busy=True)
+        return self._registry.by_content(body["messages"], root)
 
-    def _find(self, messages: list[Any], root: str) -> _Entry | None:
-        best, best_key = None, None
-        for e in self._entries:
-            if e.busy or e.root != root or e.session.session_id in self._named:
-                continue
-            m = e.session.continued_by(messages)
-            if m is None:
-                continue
-            key = (m[0], m[1], -e.order)
-            if best_key is None or key > best_key:
-                best, best_key = e, key
-        return best
-
-    def _new(self, sid: str | None, root: str) -> _Entry:
-        session = ContextSession(
-            self.policies,
-            None,
-            mode=self.mode,
-            session_id=sid or f"leyline-{uuid.uuid4().hex[:12]}",
-            fallback=not self.strict,
+    def _new_session(self, sid: str) -> ContextSession:
+        return ContextSession(
+            self.policies, None, mode=self.mode, session_id=sid, fallback=not self.strict
         )
-        entry = _Entry(session, root, next(self._order))
-        self._entries.append(entry)
-        return entry
 
     # -- runtime (detected once per server root) -------------------------------------------------
     def _runtime(self, root: str, request: httpx.Request) -> Any:

@@ -31,8 +31,8 @@ it in its ``session`` field and (``HTTPRuntime``) the same header. Session ids a
 printable ASCII characters (they travel in a header). ``leyline_state(wrapped)`` gives the
 state, typed ``LeylineState`` (``.session(id)``, ``.sessions``, ``.runtime``); it is also
 ``wrapped.leyline`` (typed through the ``LeylineWrapped`` protocol: ``wrap_openai`` returns
-the client's own type, which does not declare it). At most ``MAX_SESSIONS`` sessions found by
-content are kept (the least recently used are dropped).
+the client's own type, which does not declare it). The sessions live in a
+``registry.SessionRegistry`` (the transport's too), which keeps a bounded number of them.
 
 Runtime: ``None`` / ``"auto"``: the client's base URL (``/v1`` stripped) is checked once for
 ``/leyline/v1/stats`` (an ``HTTPRuntime`` with the client's ``api_key`` as its bearer key);
@@ -62,6 +62,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 from leyline_agent.agent.http_runtime import AsyncHTTPRuntime, AuthenticationError, HTTPRuntime
+from leyline_agent.agent.registry import SessionRegistry
 from leyline_agent.agent.session import ContextSession, Plan
 from leyline_agent.agent.stream_observer import AsyncObservedStream, ObservedStream
 from leyline_agent.directives import Mode
@@ -86,7 +87,6 @@ __all__ = [
 log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
 SESSION_KEY = "leyline_session"
-MAX_SESSIONS = 256
 RuntimeSpec = Runtime | AsyncRuntime | Literal["auto", "off"] | None
 C = TypeVar("C")
 
@@ -110,9 +110,7 @@ class LeylineState:
         self.mode = Mode(mode)
         self.default_session = _default_session(client, session_id)
         self.by_content = session_id is None and not _client_session(client)
-        self.sessions: dict[str, ContextSession] = {}
-        self._found: list[str] = []  # sessions found by content, least recently used first
-        self._busy: set[str] = set()
+        self._registry = SessionRegistry(self._new_session)
         self.strict = strict
         self.failures = 0  # policy-layer failures let through
         self._lock = threading.Lock()
@@ -130,37 +128,21 @@ class LeylineState:
                 f"runtime: expected a Runtime, 'auto', 'off' or None, got {runtime!r}"
             )
 
+    @property
+    def sessions(self) -> dict[str, ContextSession]:
+        """Every session kept, by id (a snapshot)."""
+        return {s.session_id: s for s in self._registry.sessions()}
+
     def session(self, session_id: str | None = None) -> ContextSession:
-        sid = session_id or self.default_session
-        with self._lock:
-            if sid not in self.sessions:
-                self.sessions[sid] = self._new_session(sid)
-            return self.sessions[sid]
+        return self._registry.named(session_id or self.default_session)
 
     def by_messages(self, messages: list[Any]) -> ContextSession:
-        """The session ``messages`` continue (see the module doc), marked busy, or a new one."""
-        with self._lock:
-            best, best_key = None, None
-            for sid in self._found:
-                session = self.sessions[sid]
-                m = None if sid in self._busy else session.continued_by(messages)
-                if m is not None and (best_key is None or m > best_key):
-                    best, best_key = session, m
-            if best is None:
-                fresh = self.default_session not in self.sessions
-                sid = self.default_session if fresh else f"leyline-{uuid.uuid4().hex[:12]}"
-                best = self.sessions[sid] = self._new_session(sid)
-                while len(self._found) >= MAX_SESSIONS:
-                    self.sessions.pop(self._found.pop(0), None)
-            else:
-                self._found.remove(best.session_id)
-            self._found.append(best.session_id)
-            self._busy.add(best.session_id)
-            return best
+        """The session ``messages`` continue (see the module doc), marked busy, or a new one
+        (the first one is ``default_session``)."""
+        return self._registry.by_content(messages, first_id=self.default_session)
 
     def release(self, session: ContextSession) -> None:
-        with self._lock:
-            self._busy.discard(session.session_id)
+        self._registry.release(session)
 
     def _new_session(self, sid: str) -> ContextSession:
         return ContextSession(
