@@ -103,7 +103,7 @@ def run_target(
 def _leyline_serve(model_dir: Path) -> Iterator[str]:
     import httpx
 
-    from leyline_agent.vllm_plugin.launch import free_port
+    from leyline_agent.vllm_plugin.local_server import free_port
 
     port = free_port()
     exe = _ROOT / ".venv" / "bin" / "leyline"
@@ -196,7 +196,7 @@ def _write(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> None:
 
 
 def main(args: Any) -> int:
-    from leyline_agent.vllm_plugin.launch import serve_vllm
+    from leyline_agent.vllm_plugin.local_server import serve_vllm
 
     model_dir = Path(args.model)
     if not model_dir.is_dir():

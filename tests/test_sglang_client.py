@@ -25,7 +25,7 @@ from leyline_agent.namespaces import Namespace
 from leyline_agent.reference.kv_reference import RefState
 from leyline_agent.sglang_plugin import scheduler_hook as hook
 from leyline_agent.sglang_plugin.client import SGLangRuntime
-from leyline_agent.sglang_plugin.http_route import LeylineRoute, before_http_server
+from leyline_agent.sglang_plugin.http_route import SGLangRoute, before_http_server
 from leyline_agent.sglang_plugin.routing import route_key
 from leyline_agent.sglang_plugin.treeview import peek_prefix
 from leyline_agent.testing import sglang_pools as sp
@@ -135,7 +135,7 @@ def test_sglang_http_route_on_sglang_app(engine: Engine, loop: Loopback, monkeyp
             err = hook.error_from_message(str(e))
             raise (err if err is not None else e) from None
 
-    monkeypatch.setattr(LeylineRoute, "rpc", rpc)
+    monkeypatch.setattr(SGLangRoute, "rpc", rpc)
     before_http_server(None, loop.tokenizer_manager, None, SimpleNamespace(rpc_ipc_name="ipc://x"))
     client = TestClient(http_server.app)
     tokens = engine.render(MESSAGES, add_generation_prompt=False)
@@ -181,7 +181,7 @@ def test_sglang_http_route_sessions(engine: Engine, loop: Loopback, monkeypatch)
     async def rpc(self, method, kwargs):
         getattr(loop.scheduler, method)(**kwargs)
 
-    monkeypatch.setattr(LeylineRoute, "rpc", rpc)
+    monkeypatch.setattr(SGLangRoute, "rpc", rpc)
     before_http_server(None, loop.tokenizer_manager, None, SimpleNamespace(rpc_ipc_name="ipc://x"))
     client = TestClient(http_server.app)
     tokens = engine.render(MESSAGES, add_generation_prompt=False)

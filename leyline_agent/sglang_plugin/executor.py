@@ -1,7 +1,7 @@
 """One directive request through SGLang: check -> prefill -> splice, or a counted fallback.
 
 The loop is the same for the embedded ``sglang.Engine`` (``client.SGLangRuntime``) and for
-SGLang's own HTTP server (``http_route.LeylineRoute``); only the transport differs. So it
+SGLang's own HTTP server (``http_route.SGLangRoute``); only the transport differs. So it
 exists once, here, over a ``Transport``:
 
 - ``rpc(method, kwargs)``: a scheduler method on every TP rank (``leyline_check``,

@@ -40,12 +40,12 @@ from leyline_agent.sglang_plugin.executor import DirectiveExecutor
 from leyline_agent.sglang_plugin.scheduler_hook import error_from_message
 from leyline_agent.wire import DirectivesRequest
 
-__all__ = ["LeylineRoute", "before_http_server"]
+__all__ = ["SGLangRoute", "before_http_server"]
 
 log = structlog.get_logger(__name__)
 
 
-class LeylineRoute:
+class SGLangRoute:
     """The executor's transport on SGLang's HTTP server: requests through the server's own
     ``TokenizerManager``, RPCs over the scheduler's RPC socket; one directive at a time."""
 
@@ -123,7 +123,7 @@ def _answer(status: int, type_: str, message: str, field: str | None) -> tuple[i
     return status, {"error": body.model_dump(mode="json")}
 
 
-def add_routes(app: Any, route: LeylineRoute) -> None:
+def add_routes(app: Any, route: SGLangRoute) -> None:
     async def directives(request: Request) -> JSONResponse:
         try:
             body = await request.json()
@@ -148,5 +148,5 @@ def before_http_server(server_args: Any, tokenizer_manager: Any, template_manage
     if tokenizer_manager is None:
         log.warning("leyline routes not added: no tokenizer manager in this process")
         return None
-    add_routes(app, LeylineRoute(tokenizer_manager, port_args.rpc_ipc_name))
+    add_routes(app, SGLangRoute(tokenizer_manager, port_args.rpc_ipc_name))
     return None

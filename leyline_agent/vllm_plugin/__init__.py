@@ -86,13 +86,13 @@ class LeylineEndpoints:
         import structlog
 
         from leyline_agent.vllm_plugin.guard import KEYS_STATE, api_keys
-        from leyline_agent.vllm_plugin.route import LeylineRoute
+        from leyline_agent.vllm_plugin.route import VLLMRoute
 
         setattr(state, KEYS_STATE, api_keys(args))  # the guard's key check, vLLM's keys
         if engine_client is None:
             return
         names = list(getattr(args, "served_model_name", None) or []) or [str(args.model)]
-        route = LeylineRoute(engine_client, names)
+        route = VLLMRoute(engine_client, names)
         state.leyline = route
         info = await route.info()
         log = structlog.get_logger(__name__)

@@ -54,7 +54,7 @@ from leyline_agent.vllm_plugin.namespace import salt_for
 from leyline_agent.vllm_plugin.scheduler import HOLD_KEY
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
-__all__ = ["LeylineRoute", "add_routes"]
+__all__ = ["VLLMRoute", "add_routes"]
 
 log = structlog.get_logger(__name__)
 _ERROR_TYPES = {
@@ -65,7 +65,7 @@ _ERROR_TYPES = {
 _MEMORY = 1024  # request ids remembered per namespace for idempotent retries
 
 
-class LeylineRoute:
+class VLLMRoute:
     def __init__(self, engine_client: Any, model_names: list[str]) -> None:
         self.engine = engine_client
         self.model_names = model_names
@@ -295,7 +295,7 @@ def add_routes(app: Any) -> None:
     check, body cap and JSON checks are ``guard.LeylineGuard``'s (in front of every route);
     a route reached without it (a test app) parses its body with the same checks."""
 
-    def route_of(request: Request) -> LeylineRoute:
+    def route_of(request: Request) -> VLLMRoute:
         route = getattr(request.app.state, "leyline", None)
         if route is None:
             raise RuntimeUnavailableError("the Leyline route has no engine")
@@ -317,7 +317,7 @@ def add_routes(app: Any) -> None:
         return http_guards.parse_json(raw) if raw.strip() else None
 
     async def directives(request: Request) -> JSONResponse:
-        async def work(route: LeylineRoute) -> tuple[int, dict[str, Any]]:
+        async def work(route: VLLMRoute) -> tuple[int, dict[str, Any]]:
             try:
                 body = await body_of(request)
             except http_guards.GuardError:
@@ -328,13 +328,13 @@ def add_routes(app: Any) -> None:
         return await answer(request, work)
 
     async def stats(request: Request) -> JSONResponse:
-        async def work(route: LeylineRoute) -> tuple[int, dict[str, Any]]:
+        async def work(route: VLLMRoute) -> tuple[int, dict[str, Any]]:
             return 200, await route.stats()
 
         return await answer(request, work)
 
     async def flush(request: Request) -> JSONResponse:
-        async def work(route: LeylineRoute) -> tuple[int, dict[str, Any]]:
+        async def work(route: VLLMRoute) -> tuple[int, dict[str, Any]]:
             body = await body_of(request)
             if body not in (None, {}):
                 raise http_guards.GuardError(

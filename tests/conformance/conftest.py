@@ -29,7 +29,7 @@ import vllm  # noqa: F401  (this folder needs the vLLM venv: fail loudly, never 
 
 from leyline_agent.engine.checkpoints.store import model_dir
 from leyline_agent.testing.server import free_port, wait_ready
-from leyline_agent.vllm_plugin.launch import serve_vllm
+from leyline_agent.vllm_plugin.local_server import serve_vllm
 
 KEY = "sk-conformance"
 BLOCK = 32
