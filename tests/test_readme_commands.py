@@ -216,3 +216,11 @@ def test_make_check_leaves_out_only_test_files_that_exist() -> None:
     assert names and len(names) == len(set(names))
     missing = [n for n in names if not (ROOT / "tests" / f"test_{n}.py").exists()]
     assert not missing, missing
+
+
+def test_the_readme_links_to_files_that_exist() -> None:
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    local = [x for x in links if "://" not in x]
+    assert local, "the README links to docs/"
+    missing = [x for x in local if not (ROOT / x).exists()]
+    assert not missing, missing
