@@ -20,6 +20,8 @@ Engine facade. Thread-safe: concurrent ``generate`` calls share batched steps
 
 from __future__ import annotations
 
+import importlib.util
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,6 +52,7 @@ from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse, 
 __all__ = ["Engine", "GenerationResult", "GenerationStopped", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
+_GRAMMARS_LOCK = threading.Lock()  # an engine's grammar compiler is built once
 SHRINK_INTERVAL_S = 1.0  # the KV pool looks for a free top at most this often (idle)
 
 
@@ -61,6 +64,8 @@ class Engine:
     # Concurrent calls are safe (see the module doc): the server's worker may run several
     # requests at once on it (``server.worker.ServedEngine``).
     thread_safe = True
+    # It masks its sampling by a request's grammar (``SamplingParams.grammar``; xgrammar).
+    supports_grammar = importlib.util.find_spec("xgrammar") is not None
 
     def __init__(
         self,
@@ -102,6 +107,7 @@ class Engine:
         self._counters: dict[str, Counters] = {}
         self._stopped: str | None = None  # why generations stop (stop_generations)
         self.memory = MemoryTrimmer()
+        self._grammars: Any = None  # engine/grammar.py's Grammars, from the first grammar
         chat = chat_format(self.config.model_type)
         ids = {token_id(tokenizer, t) for t in chat.stop_tokens}
         ids |= set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
@@ -195,6 +201,7 @@ class Engine:
             raise GenerationStopped(self._stopped)
         on_token = self._stoppable(on_token)
         stop_ids = frozenset(self.stop_token_ids) | frozenset(extra_stop)
+        constraint = self._constraint(params, stop_ids)  # compiled outside the engine lock
         t0 = time.perf_counter()
         with self.stepper.exclusive():
             splice_lost = self.cache.arrive(namespace, ids)
@@ -202,7 +209,7 @@ class Engine:
             self.cache.hold(m)
             seq = sequence.Sequence(
                 prompt_ids=ids, params=params, namespace=namespace, match=m,
-                sampler=Sampler(params, self.device), detok=Detokenizer(self.tokenizer, params.stop),
+                sampler=Sampler(params, self.device, constraint), detok=Detokenizer(self.tokenizer, params.stop),
                 stop_ids=stop_ids, t0=t0, splice_lost=splice_lost, on_token=on_token,
                 logprobs=[] if params.logprobs else None,
             )  # fmt: skip
@@ -221,6 +228,18 @@ class Engine:
             self._shrink_pool()
         self.memory.after_request(idle=not self.stepper.running)  # outside the lock
         return result
+
+    def _constraint(self, params: SamplingParams, stop_ids: frozenset[int]) -> Any:
+        """The grammar state of a constrained request (``engine/grammar.py``; the compiler is
+        built on the first one), None for a free one."""
+        if params.grammar is None:
+            return None
+        with _GRAMMARS_LOCK:
+            if self._grammars is None:
+                from leyline_agent.engine.grammar import Grammars
+
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        return self._grammars.constraint(params.grammar, stop_ids)
 
     def _shrink_pool(self) -> None:
         """Under the lock, when no sequence is running and at most half the pool is in use:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from leyline_agent.engine.grammar_spec import GrammarSpec
 from leyline_agent.errors import InvalidRequestError
 
 __all__ = [
@@ -27,7 +28,8 @@ SEED_MAX = 2**63 - 1  # seeds are in [0, SEED_MAX]
 
 @dataclass(slots=True)
 class SamplingParams:
-    """``temperature`` 0, or below ``GREEDY_BELOW``, is greedy; ``seed`` in [0, 2**63 - 1]."""
+    """``temperature`` 0, or below ``GREEDY_BELOW``, is greedy; ``seed`` in [0, 2**63 - 1];
+    ``grammar``: what the answer must match (``grammar_spec``), None for a free answer."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -37,6 +39,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: GrammarSpec | None = None
 
     def validate(self) -> None:
         if self.max_tokens < 0:

@@ -1,20 +1,45 @@
-"""Token choice and logprobs (no model here; stop strings: ``detokenizer``)."""
+"""Token choice and logprobs (no model here; stop strings: ``detokenizer``).
+
+A sampler may carry a ``constraint`` (``engine/grammar.py``): once per step the stepper masks
+the logits of every constrained row in one batch (``mask_batch``), and ``choose`` then
+advances the constraint past the token it picked. A sampler without one never imports
+xgrammar.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from leyline_agent.engine.params import GREEDY_BELOW, SamplingParams, TokenLogprob
 
-__all__ = ["Sampler"]
+if TYPE_CHECKING:
+    from leyline_agent.engine.grammar import Constraint
+
+__all__ = ["Sampler", "mask_batch"]
+
+
+def mask_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> None:
+    """Mask row ``i`` of ``logits`` by ``samplers[i]``'s constraint, in place, all the
+    constrained rows in one batch; unconstrained rows are left as they are."""
+    constraints = [s.constraint for s in samplers]
+    if any(c is not None for c in constraints):
+        from leyline_agent.engine.grammar import mask_logits
+
+        mask_logits(logits, constraints)
 
 
 class Sampler:
     """Greedy at temperature 0 (or below ``GREEDY_BELOW``); otherwise temperature + nucleus
     with a per-request generator."""
 
-    def __init__(self, params: SamplingParams, device: torch.device) -> None:
+    def __init__(
+        self, params: SamplingParams, device: torch.device, constraint: Constraint | None = None
+    ) -> None:
         self.params = params
+        self.constraint = constraint  # the sequence's grammar state, if it has one
         self.greedy = params.temperature < GREEDY_BELOW
         self.gen: torch.Generator | None = None
         if not self.greedy:
@@ -25,6 +50,13 @@ class Sampler:
                 self.gen.seed()
 
     def choose(self, logits: torch.Tensor) -> int:
+        """The next token from ``logits`` (already masked when there is a constraint)."""
+        tok = self._pick(logits)
+        if self.constraint is not None:
+            self.constraint.accept(tok)
+        return tok
+
+    def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
         if self.greedy:
             return int(torch.argmax(logits))
@@ -41,8 +73,9 @@ class Sampler:
         top: list[tuple[int, str, float]] = []
         if self.params.top_logprobs:
             vals, ids = torch.topk(lp, self.params.top_logprobs)
-            top = [
+            top = [  # a token a grammar masked out (-inf) is never a candidate
                 (int(i), tokenizer.decode([int(i)]), float(v))
                 for v, i in zip(vals, ids, strict=True)
+                if v > float("-inf")
             ]
         return TokenLogprob(token_id, tokenizer.decode([token_id]), float(lp[token_id]), top)

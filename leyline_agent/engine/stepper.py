@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.model.runner import ModelRunner, StepInput
+from leyline_agent.engine.sampler import mask_batch
 from leyline_agent.engine.scheduler import DEFAULT_STEP_TOKENS, schedule
 from leyline_agent.engine.sequence import SeqStatus, Sequence
 
@@ -163,6 +164,9 @@ class Stepper:
                 alloc.free(f)
             raise
         self.steps += 1
+        if logits is not None:  # the grammar masks of the rows sampled below, in one batch
+            wanting = zip(plan, inputs, strict=True)
+            mask_batch(logits, [p.seq.sampler for p, i in wanting if i.want_logits])
         k = 0
         for p, fresh, more, inp in zip(plan, new, ahead, inputs, strict=True):
             s = p.seq
