@@ -1,6 +1,8 @@
 """CLI verbs of the experiments layer.
 
-    leyline bench mechanism      replay trajectories against the runtime, arm by arm
+    leyline bench mechanism      replay trajectories against the runtime, arms interleaved
+    leyline bench splice|soak    the in-process splice benchmark, the RSS soak (own options)
+    leyline bench report         every recorded run (runs/**/report.json) into docs/results.md
     leyline check correctness    first-token agreement and bf16 drift of splices
     leyline eval mini-nightmare  debug-gym's froggy through Leyline, per arm
     leyline demo                 mini model + quick mechanism benchmark + correctness report
@@ -12,7 +14,11 @@ Registration imports nothing heavy; each handler imports its module when it runs
 from __future__ import annotations
 
 import argparse
+import importlib
+from collections.abc import Callable
 from pathlib import Path
+
+from .results import recorded
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -49,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--config", type=Path, default=None, help="YAML settings (configs/runs/mechanism-*.yaml)"
     )
-    p.set_defaults(func=_bench_mechanism)
+    p.set_defaults(func=recorded("bench mechanism", _bench_mechanism, Path("runs/mechanism")))
 
     p = bench.add_parser(
         "side-by-side", help="HTTP replay: vanilla vLLM, vLLM + Leyline, leyline serve"
@@ -72,7 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--trajectories", type=Path, default=None, help="JSONL to replay (default: generated)"
     )
     p.add_argument("--out", type=Path, default=Path("runs/side-by-side"), help="output folder")
-    p.set_defaults(func=_bench_side_by_side)
+    p.set_defaults(
+        func=recorded("bench side-by-side", _bench_side_by_side, Path("runs/side-by-side"))
+    )
 
     p = bench.add_parser("http", help="HTTP replay against any OpenAI-compatible endpoint")
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8080/v1")
@@ -91,7 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--trajectories", type=Path, default=None, help="JSONL to replay (default: generated)"
     )
     p.add_argument("--out", type=Path, default=Path("runs/http"), help="output folder")
-    p.set_defaults(func=_bench_http)
+    p.set_defaults(func=recorded("bench http", _bench_http, Path("runs/http")))
 
     from .bench_engine import add_arguments as bench_engine_arguments  # stdlib only
 
@@ -99,13 +107,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         "engine", help="engine vs transformers generate: decode/prefill by context, concurrency"
     )
     bench_engine_arguments(p)
-    p.set_defaults(func=_bench_engine)
+    p.set_defaults(func=recorded("bench engine", _bench_engine, Path("runs/engine")))
 
     from .bench_serve import add_arguments as bench_serve_arguments  # stdlib only
 
     p = bench.add_parser("serve", help="leyline serve: aggregate tok/s of C streaming clients")
     bench_serve_arguments(p)
-    p.set_defaults(func=_bench_serve)
+    p.set_defaults(func=recorded("bench serve", _bench_serve, Path("runs/serve")))
+
+    for verb, module, help_text in (
+        ("splice", "bench_splice", "splice vs FORGET vs a forward, in-process (mini models)"),
+        ("soak", "soak_rss", "RSS of leyline serve over rounds of streaming clients"),
+    ):
+        p = bench.add_parser(verb, help=help_text, add_help=False)
+        p.add_argument("--out", type=Path, default=Path(f"runs/{verb}"), help="record folder")
+        p.set_defaults(
+            func=recorded(f"bench {verb}", _module_main(module), Path(f"runs/{verb}")),
+            passthrough=[],  # the module's own options (``leyline bench splice -h``)
+        )
+
+    p = bench.add_parser("report", help="render every runs/**/report.json into docs/results.md")
+    p.add_argument("--runs", type=Path, default=Path("runs"), help="where the records are")
+    p.add_argument("--to", type=Path, default=Path("docs/results.md"), help="the page to write")
+    p.set_defaults(func=_bench_report)
 
     check = sub.add_parser("check", help="correctness reports").add_subparsers(
         dest="check", metavar="WHAT"
@@ -116,7 +140,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=int, default=8, help="prompts for the argmax agreement")
     p.add_argument("--max-chain", type=int, default=64, help="longest chain of splices (drift)")
     p.add_argument("--quick", action="store_true", help="fewer prompts and a shorter chain")
-    p.set_defaults(func=_check_correctness)
+    p.set_defaults(
+        func=recorded("check correctness", _check_correctness, Path("runs/correctness"))
+    )
 
     ev = sub.add_parser("eval", help="agent evaluations").add_subparsers(
         dest="eval", metavar="WHAT"
@@ -240,6 +266,21 @@ def _bench_http(args: argparse.Namespace) -> int:
     from .side_by_side import main_http
 
     return main_http(args)
+
+
+def _module_main(module: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        return int(importlib.import_module(f".{module}", __package__).main(args.passthrough) or 0)
+
+    return run
+
+
+def _bench_report(args: argparse.Namespace) -> int:
+    from .results import write_results
+
+    n = write_results(args.runs, args.to)
+    print(f"{args.to}: {n} recorded run(s) from {args.runs}")
+    return 0
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
