@@ -1,8 +1,9 @@
 """``leyline bench mechanism``: replay hit rate, prefill and latency per arm and concurrency.
 
-For every arm, concurrency C and repetition: a fresh engine (the model is loaded once and
-shared; the KV pool and prefix cache are new), the same sessions replayed with C in flight
-(``replay.py``), and one row: hit rate = cached prompt tokens / prompt tokens, tokens
+For every concurrency C and repetition: a fresh engine per arm (the model is loaded once and
+shared; the KV pools and prefix caches are new), the same sessions replayed with C in flight
+(``replay.py``), the arms' jobs interleaved (job k of every arm before job k + 1 of any, so a
+change of machine load lands on all arms alike), and one row per arm: hit rate = cached prompt tokens / prompt tokens, tokens
 prefilled, TTFT and end-to-end p50/p90, splices executed, peak cache tokens. Repetitions
 are aggregated into mean and spread (min-max) per (arm, C). Outputs: ``results.json``
 (rows), ``runs.json`` (every repetition), ``results.md`` and ``results.png``.
@@ -28,7 +29,7 @@ from typing import Any
 
 from leyline_agent.errors import LeylineError
 
-from .replay import ARMS, replay
+from .replay import ARMS, replay_interleaved
 from .trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
 
 __all__ = ["BenchSettings", "main", "run_mechanism"]
@@ -122,23 +123,28 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def _run_row(
-    loaded: Any, arm: str, c: int, rep: int, trajs: list[TrajectoryRecord], st: BenchSettings
-) -> dict[str, Any]:
+def _run_rows(
+    loaded: Any, arms: list[str], c: int, rep: int, trajs: list[TrajectoryRecord],
+    st: BenchSettings,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per arm: a fresh engine each (the model shared), the arms' jobs interleaved
+    (``replay_interleaved``) so that they are timed under the same machine load."""
     from leyline_agent.engine.engine import Engine
     from leyline_agent.policies import load_policies
 
-    engine = Engine(
-        loaded.model,
-        loaded.tokenizer,
-        model_name=loaded.name,
-        cache_budget_tokens=st.cache_budget_tokens,
-        prefix_cache=arm != "nocache",
-    )
+    engines = [
+        Engine(
+            loaded.model,
+            loaded.tokenizer,
+            model_name=loaded.name,
+            cache_budget_tokens=st.cache_budget_tokens,
+            prefix_cache=arm != "nocache",
+        )
+        for arm in arms
+    ]
     t0 = time.perf_counter()
-    res = replay(
-        engine,
-        arm,
+    results = replay_interleaved(
+        list(zip(engines, arms, strict=True)),
         trajs,
         concurrency=c,
         sessions=st.sessions,
@@ -147,6 +153,13 @@ def _run_row(
         max_tokens=st.max_tokens,
     )
     wall = time.perf_counter() - t0
+    return [
+        _row(arm, c, rep, engine, res, wall)
+        for arm, engine, res in zip(arms, engines, results, strict=True)
+    ]
+
+
+def _row(arm: str, c: int, rep: int, engine: Any, res: Any, wall: float) -> dict[str, Any]:
     stats = engine.stats()
     sm = res.samples
     prompt = sum(s.prompt_tokens for s in sm)
@@ -248,10 +261,10 @@ def run_mechanism(
     # selection per shape) that would otherwise land on whichever arm runs first.
     warm = copy.copy(st)
     warm.sessions = 1
-    _run_row(loaded, "splice", 1, -1, trajs, warm)
-    plan = [(a, c, r) for r in range(st.reps) for c in st.concurrency for a in st.arms]
-    for arm, c, rep in tqdm(plan, desc="mechanism", unit="run", disable=not progress):
-        runs.append(_run_row(loaded, arm, c, rep, trajs, st))
+    _run_rows(loaded, ["splice"], 1, -1, trajs, warm)
+    plan = [(c, r) for r in range(st.reps) for c in st.concurrency]
+    for c, rep in tqdm(plan, desc="mechanism", unit="run", disable=not progress):
+        runs.extend(_run_rows(loaded, st.arms, c, rep, trajs, st))
         (out / "runs.json").write_text(json.dumps(runs, indent=1))
     rows = aggregate(runs)
     meta = {

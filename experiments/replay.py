@@ -8,6 +8,10 @@ finishes (no think time). Latency = queue wait + service time. This keeps Python
 and GIL jitter of a client living in the same process out of the numbers, and makes the
 interleaving (hence the cache contents under eviction) deterministic.
 
+Arms compared side by side run interleaved (``replay_interleaved``): each has its own engine
+and virtual clock, and their jobs are taken in turn, so a change of machine load during the
+run lands on every arm alike instead of on whichever arm was running.
+
 A job is one whole turn: the policies' plan, the turn's directives (splice / forget arms),
 the chat template render and the chat request. That is how ``leyline serve`` runs an edit
 that comes with its request (``context_management``, ``--client-edits``): the directive is
@@ -37,7 +41,7 @@ from leyline_agent.namespaces import Namespace
 
 from .trajectories import TrajectoryRecord
 
-__all__ = ["ARMS", "Sample", "replay"]
+__all__ = ["ARMS", "Sample", "replay", "replay_interleaved"]
 
 ARMS = ("full", "radix", "splice", "forget", "nocache")
 _MODES = {"splice": Mode.AMORTIZE, "forget": Mode.FORGET}
@@ -186,8 +190,57 @@ def replay(
     max_tokens: int = 8,
 ) -> ReplayResult:
     """Replay ``sessions`` sessions (trajectory ``i % len``), ``concurrency`` in flight."""
-    if arm not in ARMS:
-        raise LeylineError(f"--arms: unknown arm {arm!r}; known: {', '.join(ARMS)}")
+    (res,) = replay_interleaved(
+        [(engine, arm)], trajectories, concurrency=concurrency, sessions=sessions,
+        policies_factory=policies_factory, max_turns=max_turns, max_tokens=max_tokens,
+    )  # fmt: skip
+    return res
+
+
+def replay_interleaved(
+    targets: list[tuple[Any, str]],
+    trajectories: list[TrajectoryRecord],
+    *,
+    concurrency: int,
+    sessions: int,
+    policies_factory: Callable[[], list[Any]],
+    max_turns: int | None,
+    max_tokens: int = 8,
+) -> list[ReplayResult]:
+    """One replay per ``(engine, arm)``, their jobs taken in turn: job k of every arm runs
+    before job k + 1 of any, so a change of machine load lands on every arm alike and the
+    arms' ratios are taken under the same load. Each arm keeps its own virtual clock."""
+    for _, arm in targets:
+        if arm not in ARMS:
+            raise LeylineError(f"--arms: unknown arm {arm!r}; known: {', '.join(ARMS)}")
+    runs = [
+        _run(engine, arm, trajectories, concurrency, sessions, policies_factory, max_turns,
+             max_tokens)
+        for engine, arm in targets
+    ]  # fmt: skip
+    live = [next(r) for r in runs]  # each paused before its first job
+    active = list(range(len(runs)))
+    while active:
+        for i in list(active):
+            try:
+                next(runs[i])
+            except StopIteration as done:
+                live[i] = done.value
+                active.remove(i)
+    return live
+
+
+def _run(
+    engine: Any,
+    arm: str,
+    trajectories: list[TrajectoryRecord],
+    concurrency: int,
+    sessions: int,
+    policies_factory: Callable[[], list[Any]],
+    max_turns: int | None,
+    max_tokens: int,
+) -> Generator[Any, None, ReplayResult]:
+    """The replay of one arm, pausing before each job; returns its result."""
     out = ReplayResult(runtime=CountingRuntime(engine))
     clock = 0.0
     heap: list[tuple[float, int, int]] = []  # (ready time, session id, tiebreak)
@@ -219,6 +272,7 @@ def replay(
 
     for _ in range(min(concurrency, sessions)):
         admit(0.0)
+    yield out
     while heap:
         ready, sid, _ = heapq.heappop(heap)
         start = max(clock, ready)
@@ -244,5 +298,6 @@ def replay(
             heapq.heappush(heap, (clock, sid, 0))
         elif next_sid < sessions:
             admit(clock)
+        yield out
     out.makespan_s = clock
     return out

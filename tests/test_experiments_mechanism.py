@@ -78,3 +78,48 @@ def test_bad_arm_is_named() -> None:
         BenchSettings.make([1], ["splice", "warp"], quick=True, reps=None)
     with pytest.raises(LeylineError, match="--reps"):
         BenchSettings.make([1], ["splice"], quick=True, reps=0)
+
+
+class _Logged:
+    """An engine that logs which arm's request it served, in order."""
+
+    def __init__(self, engine, arm: str, log: list[str]) -> None:
+        self.engine, self.arm, self.log = engine, arm, log
+
+    def generate(self, *a, **k):
+        self.log.append(self.arm)
+        return self.engine.generate(*a, **k)
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+def test_interleaved_arms_take_turns_and_count_as_alone() -> None:
+    """Arms replayed interleaved alternate job by job, and each counts exactly the cached and
+    prefilled tokens it counts when replayed alone (deterministic given the arm)."""
+    from leyline_agent.engine.engine import Engine
+    from leyline_agent.engine.model.loader import load
+    from leyline_agent.experiments.mechanism import POLICIES, cap_messages
+    from leyline_agent.experiments.replay import replay, replay_interleaved
+    from leyline_agent.experiments.trajectories import DEFAULT_SET, load_trajectories
+    from leyline_agent.policies import load_policies
+
+    ld = load(tiny_model_dir("llama"), dtype="float32", device="cpu")
+    trajs = [cap_messages(t, 400).model_copy(update={"tools": []})
+             for t in load_trajectories(DEFAULT_SET)]  # fmt: skip
+    kw = dict(concurrency=2, sessions=2, policies_factory=lambda: load_policies(POLICIES),
+              max_turns=6, max_tokens=1)  # fmt: skip
+    arms = ["radix", "splice"]
+
+    def fresh() -> Engine:
+        return Engine(ld.model, ld.tokenizer, model_name=ld.name)
+
+    alone = {a: replay(fresh(), a, trajs, **kw) for a in arms}
+    log: list[str] = []
+    together = replay_interleaved([(_Logged(fresh(), a, log), a) for a in arms], trajs, **kw)
+    for a, res in zip(arms, together, strict=True):
+        got = [(s.session, s.turn, s.cached_tokens, s.prefilled_tokens) for s in res.samples]
+        want = [(s.session, s.turn, s.cached_tokens, s.prefilled_tokens) for s in alone[a].samples]
+        assert got == want, a
+    assert len(log) == 2 * len(alone["radix"].samples)
+    assert log == ["radix", "splice"] * (len(log) // 2)  # one job of each in turn
