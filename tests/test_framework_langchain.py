@@ -16,10 +16,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import pytest
-
-pytest.importorskip("langchain", reason="the frameworks extra is not installed")
-
+import langchain  # noqa: E402, F401  -- the frameworks extra (scripts/setup.sh): fail, never skip
 from langchain.agents import create_agent  # noqa: E402
 from langchain.agents.middleware import ClearToolUsesEdit, ContextEditingMiddleware  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402

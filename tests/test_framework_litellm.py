@@ -20,11 +20,9 @@ import json
 import os
 
 import httpx
-import pytest
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the cost map
-litellm = pytest.importorskip("litellm", reason="the frameworks extra is not installed")
-
+import litellm  # noqa: E402  -- the frameworks extra (scripts/setup.sh): fail, never skip
 import openai  # noqa: E402
 
 from leyline_agent.agent.transport import LeylineTransport  # noqa: E402

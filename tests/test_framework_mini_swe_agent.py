@@ -27,9 +27,8 @@ import yaml
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the cost map
 os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")  # no banner
 os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", tempfile.mkdtemp(prefix="mswea-"))  # not ~/.config
-pytest.importorskip("minisweagent", reason="the frameworks extra is not installed")
-
 import litellm  # noqa: E402
+import minisweagent  # noqa: E402, F401  -- the frameworks extra (scripts/setup.sh): fail, never skip
 from minisweagent.agents.default import DefaultAgent  # noqa: E402
 from minisweagent.config import builtin_config_dir  # noqa: E402
 from minisweagent.environments.local import LocalEnvironment  # noqa: E402

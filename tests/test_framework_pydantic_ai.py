@@ -22,10 +22,8 @@ import dataclasses
 from collections import Counter
 
 import httpx
+import pydantic_ai  # noqa: E402, F401  -- the frameworks extra (scripts/setup.sh): fail, never skip
 import pytest
-
-pytest.importorskip("pydantic_ai", reason="the frameworks extra is not installed")
-
 from pydantic_ai import Agent, ModelRequest, ModelResponse, ToolCallPart, ToolReturnPart  # noqa: E402
 from pydantic_ai.capabilities import ProcessHistory  # noqa: E402
 from pydantic_ai.models.openai import OpenAIChatModel  # noqa: E402

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
-pytest.importorskip("smolagents", reason="the frameworks extra is not installed")
-
+import smolagents  # noqa: E402, F401  -- the frameworks extra (scripts/setup.sh): fail, never skip
 from smolagents import ActionStep, OpenAIServerModel, ToolCallingAgent, tool  # noqa: E402
 
 from leyline_agent.agent.transport import LeylineTransport  # noqa: E402
