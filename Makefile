@@ -29,16 +29,16 @@ test: setup setup-vllm
 lint: setup
 	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests
 
-# The quick tier for a contributor (about 75 s here): ruff, then the main suite without
-# its end-to-end files (real servers, agent loops, benchmarks, fuzzing: each over 5 s on a
-# 2-core machine) and without tests/vllm and tests/conformance. A new test file runs here
-# unless it is added to SLOW_TESTS; `make test` runs everything.
+# The quick tier for a contributor (75 s on an idle 2-core machine, under 3 minutes with other
+# work running): ruff, then the main suite without its end-to-end files (real servers, agent
+# loops, benchmarks, fuzzing: each over 5 s here) and without tests/vllm and tests/conformance.
+# A new test file runs here unless it is added to SLOW_TESTS; `make test` runs everything.
 SLOW_TESTS := cache_provenance_fuzz engine_paged engine_pool_shrink engine_splice eval_harness \
 	experiments_mechanism experiments_trajectories framework_debug_gym framework_pydantic_ai \
 	framework_self_editing framework_smolagents framework_table kernels_cbuild kernels_triton \
-	readme_commands serve_cli serve_shutdown server_anonymous_race server_concurrency \
-	server_context_edits server_limits server_provenance server_security server_tenant_share \
-	wrapper_http_runtime wrapper_openai wrapper_transport
+	readme_commands serve_cli serve_shutdown server_anonymous_race server_concurrency server_constrained \
+	server_context_edits server_limits server_provenance server_security server_sessions \
+	server_tenant_share wrapper_http_runtime wrapper_openai wrapper_transport
 check: setup
 	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests --ignore=tests/vllm --ignore=tests/conformance \

@@ -23,7 +23,10 @@ Three levels, as in vLLM's and SGLang's structured outputs:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import functools
+import json
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +35,7 @@ import xgrammar as xgr
 from leyline_agent.engine.grammar_spec import GrammarSpec
 from leyline_agent.errors import InvalidRequestError
 
-__all__ = ["Constraint", "GrammarViolation", "Grammars", "mask_logits"]
+__all__ = ["Constraint", "GrammarViolation", "Grammars", "check_spec", "mask_logits"]
 
 COMPILER_CACHE_BYTES = 256 << 20  # what xgrammar's compiler keeps of compiled grammars
 MASK_THREADS = 2  # xgrammar's threads filling a batch's bitmask
@@ -64,6 +67,18 @@ class Constraint:
         return self.matcher.is_completed()
 
 
+def check_spec(spec: GrammarSpec) -> None:
+    """Raise ``InvalidRequestError`` naming ``spec.field`` if xgrammar refuses ``spec``.
+
+    Tokenizer-free (no engine needed), so a server checks a request's grammar before it
+    edits or splices anything; ``Grammars.compile`` raises the same error."""
+    with _refused(spec):
+        if spec.kind == "json_schema":
+            _schema_ebnf(spec.value)
+        elif spec.kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(_compact_tag(spec.value))
+
+
 class Grammars:
     """The engine's grammar compiler and its step's bitmask buffer."""
 
@@ -80,19 +95,14 @@ class Grammars:
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """``spec`` compiled (thread-safe; a request compiles before it enters the engine)."""
-        try:
+        with _refused(spec):
             if spec.kind == "json_schema":  # compact JSON: (", ", ": "), no free whitespace
-                return self.compiler.compile_json_schema(spec.value, any_whitespace=False)
-            if spec.kind == "json_object":  # any keys: strict mode off
-                return self.compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=False, strict_mode=False
-                )
-            return self.compiler.compile_structural_tag(spec.value)
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar refuses it
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise InvalidRequestError(
-                f"cannot constrain the answer to it: {msg}", spec.field
-            ) from e
+                compiled = self.compiler.compile_grammar(_schema_ebnf(spec.value))
+            elif spec.kind == "json_object":  # any keys: strict mode off
+                compiled = self.compiler.compile_grammar(_schema_ebnf('{"type": "object"}', False))
+            else:
+                compiled = self.compiler.compile_structural_tag(_compact_tag(spec.value))
+        return compiled
 
     def constraint(self, spec: GrammarSpec, stop_token_ids: Iterable[int]) -> Constraint:
         matcher = xgr.GrammarMatcher(
@@ -107,6 +117,55 @@ class Grammars:
                 max(n, 2 * self.bitmask.shape[0]), self.vocab_size
             )
         return self.bitmask
+
+
+@contextlib.contextmanager
+def _refused(spec: GrammarSpec) -> Iterator[None]:
+    """xgrammar's refusal of ``spec`` as an ``InvalidRequestError`` naming its field."""
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InvalidRequestError(f"cannot constrain the answer to it: {msg}", spec.field) from e
+
+
+def _compact_tag(tag_json: str) -> str:
+    """A structural tag whose plain JSON-schema parts are written as the JSON-schema
+    compiler writes them: compact (``", "``, ``": "``, no other whitespace) and with no raw
+    control character in a string. xgrammar's own structural-tag JSON parts allow free
+    whitespace and raw control characters in strings (invalid JSON a parser refuses)."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        plain = (
+            set(node) <= {"type", "json_schema", "style"} and node.get("style", "json") == "json"
+        )
+        if node.get("type") == "json_schema" and plain and "json_schema" in node:
+            return {"type": "grammar", "grammar": _schema_ebnf(json.dumps(node["json_schema"]))}
+        return {k: walk(v) for k, v in node.items()}
+
+    try:
+        tag = json.loads(tag_json)
+    except ValueError:
+        return tag_json  # the compiler says what is wrong with it
+    return json.dumps(walk(tag), ensure_ascii=False)
+
+
+# What xgrammar's JSON-schema converter writes for one character of a string with a
+# ``minLength``/``maxLength``: it lets raw control characters through (invalid JSON); its
+# other string rules exclude them (``[^\0-\x1f...]``), and so does this one once patched.
+_COUNTED_CHAR = r"[^\"\\\r\n]"
+_JSON_CHAR = r"[^\0-\x1f\"\\\r\n]"
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_ebnf(schema_json: str, strict: bool = True) -> str:
+    """The EBNF of a JSON schema's compact JSON (strings free of raw control characters)."""
+    ebnf = str(xgr.Grammar.from_json_schema(schema_json, any_whitespace=False, strict_mode=strict))
+    return ebnf.replace(_COUNTED_CHAR, _JSON_CHAR)
 
 
 def mask_logits(logits: torch.Tensor, constraints: Sequence[Constraint | None]) -> None:

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from leyline_agent.chat_input import canonical_messages, canonical_tools
 from leyline_agent.directives.checks import check_token_ids
+from leyline_agent.engine.grammar_spec import GrammarSpec
 from leyline_agent.engine.params import GREEDY_BELOW, SEED_MAX, SamplingParams
 from leyline_agent.errors import ModelNotFoundError
 from leyline_agent.http_errors import field_path
@@ -107,8 +108,10 @@ def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
     prompt_len: int,
     model: ServedModel,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
-    """The engine's ``SamplingParams`` for ``req`` (raises ``RequestError`` naming the field)."""
+    """The engine's ``SamplingParams`` for ``req`` (raises ``RequestError`` naming the field);
+    ``grammar`` is what the answer is constrained to (``response_format.answer_grammar``)."""
     _refuse_unsupported(req)
     limits = model.limits
     field, max_tokens = "max_tokens", req.max_tokens
@@ -154,6 +157,7 @@ def sampling_params(
         stop=_stop(req.stop),
         logprobs=want_logprobs,
         top_logprobs=top,
+        grammar=grammar,
     )
 
 

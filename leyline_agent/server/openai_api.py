@@ -1,11 +1,12 @@
 """OpenAI wire format: requests of ``/v1/chat/completions``, ``/v1/completions`` and answers.
 
 Requests: unknown top-level fields are ignored (clients send extras such as
-``parallel_tool_calls`` or ``extra_body`` keys); known fields are validated strictly (no
+``extra_body`` keys); known fields are validated strictly (no
 string-to-number coercion) and a bad one is named in the error. Options the embedded
 engine cannot honour (``n`` > 1, penalties, ``logit_bias``, ``echo``, ``best_of``,
-a ``tool_choice`` that is not auto, none, required or one of the tools) are refused with a 400 naming the field, never
-silently dropped.
+a ``tool_choice`` that is not auto, none, required or one of the tools, a
+``response_format`` the engine cannot constrain its sampling to) are refused with a 400
+naming the field, never silently dropped.
 
 Answers are built as plain dicts in exactly OpenAI's shape (``usage`` with
 ``prompt_tokens_details.cached_tokens``; ``null`` where OpenAI sends ``null``).
@@ -118,6 +119,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: a forced call is exactly one call
+    response_format: Any = None  # checked by ``response_format.response_grammar``
     # Leyline's server-side context editing (checked by ``context_management``):
     context_management: Any = None  # Anthropic's shape: {"edits": [...]}
     leyline: Any = None  # {"client_edits": "amortize" | "forget" | "off"}

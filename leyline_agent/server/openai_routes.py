@@ -1,7 +1,8 @@
 """``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``: OpenAI-compatible routes.
 
-A request is checked (``completions.py``), its prompt rendered or tokenized on the
-worker, its sampling parameters built, and then generated on the worker: in one
+A request is checked (``completions.py``; ``tool_choice`` and ``response_format`` become the
+grammar its answer is sampled under, ``tool_choice.py`` and ``response_format.py``), its
+prompt rendered or tokenized on the worker, its sampling parameters built, and then generated on the worker: in one
 job (JSON answer) or streamed as server-sent events, ``data: {chunk}`` per delta and
 ``data: [DONE]`` at the end; with ``stream_options.include_usage`` a last chunk with empty
 ``choices`` carries ``usage``. The response starts once the generation job runs, so what
@@ -57,6 +58,7 @@ from leyline_agent.server.openai_api import (
     usage,
 )
 from leyline_agent.server.request_edits import outcome, request_edits
+from leyline_agent.server.response_format import answer_grammar
 from leyline_agent.server.state import ServerState, state
 from leyline_agent.server.streaming import DONE, StreamedText, sse
 from leyline_agent.server.tenants import namespace
@@ -106,6 +108,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     tools = check_messages(req)
     choice = parse_tool_choice(req.tool_choice, tools)  # see tool_choice.py
     forced = choice.forced_prefix() if tools is not None else ""
+    call = choice.grammar(tools, req.parallel_tool_calls)
+    grammar = answer_grammar(st.worker.engine, call, req.response_format)  # response_format.py
     edits = request_edits(req.leyline, req.messages)  # leyline.edits checked and applied
     messages = messages_for_template(edits.messages)
     longest, limit = st.model.limits.longest_token_bytes, st.model.max_prompt_tokens
@@ -128,7 +132,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         ),
     )
     check_prompt_ids(ids, st.model.limits, "messages")
-    params = sampling_params(req, len(ids), st.model)
+    params = sampling_params(req, len(ids), st.model, grammar)
     if req.stream:
         tools_on = choice if tools is not None and choice.parses_calls else None
         tag = OPEN_TAG if tools_on else None

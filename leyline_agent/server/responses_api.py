@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from leyline_agent.server.errors import RequestError
 
-__all__ = ["FunctionTool", "ResponsesRequest", "chat_request", "input_messages"]
+__all__ = ["FunctionTool", "ResponsesRequest", "chat_request", "input_messages", "responses_field"]
 
 _REQUEST = ConfigDict(frozen=True, extra="ignore", strict=True)
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
@@ -204,6 +204,22 @@ def _response_format(text: dict[str, Any] | None, chat_fields: set[str]) -> dict
     raise RequestError(f"unknown format type {fmt.get('type')!r}", "text.format.type")
 
 
+# A chat field an error names, and the Responses field it came from (longest first).
+_FIELDS = (
+    ("response_format.json_schema.", "text.format."),
+    ("response_format", "text.format"),
+    ("tool_choice.function.name", "tool_choice.name"),
+)
+
+
+def responses_field(field: str | None) -> str | None:
+    """The Responses name of a chat request's ``field`` (an error names what the client sent)."""
+    for chat, responses in _FIELDS:
+        if field is not None and field.startswith(chat):
+            return responses + field[len(chat) :]
+    return field
+
+
 def chat_request(
     req: ResponsesRequest, history: list[dict[str, Any]], chat_fields: set[str]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -229,6 +245,7 @@ def chat_request(
         "user": req.user,
         "tools": _chat_tools(req.tools),
         "tool_choice": _chat_tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text, chat_fields),
         "context_management": req.context_management,
         "leyline": req.leyline,

@@ -16,6 +16,7 @@ fresh start.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,11 +27,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from leyline_agent.errors import InvalidRequestError
 from leyline_agent.http_errors import field_path
 from leyline_agent.server.errors import RequestError
 from leyline_agent.server.openai_api import ChatCompletionRequest
 from leyline_agent.server.openai_routes import chat_completions
-from leyline_agent.server.responses_api import ResponsesRequest, chat_request
+from leyline_agent.server.responses_api import ResponsesRequest, chat_request, responses_field
 from leyline_agent.server.responses_output import (
     ResponseEvents,
     new_item_id,
@@ -84,7 +86,10 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
         if req.store:
             store.put(tenant, response["id"], StoredResponse(response, [*conversation, reply]))
 
-    answer = await chat_completions(chat, request)
+    try:
+        answer = await chat_completions(chat, request)
+    except InvalidRequestError as e:  # named as the client named it
+        raise _renamed(e) from None
     if req.stream:
         return StreamingResponse(
             _events(answer, head, save),
@@ -119,6 +124,15 @@ async def delete_response(response_id: str, request: Request) -> Any:
     if not responses_store(request).delete(namespace(request).tenant, response_id):
         raise ResponseNotFoundError(f"no stored response {response_id!r}", "response_id")
     return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _renamed(e: InvalidRequestError) -> InvalidRequestError:
+    field = responses_field(e.field)
+    if field == e.field:
+        return e
+    out = copy.copy(e)  # same class, so the same status
+    out.field, out.args = field, (f"{field}: {e.detail}",)
+    return out
 
 
 def _chat(body: dict[str, Any]) -> ChatCompletionRequest:

@@ -1,22 +1,26 @@
 """``tool_choice``: ``auto``, ``none``, ``required`` and a named function.
 
-How it is enforced (the embedded engine has no grammar-constrained sampler): by the prompt,
-then checked.
-
 - ``auto``: the model decides; a well-formed call in its answer becomes ``tool_calls``.
 - ``none``: the tools are still rendered into the prompt (so the prompt, and its cache, is
   the same whatever the choice: an agent that alternates choices keeps its cache hits), but
   the answer is never parsed for calls: it is all ``content``.
 - ``required``: the answer is forced to open with the family's tool-call tag (the tokens of
   ``<tool_call>\\n`` are appended after the generation prompt, as if the model had written
-  them); the model writes the rest.
+  them); the grammar (``grammar``) makes the rest one call of one of the tools, its
+  arguments valid under that tool's ``parameters`` schema, then the call's close; with
+  ``parallel_tool_calls`` (OpenAI's default) more calls may follow, each on a new line.
 - ``{"type": "function", "function": {"name": F}}``: the answer is forced to open with
-  ``<tool_call>\\n{"name": "F", "arguments": ``; the model writes the arguments.
+  ``<tool_call>\\n{"name": "F", "arguments": ``; the grammar makes the rest ``F``'s
+  arguments, valid under its schema, and the close: exactly one call.
 
-The forced text is part of the answer (it is parsed with the rest). If the answer still
-holds no well-formed call (or, for a named function, a call of another function), the
-request fails with 422 ``ToolChoiceNotMetError`` (``param`` ``tool_choice``), never a reply
-that silently ignores the choice. ``F`` must be one of ``tools``, else 400.
+The grammar is a structural tag (``engine/grammar_spec.py``) the embedded engine masks its
+sampling by (``engine/grammar.py``), so the call always parses, written compactly. A tool
+without ``parameters`` takes ``{}``. The forced text is part of the answer (it is parsed with
+the rest). If the answer still holds no well-formed call (``max_tokens`` cut it short, or an
+engine that cannot constrain its sampling served it: then the prompt alone forces the call),
+the request fails with 422 ``ToolChoiceNotMetError`` (``param`` ``tool_choice``), never a
+reply that silently ignores the choice. ``F`` must be one of ``tools``, else 400; a tool
+schema the grammar compiler refuses is a 400 naming ``tools``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from leyline_agent.engine import grammar_spec as gs
 from leyline_agent.families import CHATML_HERMES, ChatFormat
 from leyline_agent.server.errors import RequestError
 from leyline_agent.server.tool_calls import ParsedOutput, parse_tool_calls
@@ -58,8 +63,47 @@ class ToolChoice:
         if self.mode == "required":
             return fmt.tool_call_open + "\n"
         if self.mode == "function":
-            return fmt.tool_call_open + '\n{"name": ' + json.dumps(self.name) + ', "arguments": '
+            return fmt.tool_call_open + "\n" + _call_head(self.name)
         return ""
+
+    def grammar(
+        self,
+        tools: list[dict[str, Any]] | None,
+        parallel: bool | None = None,
+        fmt: ChatFormat = CHATML_HERMES,
+    ) -> gs.GrammarSpec | None:
+        """What the answer must match after ``forced_prefix`` (None for auto and none)."""
+        if self.mode not in ("required", "function") or not tools:
+            return None
+        fns = {t["function"]["name"]: t["function"] for t in tools}
+        close = _const("}\n" + fmt.tool_call_close)
+        if self.mode == "function":
+            assert self.name is not None
+            return gs.structural_tag(_seq(_arguments(fns[self.name]), close), "tools")
+        calls = [_seq(_const(_call_head(n)), _arguments(f), close) for n, f in fns.items()]
+        one = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+        if parallel is False:
+            return gs.structural_tag(one, "tools")
+        more = {"type": "star", "content": _seq(_const("\n" + fmt.tool_call_open + "\n"), one)}
+        return gs.structural_tag(_seq(one, more), "tools")
+
+
+def _call_head(name: str | None) -> str:
+    """A Hermes call up to its arguments, after the open tag's line."""
+    return '{"name": ' + json.dumps(name) + ', "arguments": '
+
+
+def _const(text: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": text}
+
+
+def _seq(*elements: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "sequence", "elements": list(elements)}
+
+
+def _arguments(function: dict[str, Any]) -> dict[str, Any]:
+    schema = function.get("parameters") or {"type": "object", "properties": {}}
+    return {"type": "json_schema", "json_schema": schema}
 
 
 def parse_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> ToolChoice:
