@@ -8,6 +8,8 @@ scheduler that hands blocks to requests, and the workers' KV tensors.
   session's namespace; unsalted blocks are exact prefills only).
 - ``plan``: pure, from a directive and two block lists to a ``BlockSplicePlan`` of rows.
 - ``scheduler``: ``LeylineScheduler`` (routing, holding a directive's head, counters).
+- ``held_rows`` / ``connector``: rows past a sequence's last full block, held and handed to
+  the next request as computed tokens through vLLM's KV connector API.
 - ``engine_ops``: ``EngineCore.leyline_rpc``, the ops that run between two engine steps.
 - ``worker`` / ``kv_rows``: ``LeylineWorkerExtension`` (rows copied, keys rotated with
   ``leyline_agent.kernels``), the CPU cache layout probed with the backend's write op.
@@ -21,8 +23,12 @@ only when ``VLLM_PLUGINS`` names it, and ``register`` does nothing unless it doe
     VLLM_PLUGINS=leyline vllm serve MODEL --enable-prefix-caching
 
 With ``VLLM_PLUGINS`` naming ``leyline``, ``register`` makes the engine's defaults the
-plugin's scheduler and worker extension (``--scheduler-cls`` / ``--worker-extension-cls``
-given explicitly are kept; the routes then refuse with a message naming the setting).
+plugin's scheduler, worker extension and KV connector (``connector``: rows past a
+sequence's last full block handed to the next request); a ``--scheduler-cls`` /
+``--worker-extension-cls`` given explicitly is kept and the routes then refuse, naming it;
+a ``--kv-transfer-config`` of your own is kept and splices then hold whole blocks only
+(the directive's ``rotated_tokens`` and the next request's ``cached_tokens`` say how many
+rows were kept).
 Importing this package imports neither torch nor vLLM.
 """
 
@@ -31,11 +37,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["SCHEDULER_CLS", "WORKER_EXTENSION_CLS", "LeylineEndpoints", "enabled", "register"]
+__all__ = [
+    "CONNECTOR_CLS",
+    "SCHEDULER_CLS",
+    "WORKER_EXTENSION_CLS",
+    "LeylineEndpoints",
+    "enabled",
+    "register",
+]
 
 PLUGIN_NAME = "leyline"
 SCHEDULER_CLS = "leyline_agent.vllm_plugin.scheduler.LeylineScheduler"
 WORKER_EXTENSION_CLS = "leyline_agent.vllm_plugin.worker.LeylineWorkerExtension"
+CONNECTOR_CLS = "leyline_agent.vllm_plugin.connector.LeylineConnector"
 
 
 def enabled() -> bool:
@@ -63,6 +77,14 @@ def register() -> None:
                 self.scheduler_cls = SCHEDULER_CLS
             if not self.worker_extension_cls:
                 self.worker_extension_cls = WORKER_EXTENSION_CLS
+            if self.kv_transfer_config is None:
+                from vllm.config import KVTransferConfig
+
+                self.kv_transfer_config = KVTransferConfig(
+                    kv_connector=CONNECTOR_CLS.rsplit(".", 1)[1],
+                    kv_connector_module_path=CONNECTOR_CLS.rsplit(".", 1)[0],
+                    kv_role="kv_both",
+                )
             return create(self, *args, **kwargs)
 
         create_engine_config._leyline = True  # type: ignore[attr-defined]

@@ -6,14 +6,20 @@ name)(*args)``), which vLLM runs in its busy loop between two steps: no forward 
 while an op does. The general plugin adds this one method to ``EngineCore``. Ops:
 
 - ``describe``: the checks of what the plugin supports, and the facts the route needs.
-- ``lock``: ``T``'s cached full blocks in its routed namespace, held with a reference so no
-  eviction can take them before the splice (a miss holds nothing).
+- ``lock``: ``T``'s cached full blocks in its routed namespace and, when the namespace
+  holds them (``held_rows``), the rows of its partial last block, held with a reference so
+  no eviction can take them before the splice (a miss holds nothing). ``stage=s``: the
+  rows ``T[block_start(s):s]`` are also held for the namespace as the rows of ``T[:s]``,
+  so the request that follows (a head ``T[:s] + R``, a FORGET's ``T'``) is handed them
+  instead of prefilling them again.
 - ``splice``: the plan (``plan.py``) from the locked ``T`` and the held head, fresh blocks,
-  ``collective_rpc("leyline_copy_rows")`` on every worker, ``T'`` registered under its hash
-  chain in the session's namespace (a block already registered there under the same hash
-  is dropped: the latest directive wins), references released.
-- ``forget``: drop the session's cached blocks of ``T'`` from the block holding ``start``
-  on, so that the FORGET's normal request re-prefills them.
+  ``collective_rpc("leyline_copy_rows")`` on every worker, ``T'``'s full blocks registered
+  under its hash chain in the session's namespace (a block already registered there under
+  the same hash is dropped: the latest directive wins), the rows past them held for the
+  session's next request, references released.
+- ``forget``: drop the session's cached blocks and held rows of ``T'`` past ``start``, so
+  that the FORGET's normal request computes them again (its rows before ``start`` come
+  from the cache and from the rows ``lock`` staged).
 - ``release``: give back a lock or a hold (a failed directive).
 - ``stats``: counters and cache occupancy.
 - ``flush``: every cached block no request holds leaves the prefix cache (its rows are
@@ -129,16 +135,28 @@ def _describe(engine: Any) -> dict[str, Any]:
     return out
 
 
-def _lock(engine: Any, tokens: list[int], salt: str | None) -> dict[str, Any]:
+def _lock(
+    engine: Any, tokens: list[int], salt: str | None, stage: int | None = None
+) -> dict[str, Any]:
     sched = _scheduler(engine)
     hasher = engine.request_block_hasher
+    bs = sched.block_size
     routed = sched.leyline_route(tokens, salt, hasher)
     blocks = sched.leyline_cached_blocks(tokens, routed, hasher)
+    rows = len(blocks) * bs
+    ns = salt if is_leyline_salt(salt) else None
+    if ns is not None and sched.leyline_rows_on:
+        partial = sched.leyline_rows.find(ns, routed, tokens, rows)
+        if partial is not None:
+            blocks = [*blocks, partial.block]
+            rows = len(partial.tokens)
     lock_id = None
     if blocks:
         lock_id = "lock-" + uuid.uuid4().hex
-        sched.leyline_hold(lock_id, blocks, routed)
-    return {"lock_id": lock_id, "cached_tokens": len(blocks) * sched.block_size, "salt": routed}
+        sched.leyline_hold(lock_id, blocks, routed, rows)
+        if ns is not None and stage is not None and 0 < stage <= rows and stage % bs:
+            sched.leyline_keep_rows(ns, tokens[:stage], blocks[stage // bs], routed, touch=True)
+    return {"lock_id": lock_id, "cached_tokens": rows, "salt": routed}
 
 
 def _release(engine: Any, ids: list[str]) -> int:
@@ -172,8 +190,10 @@ def _splice(
             bs, tokens, start, end, replacement,
             [b.block_id for b in t_blocks], [b.block_id for b in head.blocks],
             t_in_target=t_salt == salt, head_in_target=head.salt == salt,
+            t_rows=base.num_cached_tokens if base is not None else 0,
+            hold_partial=sched.leyline_rows_on,
         )  # fmt: skip
-        hashes = sched.leyline_hashes(plan.tokens, salt, engine.request_block_hasher)
+        hashes = sched.leyline_hashes(plan.full_tokens, salt, engine.request_block_hasher)
         for j, src in enumerate(plan.blocks):  # a reused block must already be T''s block j
             if src.reuse is not None:
                 have = pool.blocks[src.reuse].block_hash
@@ -193,22 +213,27 @@ def _splice(
             raise
         it = iter(new)
         blocks = [pool.blocks[b.reuse] if b.reuse is not None else next(it) for b in plan.blocks]
-        for j, b in enumerate(plan.blocks):
+        n_full = len(hashes)
+        for j, b in enumerate(plan.blocks[:n_full]):
             if b.reuse is None:
                 sched.leyline_drop(hashes[j])  # latest wins in the namespace
+        sched.leyline_rows.drop_past(salt, plan.tokens, start)
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         owner = Request(
             request_id="leyline-splice",
-            prompt_token_ids=plan.tokens,
+            prompt_token_ids=plan.full_tokens,
             sampling_params=SamplingParams(max_tokens=1),
             pooling_params=None,
             cache_salt=salt,
             block_hasher=engine.request_block_hasher,
         )
-        fresh = [b.reuse is None for b in plan.blocks]  # reused blocks hold their hash already
-        pool.cache_full_blocks(owner, blocks, 0, len(blocks), bs, 0, block_mask=fresh)
+        fresh = [b.reuse is None for b in plan.blocks[:n_full]]  # reused ones hold their hash
+        pool.cache_full_blocks(owner, blocks[:n_full], 0, n_full, bs, 0, block_mask=fresh)
+        if plan.partial_rows:  # the fresh last block's reference passes to the held rows
+            sched.leyline_keep_rows(salt, plan.tokens, blocks[-1], salt, touch=False)
+            new = new[:-1]
         pool.free_blocks(reversed(new))
         head_cached = head.num_cached_tokens
     finally:
@@ -216,7 +241,7 @@ def _splice(
         if lock_id:
             sched.leyline_release(lock_id)
     return {
-        "cached_tokens": len(plan.blocks) * bs,
+        "cached_tokens": len(plan.tokens),
         "new_blocks": plan.num_new_blocks,
         "rotated_tokens": plan.rotated_tokens,
         "head_cached_tokens": head_cached,
@@ -232,6 +257,8 @@ def _forget(engine: Any, tokens: list[int], start: int, salt: str | None) -> dic
     if is_leyline_salt(routed):  # exact blocks (no salt) hold no spliced rows
         for h in sched.leyline_hashes(tokens, routed, hasher)[start // sched.block_size :]:
             dropped += sched.leyline_drop(h)
+    if is_leyline_salt(salt):
+        sched.leyline_rows.drop_past(salt, tokens, start)
     return {"dropped_blocks": dropped, "salt": routed}
 
 
@@ -246,12 +273,14 @@ def _stats(engine: Any) -> dict[str, Any]:
         "cache_tokens": len(pool.cached_block_hash_to_block) * sched.block_size,
         "cache_capacity_tokens": (pool.num_gpu_blocks - 1) * sched.block_size,
         "held": len(sched.leyline_held),
+        "held_rows": len(sched.leyline_rows),
     }
 
 
 def _flush(engine: Any) -> dict[str, Any]:
     sched = _scheduler(engine)
     pool, bs = sched.block_pool, sched.block_size
+    sched.leyline_rows.clear()  # held rows are no request's: they go too
     free, kept = set(), 0
     for blk in pool.blocks:
         if blk.is_null or blk.block_hash is None:

@@ -11,11 +11,14 @@ block whose ``B`` rows are copied from cached rows (the rotated ones moved by ``
   vLLM's own request path, which leaves them in ``head_blocks``);
 - rows ``p >= s + |R|`` (the tail): ``T``'s row ``p - delta``, its key rotated by ``delta``.
 
-A block made only of prefix rows is reused when ``T`` was found in the target namespace
-(same salt, same tokens: same hash), and one made only of ``R`` rows when the head was;
-every other block is fresh. Only ``T``'s cached full blocks can give tail rows: the plan
-covers ``T'`` up to ``s + |R| + (cached(T) - e)``, and its last partial block is left to
-the next request's prefill. Slots are ``block_id * B + offset``, as vLLM's slot mapping.
+A full block made only of prefix rows is reused when ``T`` was found in the target
+namespace (same salt, same tokens: same hash), and one made only of ``R`` rows when the
+head was; every other block is fresh. ``T``'s known rows are its cached full blocks and,
+where the plugin holds them, the rows of its partial last block (``t_rows``): the plan
+covers ``T'`` up to ``s + |R| + (t_rows - e)``. The full blocks of that are registered
+under ``T'``'s hashes; the rows past them go to one more fresh block (``partial``), which
+the plugin holds for the next request (``held_rows``) instead of leaving them to its
+prefill. Slots are ``block_id * B + offset``, as vLLM's slot mapping.
 """
 
 from __future__ import annotations
@@ -39,10 +42,16 @@ class BlockSource:
 
 @dataclass(slots=True, frozen=True)
 class BlockSplicePlan:
-    tokens: list[int]  # T'[: len(blocks) * B]: what is registered
-    blocks: list[BlockSource]
-    rotated_tokens: int  # tail rows moved by delta (those that made it into full blocks)
+    tokens: list[int]  # T'[:known]: every row the plan writes
+    blocks: list[BlockSource]  # full blocks, then the partial block when ``partial_rows``
+    rotated_tokens: int  # tail rows moved by delta
     delta: int
+    partial_rows: int = 0  # rows of T' past its last full block (in the last block)
+
+    @property
+    def full_tokens(self) -> list[int]:
+        """``T'`` through its last full block: what is registered under hashes."""
+        return self.tokens[: len(self.tokens) - self.partial_rows]
 
     @property
     def num_new_blocks(self) -> int:
@@ -60,18 +69,23 @@ def plan_block_splice(
     *,
     t_in_target: bool,
     head_in_target: bool,
+    t_rows: int | None = None,
+    hold_partial: bool = False,
 ) -> BlockSplicePlan:
     """The plan of ``AMORTIZE(start, end, replacement)`` on ``tokens`` (see the module doc).
 
-    ``t_blocks``: ``T``'s cached full blocks, in order; ``head_blocks``: the head request's
-    blocks, covering at least ``start + len(replacement)`` rows. ``CacheMissError`` if ``T``
-    is not cached through ``end``.
+    ``t_blocks``: the blocks holding ``T``'s first ``t_rows`` rows, in order (full cached
+    blocks, the last possibly a held partial one; ``t_rows`` defaults to every row of
+    them); ``head_blocks``: the head request's blocks, covering at least
+    ``start + len(replacement)`` rows. ``hold_partial``: the plan also writes the rows past
+    ``T'``'s last full block (the caller holds that block); without it they are left to
+    the next request's prefill. ``CacheMissError`` if ``T`` is not known through ``end``.
     """
     b = block_size
     s, e, r = start, end, list(replacement)
     if not 0 <= s <= e <= len(tokens):
         raise DirectiveError(f"directives[0]: span [{s}, {e}) does not fit {len(tokens)} tokens")
-    cached = len(t_blocks) * b
+    cached = len(t_blocks) * b if t_rows is None else min(t_rows, len(t_blocks) * b, len(tokens))
     if e > cached:
         raise CacheMissError(
             f"tokens: the sequence is cached through {cached} tokens, the span ends at {e}"
@@ -82,7 +96,9 @@ def plan_block_splice(
     delta = len(r) - (e - s)
     known = h + (cached - e)
     n_full = known // b
-    new_tokens = (list(tokens[:s]) + r + list(tokens[e:cached]))[: n_full * b]
+    if not hold_partial:
+        known = n_full * b
+    new_tokens = (list(tokens[:s]) + r + list(tokens[e:cached]))[:known]
 
     def t_slot(p: int) -> int:
         return t_blocks[p // b] * b + p % b
@@ -91,12 +107,12 @@ def plan_block_splice(
         return head_blocks[p // b] * b + p % b
 
     out: list[BlockSource] = []
-    for j in range(n_full):
-        lo, hi = j * b, (j + 1) * b
-        if hi <= s and t_in_target:
+    for j in range(-(-known // b)):
+        lo, hi = j * b, min((j + 1) * b, known)
+        if hi - lo == b and hi <= s and t_in_target:
             out.append(BlockSource(reuse=t_blocks[j]))
             continue
-        if lo >= s and hi <= h and head_in_target:
+        if hi - lo == b and lo >= s and hi <= h and head_in_target:
             out.append(BlockSource(reuse=head_blocks[j]))
             continue
         rows = []
@@ -108,8 +124,10 @@ def plan_block_splice(
             else:
                 rows.append((t_slot(p - delta), delta))
         out.append(BlockSource(rows=tuple(rows)))
-    rotated = max(0, n_full * b - h)
-    return BlockSplicePlan(tokens=new_tokens, blocks=out, rotated_tokens=rotated, delta=delta)
+    return BlockSplicePlan(
+        tokens=new_tokens, blocks=out, rotated_tokens=max(0, known - h), delta=delta,
+        partial_rows=known - n_full * b,
+    )  # fmt: skip
 
 
 def row_copies(

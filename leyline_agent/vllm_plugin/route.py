@@ -12,8 +12,12 @@ sequence the previous one left), all calls in the directive's namespace (its sal
 3. ``splice`` (EngineCore): the tail re-packed into fresh blocks with its keys rotated by
    ``delta`` on every worker, ``T'`` registered in the prefix cache.
 
-FORGET ``(s, e, R)``: ``forget`` drops the namespace's cached blocks of ``T'`` from the block
-holding ``s`` on, then ``T'`` is an ordinary request. Everything that can be checked
+Rows past a sequence's last full block are held by the plugin and handed to the next
+request (``held_rows``, ``connector``): ``lock`` counts them as cached and, with ``stage``,
+hands ``T[block_start(s):s]`` to the head, so ``R`` is prefilled over the rows the session
+holds. FORGET ``(s, e, R)``: ``T[:s]``'s rows are staged the same way, ``forget`` drops the
+namespace's cached blocks and held rows of ``T'`` past ``s``, then ``T'`` is an ordinary
+request that computes from ``s`` on. Everything that can be checked
 without the cache (the body, the model name, token ids, spans, the setup the plugin
 supports) is checked before any of these calls. Directives of one namespace are serialized (one lock per salt); namespaces run side by side.
 """
@@ -225,7 +229,8 @@ class VLLMRoute:
             assert isinstance(d.replacement, list)  # compiled above
             after = cur[: d.start] + d.replacement + cur[d.end :]
             if d.mode is Mode.AMORTIZE:
-                lock = await self.rpc("lock", tokens=cur, salt=salt)
+                # stage: T's rows inside the block holding ``start`` go to the head
+                lock = await self.rpc("lock", tokens=cur, salt=salt, stage=d.start)
                 c = lock["cached_tokens"]
                 if d.end > c and c <= d.start:
                     # An earlier directive of the batch (to the right) left T' cached in full
@@ -249,6 +254,10 @@ class VLLMRoute:
                 prefilled += d.start + len(d.replacement) - done["head_cached_tokens"]
                 rotated += done["rotated_tokens"]
             else:
+                # the rows before ``start`` stay: those inside its block are staged for the
+                # re-prefill, which computes from ``start`` on
+                lock = await self.rpc("lock", tokens=cur, salt=salt, stage=d.start)
+                await self.rpc("release", ids=[lock["lock_id"]])
                 await self.rpc("forget", tokens=after, start=d.start, salt=salt)
                 await self.prefill(after, salt)
                 reused += d.start

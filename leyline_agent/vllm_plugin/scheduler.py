@@ -1,4 +1,4 @@
-"""Scheduler side: ``LeylineScheduler``, vLLM 0.32's ``Scheduler`` with three additions.
+"""Scheduler side: ``LeylineScheduler``, vLLM 0.32's ``Scheduler`` with four additions.
 
 1. **Routing** (``add_request``): every request without a salt of its own is served under
    its Leyline namespace's salt or under none (``namespace.route_salt``); its block hashes
@@ -8,7 +8,14 @@
    names ``leyline_hold`` is a directive's head (``T[:s] + R`` prefilled by vLLM's own
    request path). When it finishes its blocks (the last, partial one too, which vLLM would
    not cache) are kept with one reference until the splice reads them.
-3. **Counters** of the requests it served, for ``/leyline/v1/stats``.
+3. **Held rows** (``held_rows``): when a request of a Leyline namespace finishes, the
+   rows past its last full block (which vLLM would free) are kept in the namespace's
+   ``HeldRowsTable``, as are a splice's ``T'`` rows past its last full block and a
+   directive's prefix rows inside a block (``engine_ops``). ``LeylineConnector`` hands
+   them to the namespace's next request whose prompt starts with their tokens
+   (``leyline_match``), so vLLM computes only what follows them. A namespace that holds a
+   prompt's first rows in a held block is routed as if it held the first block.
+4. **Counters** of the requests it served, for ``/leyline/v1/stats``.
 
 The splice itself (``engine_ops``) runs inside the EngineCore between two steps, as a
 utility call: it reads this scheduler's ``BlockPool`` and asks the workers to copy rows.
@@ -29,7 +36,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from leyline_agent.namespaces import ANONYMOUS
-from leyline_agent.vllm_plugin.namespace import route_salt, salt_for
+from leyline_agent.vllm_plugin.held_rows import HeldRows, HeldRowsTable, RowsMatch
+from leyline_agent.vllm_plugin.namespace import is_leyline_salt, route_salt, salt_for
 from leyline_agent.wire import Counters
 
 __all__ = ["HOLD_KEY", "Held", "LeylineScheduler"]
@@ -56,6 +64,18 @@ class LeylineScheduler(Scheduler):
         self.leyline_served = Counters()  # plain generations (directives: the route counts)
         self._leyline_cached: dict[str, int] = {}
         self._leyline_heads: dict[str, str] = {}  # request id -> hold id
+        self._leyline_ns: dict[str, str] = {}  # request id -> its Leyline namespace's salt
+        pool_blocks = int(self.block_pool.num_gpu_blocks)
+        self.leyline_rows = HeldRowsTable(
+            lambda blk: self.block_pool.free_blocks([blk]), max_entries=max(1, pool_blocks // 8)
+        )
+        from leyline_agent.vllm_plugin.connector import LeylineConnector
+
+        self.leyline_connector = (
+            self.connector if isinstance(self.connector, LeylineConnector) else None
+        )
+        if self.leyline_connector is not None:
+            self.leyline_connector.scheduler = self
 
     # -- lookups (read-only) ---------------------------------------------------------------
     @property
@@ -78,13 +98,18 @@ class LeylineScheduler(Scheduler):
         found = self.block_pool.get_cached_block(block_hash, [0])
         return found[0] if found else None
 
+    @property
+    def leyline_rows_on(self) -> bool:
+        """Rows past the last full block can be held and handed over (our connector runs)."""
+        return self.leyline_connector is not None
+
     def leyline_route(self, tokens: list[int], salt: str | None, hasher: Any) -> str | None:
         """The salt a request of ``tokens`` with ``salt`` is served under (``route_salt``)."""
         first = list(tokens[: self.block_size])
 
         def holds(s: str) -> bool:
             if len(first) < self.block_size:
-                return False
+                return self.leyline_rows_on and self.leyline_rows.holds_start(s, s, first)
             hashes = self.leyline_hashes(first, s, hasher)
             return self.leyline_cached_block(hashes[0]) is not None
 
@@ -100,8 +125,33 @@ class LeylineScheduler(Scheduler):
             out.append(blk)
         return out
 
+    def leyline_match(self, request: Request, num_local: int) -> RowsMatch | None:
+        """Held rows of the request's namespace that extend its local hit (the connector)."""
+        ns = self._leyline_ns.get(request.request_id)
+        if ns is None or not self.cache_config.enable_prefix_caching:
+            return None
+        return self.leyline_rows.match(
+            ns, request.cache_salt, list(request.all_token_ids), num_local, self.block_size
+        )
+
+    def leyline_keep_rows(
+        self, ns: str, tokens: list[int], block: Any, salt: str | None, *, touch: bool
+    ) -> None:
+        """Hold ``block`` as the rows of ``tokens`` past its last full block (``touch``: take
+        a reference for the table; otherwise the caller's reference passes to it)."""
+        if not self.leyline_rows_on or len(tokens) % self.block_size == 0:
+            if not touch:
+                self.block_pool.free_blocks([block])
+            return
+        if touch:
+            self.block_pool.touch([block])
+        base = (len(tokens) // self.block_size) * self.block_size
+        self.leyline_rows.add(ns, HeldRows(tuple(tokens), base, block, salt))
+
     # -- vLLM overrides ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.cache_salt is None or is_leyline_salt(request.cache_salt):
+            self._leyline_ns[request.request_id] = request.cache_salt or ANONYMOUS_SALT
         hasher = getattr(request, "_block_hasher", None)
         if self.cache_config.enable_prefix_caching and hasher is not None:
             ids = request.prompt_token_ids
@@ -117,6 +167,8 @@ class LeylineScheduler(Scheduler):
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self.leyline_connector is not None:
+            self.leyline_connector.leyline_step_done()
         out = super().schedule(*args, **kwargs)
         for new in out.scheduled_new_reqs:
             self._leyline_cached.setdefault(new.req_id, int(new.num_computed_tokens))
@@ -127,6 +179,9 @@ class LeylineScheduler(Scheduler):
         rid = request.request_id
         cached = self._leyline_cached.pop(rid, 0)
         hold_id = self._leyline_heads.pop(rid, None)
+        ns = self._leyline_ns.pop(rid, None)
+        if hold_id is None and ns is not None and self.cache_config.enable_prefix_caching:
+            self._leyline_keep_request_rows(request, ns)
         if hold_id is not None:
             blocks = list(self.kv_cache_manager.get_blocks(rid).blocks[0])
             self.block_pool.touch(blocks)
@@ -137,10 +192,22 @@ class LeylineScheduler(Scheduler):
             )
         return super()._free_request(request, delay_free_blocks)
 
+    def _leyline_keep_request_rows(self, request: Request, ns: str) -> None:
+        n = int(request.num_computed_tokens)
+        if not self.leyline_rows_on or n % self.block_size == 0:
+            return
+        blocks = self.kv_cache_manager.get_blocks(request.request_id).blocks[0]
+        j = n // self.block_size
+        if j < len(blocks):
+            tokens = list(request.all_token_ids[:n])
+            self.leyline_keep_rows(ns, tokens, blocks[j], request.cache_salt, touch=True)
+
     # -- holds ----------------------------------------------------------------------------
-    def leyline_hold(self, hold_id: str, blocks: list[Any], salt: str | None) -> None:
+    def leyline_hold(
+        self, hold_id: str, blocks: list[Any], salt: str | None, num_cached_tokens: int = 0
+    ) -> None:
         self.block_pool.touch(blocks)
-        self.leyline_held[hold_id] = Held(list(blocks), salt)
+        self.leyline_held[hold_id] = Held(list(blocks), salt, num_cached_tokens)
 
     def leyline_release(self, hold_id: str) -> bool:
         held = self.leyline_held.pop(hold_id, None)
@@ -151,9 +218,10 @@ class LeylineScheduler(Scheduler):
 
     def _leyline_expire(self) -> None:
         """Holds whose directive never came back (client gone, crash) are released."""
-        if not self.leyline_held:
+        if not self.leyline_held and not len(self.leyline_rows):
             return
         now = time.monotonic()
+        self.leyline_rows.expire(now)
         for hid in [h for h, v in self.leyline_held.items() if now - v.since > HOLD_TTL_S]:
             self.leyline_release(hid)
 

@@ -23,7 +23,13 @@ from leyline_agent.errors import RopeSpecError, RuntimeUnavailableError
 from leyline_agent.kernels import RopeSpec, apply_plan, plan_rotation
 from leyline_agent.vllm_plugin.kv_rows import Layout, probe_layout, read_rows, write_rows
 
-__all__ = ["GQA_MODEL_TYPES", "LeylineWorkerExtension"]
+__all__ = [
+    "GQA_MODEL_TYPES",
+    "LeylineWorkerExtension",
+    "RowCopier",
+    "attention_caches",
+    "rope_spec",
+]
 
 # vLLM builds these with is_neox_style=True: the cached key's rotary band is half-split,
 # as transformers' (RopeSpec cache_owner="transformers").
@@ -34,25 +40,10 @@ class LeylineWorkerExtension:
     """Mixed into vLLM's worker; ``self`` is the worker (``self.model_runner``, ...)."""
 
     def _leyline_layers(self) -> list[tuple[torch.Tensor, str]]:
-        ctx = self.vllm_config.compilation_config.static_forward_context  # type: ignore[attr-defined]
-        out, seen = [], set()
-        for layer in ctx.values():
-            kv = getattr(layer, "kv_cache", None)
-            if not isinstance(kv, torch.Tensor) or kv.numel() == 0 or kv.dim() != 4:
-                continue
-            if kv.data_ptr() in seen:
-                continue
-            seen.add(kv.data_ptr())
-            out.append((kv, str(getattr(layer, "isa", ""))))
-        return out
+        return attention_caches(self.vllm_config)  # type: ignore[attr-defined]
 
     def _leyline_spec(self) -> RopeSpec:
-        hf = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
-        if hf.model_type not in GQA_MODEL_TYPES:
-            raise RopeSpecError(
-                f"model_type: {hf.model_type!r}; the vLLM plugin splices {sorted(GQA_MODEL_TYPES)}"
-            )
-        return RopeSpec.from_hf_config(hf, cache_owner="transformers")
+        return rope_spec(self.vllm_config)  # type: ignore[attr-defined]
 
     def leyline_describe(self) -> dict[str, Any]:
         layers = self._leyline_layers()
@@ -85,24 +76,63 @@ class LeylineWorkerExtension:
         return info
 
     def leyline_copy_rows(self, src: list[int], dst: list[int], delta: list[int]) -> int:
+        if getattr(self, "_leyline_copier", None) is None:
+            self._leyline_copier = RowCopier(self.vllm_config)  # type: ignore[attr-defined]
+        return self._leyline_copier.copy(src, dst, delta)
+
+
+def rope_spec(vllm_config: Any) -> RopeSpec:
+    """How the served model's cached keys rotate (GQA families vLLM builds neox-style)."""
+    hf = vllm_config.model_config.hf_config
+    if hf.model_type not in GQA_MODEL_TYPES:
+        raise RopeSpecError(
+            f"model_type: {hf.model_type!r}; the vLLM plugin splices {sorted(GQA_MODEL_TYPES)}"
+        )
+    return RopeSpec.from_hf_config(hf, cache_owner="transformers")
+
+
+def attention_caches(vllm_config: Any) -> list[tuple[torch.Tensor, str]]:
+    """Every attention layer's KV cache tensor (once each) with the backend's ISA name."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    out, seen = [], set()
+    for layer in ctx.values():
+        kv = getattr(layer, "kv_cache", None)
+        if not isinstance(kv, torch.Tensor) or kv.numel() == 0 or kv.dim() != 4:
+            continue
+        if kv.data_ptr() in seen:
+            continue
+        seen.add(kv.data_ptr())
+        out.append((kv, str(getattr(layer, "isa", ""))))
+    return out
+
+
+class RowCopier:
+    """Copies rows between slots of every attention layer, keys moved by a per-row delta
+    (``kernels.apply_plan``, the torch path on CPU). All rows of a layer are read before
+    any is written. Used by the worker extension (splices) and by the connector's worker
+    side (held rows loaded into a request's block: delta 0)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self._config = vllm_config
+        self._layout: Layout | None = None
+
+    def copy(self, src: list[int], dst: list[int], delta: list[int]) -> int:
         if not src:
             return 0
         if not len(src) == len(dst) == len(delta):
             raise ValueError("src, dst and delta must have the same length")
-        layers = self._leyline_layers()
+        layers = attention_caches(self._config)
         kv0, isa = layers[0]
-        layout = getattr(self, "_leyline_layout", None)
-        if layout is None:
-            layout = probe_layout(kv0, isa)
-            self._leyline_layout = layout
-        spec = self._leyline_spec()
+        if self._layout is None:
+            self._layout = probe_layout(kv0, isa)
         src_t = torch.tensor(src, dtype=torch.int64)
         dst_t = torch.tensor(dst, dtype=torch.int64)
         d_t = torch.tensor(delta, dtype=torch.int64)
         moved = (d_t != 0).nonzero().squeeze(1)
+        spec = rope_spec(self._config) if moved.numel() else None
         plan = None
         for kv, layer_isa in layers:
-            keys, values = read_rows(kv, src_t, Layout(layer_isa, layout.keys_transposed))
+            keys, values = read_rows(kv, src_t, Layout(layer_isa, self._layout.keys_transposed))
             if moved.numel():
                 band = keys.index_select(0, moved).transpose(0, 1).contiguous()  # [H, K, D]
                 if plan is None:
