@@ -62,13 +62,19 @@ from leyline_agent.server.response_format import answer_grammar
 from leyline_agent.server.state import ServerState, state
 from leyline_agent.server.streaming import DONE, StreamedText, sse
 from leyline_agent.server.tenants import namespace
-from leyline_agent.server.tool_calls import OPEN_TAG
-from leyline_agent.server.tool_choice import ToolChoice, parse_answer, parse_tool_choice
+from leyline_agent.server.tool_calls import ParsedOutput, ResponseStream, served_format
+from leyline_agent.server.tool_choice import (
+    ToolChoice,
+    answer_stream,
+    check_met,
+    parse_tool_choice,
+)
 from leyline_agent.server.worker import StreamEnd, session_key
 
 __all__ = ["router"]
 
 router = APIRouter()
+PROMPT_TAIL = 24  # prompt tokens decoded for what the generation prompt wrote of the answer
 
 
 @router.get("/v1/models")
@@ -133,23 +139,22 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     )
     check_prompt_ids(ids, st.model.limits, "messages")
     params = sampling_params(req, len(ids), st.model, grammar)
+    served = served_format(st.worker.engine)  # the family's format (families.py)
+    tail = st.worker.engine.tokenizer.decode(ids[-PROMPT_TAIL:]) if served[1] else ""
+    stream = answer_stream(choice, tools, served, tail)  # tool_calls.py: the parse
     if req.stream:
-        tools_on = choice if tools is not None and choice.parses_calls else None
-        tag = OPEN_TAG if tools_on else None
-        text = StreamedText(forced, tool_tag=tag)
-        events = await _started(request, _generate(st, ids, params, text, ns))
-        return _event_stream(_chat_events(st, req, events, params, text, tools_on, ctx))
+        events = await _started(request, _generate(st, ids, params, stream, ns))
+        return _event_stream(_chat_events(st, req, events, params, stream, choice, ctx))
     result = await _generate_once(request, st, ids, params, ns)
-    parses = tools is not None and choice.parses_calls
-    parsed = parse_answer(choice, result.text) if parses else None
-    message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
-    if parsed is not None and parsed.tool_calls:
-        message.update(content=parsed.content, tool_calls=parsed.tool_calls)
+    stream.push(result.text)
+    _, parsed = stream.finish()
+    check_met(choice, parsed.tool_calls, stream.fed)  # 422 if a forced call is missing
+    message = _message(parsed)
     choice = {
         "index": 0,
         "message": message,
         "logprobs": lp.chat(result.logprobs) if params.logprobs else None,
-        "finish_reason": _finish(result, bool(parsed and parsed.tool_calls)),
+        "finish_reason": _finish(result, bool(parsed.tool_calls)),
     }
     body = {
         "id": new_id("chatcmpl"),
@@ -166,13 +171,22 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     return JSONResponse(body)
 
 
+def _message(parsed: ParsedOutput) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+    if parsed.reasoning_content is not None:
+        message["reasoning_content"] = parsed.reasoning_content
+    return message
+
+
 async def _chat_events(
     st: ServerState,
     req: ChatCompletionRequest,
-    events: AsyncIterator[str | StreamEnd],
+    events: AsyncIterator[Any],
     params: Any,
-    text: StreamedText,
-    tools_on: ToolChoice | None,
+    stream: ResponseStream,
+    choice: ToolChoice,
     ctx: PreparedChat | None = None,
 ) -> AsyncIterator[str]:
     out = _Stream(st, req, "chatcmpl", "chat.completion.chunk", {"system_fingerprint": None})
@@ -185,21 +199,27 @@ async def _chat_events(
         return out.frame(choice, top)
 
     yield chunk({"role": "assistant", "content": ""}, top=first)
-    async for delta in out.deltas(events):
-        yield chunk({"content": delta})
+    async for deltas in out.deltas(events):
+        for name, text in deltas:
+            yield chunk({name: text})
     result = out.result
-    parsed = parse_answer(tools_on, result.text) if tools_on else None
-    calls = parsed.tool_calls if parsed else []
-    rest = text.finish((parsed.content or "") if parsed and calls else result.text)
+    rest = stream.catch_up(result.text)
+    more, parsed = stream.finish()
+    check_met(choice, parsed.tool_calls, stream.fed)  # in-band error if a forced call is missing
+    rest += more
     logprobs = lp.chat(result.logprobs) if params.logprobs else None
-    if rest or logprobs:
-        yield chunk({"content": rest}, logprobs=logprobs)
-    if calls:
-        yield chunk({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
-    yield chunk({}, finish=_finish(result, bool(calls)))
+    for name, text in rest[:-1] if logprobs and rest else rest:
+        yield chunk({name: text})
+    if logprobs:
+        last = rest[-1] if rest else ("content", "")
+        yield chunk({last[0]: last[1]}, logprobs=logprobs)
+    if parsed.tool_calls:
+        calls = [{"index": k, **c} for k, c in enumerate(parsed.tool_calls)]
+        yield chunk({"tool_calls": calls})
+    yield chunk({}, finish=_finish(result, bool(parsed.tool_calls)))
     if ctx is not None:
-        reply = {"role": "assistant", "content": parsed.content if calls else result.text}
-        ctx.commit({**reply, "tool_calls": calls} if calls else reply)
+        reply = {k: v for k, v in _message(parsed).items() if k != "refusal"}
+        ctx.commit(reply)
     if out.include_usage:
         yield out.usage(_usage(result, ctx))
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from leyline_agent.engine import grammar_spec as gs
-from leyline_agent.families import CHATML_HERMES, ChatFormat
+from leyline_agent.families import CHATML_HERMES, ChatFormat, ToolFormat
 from leyline_agent.server.errors import RequestError
-from leyline_agent.server.tool_calls import ParsedOutput, parse_tool_calls
+from leyline_agent.server.tool_calls import HERMES, ParsedOutput, ResponseStream, parse_tool_calls
 
 __all__ = [
     "ToolChoice",
@@ -149,6 +149,25 @@ def check_met(choice: ToolChoice, calls: list[dict[str, Any]], text: str) -> Non
             f"call of it: {text[:200]!r}",
             "tool_choice",
         )
+
+
+def answer_stream(
+    choice: ToolChoice,
+    tools: list[dict[str, Any]] | None,
+    served: tuple[ToolFormat, bool],
+    prefix: str = "",
+) -> ResponseStream:
+    """The parse of an answer under ``choice`` (``tool_calls.ResponseStream``): a forced call
+    in Hermes (what the prompt and the grammar write), its forced opening already fed;
+    otherwise the served format and reasoning (``served_format``), calls parsed unless the
+    choice is none or there are no tools. ``prefix``: the prompt's tail."""
+    if choice.mode in ("required", "function"):
+        stream = ResponseStream(HERMES, tools=tools)
+        stream.prime(choice.forced_prefix(CHATML_HERMES))
+        return stream
+    fmt, reasoning = served
+    calls = fmt if tools is not None and choice.parses_calls else None
+    return ResponseStream(calls, reasoning=reasoning, prefix=prefix, tools=tools)
 
 
 def parse_answer(choice: ToolChoice, text: str) -> ParsedOutput:
