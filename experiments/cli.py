@@ -131,6 +131,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", type=Path, default=Path("docs/results.md"), help="the page to write")
     p.set_defaults(func=_bench_report)
 
+    from .bench_grammar import add_arguments as bench_grammar_arguments  # stdlib only
+
+    p = bench.add_parser("grammar", help="constrained decoding: ms/token with and without a grammar")
+    bench_grammar_arguments(p)
+    p.set_defaults(func=recorded("bench grammar", _module_main("bench_grammar", whole=True),
+                                 Path("runs/grammar")))  # fmt: skip
+
     check = sub.add_parser("check", help="correctness reports").add_subparsers(
         dest="check", metavar="WHAT"
     )
@@ -268,9 +275,12 @@ def _bench_http(args: argparse.Namespace) -> int:
     return main_http(args)
 
 
-def _module_main(module: str) -> Callable[[argparse.Namespace], int]:
+def _module_main(module: str, whole: bool = False) -> Callable[[argparse.Namespace], int]:
+    """The module's ``main``, given the parsed arguments (``whole``) or its own options."""
+
     def run(args: argparse.Namespace) -> int:
-        return int(importlib.import_module(f".{module}", __package__).main(args.passthrough) or 0)
+        main = importlib.import_module(f".{module}", __package__).main
+        return int(main(args if whole else args.passthrough) or 0)
 
     return run
 
