@@ -1,13 +1,16 @@
 """The embedded engine: transformers model + KV pool + radix prefix cache + splices.
 
 Engine facade. Thread-safe: concurrent ``generate`` calls share batched steps
-(``stepper.py``); every other operation runs between two steps, under the engine lock.
+(``stepper.py``); every other operation runs between two steps, under the engine lock (but
+a directive's prefills, which are steps themselves).
 
 - ``generate``: longest cached prefix (at most ``len(prompt) - 1`` tokens: the last prompt
   token is always recomputed for its logits), prefill the rest, decode, then cache
   ``prompt + output`` (the last output token is forwarded once more so the whole sequence,
   which the agent's next turn repeats, is in the cache).
-- ``apply_directives``: execute a token-form or message-form request (``executor.py``).
+- ``apply_directives``: execute a token-form or message-form request (``executor.py``): the
+  checks, the plan and the cache writes run between steps; ``R``'s prefill runs in the step
+  loop beside the other sequences (``Stepper.prefill``).
 - ``stats``: cumulative counters per tenant (``wire.Counters``; ``StatsResponse`` on the wire),
   evicted rows and lost splice results included, each counted for the tenant whose rows
   they were.
@@ -328,8 +331,7 @@ class Engine:
         """Execute ``req`` on the cache (``executor.py``); ``namespace`` defaults to the default
         tenant and ``req.session``. (The pure T' of a batch is ``directives.splice_tokens``.)"""
         ns = namespace if namespace is not None else Namespace(DEFAULT_TENANT, req.session)
-        with self.stepper.exclusive():
-            return apply_request(self, req, ns)
+        return apply_request(self, req, ns)  # R's prefill runs in the step loop
 
     def stats(self, tenant: str | None = None) -> StatsResponse:
         """Counters of one tenant (cache sizes: its own rows), or of the whole engine."""

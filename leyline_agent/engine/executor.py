@@ -16,18 +16,27 @@ Order of work (nothing is mutated until every check has passed):
 3. ``plan_splice`` (pure), then ``execute_splice`` on fresh slots, insert ``T'`` (the part
    over the cached base) into the tree, free scratch slots, evict to the budget.
 
+Scheduling: steps 1-2 and the plan run between two steps under the engine lock, which then
+holds the matched base (``PrefixCache.hold``) and lets go. The prefills of ``R`` run as
+sequences of the step loop (``Stepper.prefill``), chunked and batched with other sessions'
+decodes, while this thread waits; the tail move (``KVPool.copy_rotated``) and the insert,
+pin and eviction run under the lock again. A splice that fails frees its fresh slots and
+caches nothing. A caller that already holds the lock (``Stepper.exclusive``) runs the whole
+directive inline, the prefills included: no step runs meanwhile.
+
 Tokens of ``T`` beyond its cached prefix are carried into the answer's ``tokens`` but not
 cached: the next request prefills them, as it would have anyway. Every answer is counted
 in the namespace's tenant's ``Counters`` (``count_directive``).
 
 The executor sees the engine through ``SpliceHost`` (its cache, runner, pool, tokenizer,
-counters), so it never imports the engine module (no import circle).
+counters, step loop), so it never imports the engine module (no import circle).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from leyline_agent.directives import Directive, plan_batch, splice_tokens
@@ -43,6 +52,7 @@ from leyline_agent.engine.cache.prefix_cache import PrefixCache
 from leyline_agent.engine.cache.radix import Match
 from leyline_agent.engine.model.runner import ModelRunner
 from leyline_agent.engine.splice import SplicePlan, execute_splice, plan_splice
+from leyline_agent.engine.stepper import Stepper
 from leyline_agent.errors import CacheMissError, DirectiveError
 from leyline_agent.namespaces import Namespace
 from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse
@@ -59,6 +69,7 @@ class SpliceHost(Protocol):
     runner: ModelRunner
     allocator: SlotAllocator
     pool: KVPool
+    stepper: Stepper
 
     def check_ids(self, ids: Sequence[int], where: str, allow_empty: bool = False) -> list[int]: ...
 
@@ -68,23 +79,30 @@ class SpliceHost(Protocol):
 
 
 class _Backend:
-    """The splice backend: the engine's runner and pool."""
+    """The splice backend: prefills through the step loop (inline if the caller holds the
+    engine lock), row moves on the pool under the lock. ``held`` is the match whose lock
+    keeps the base rows while the prefills read them."""
 
-    def __init__(self, host: SpliceHost) -> None:
-        self.host = host
+    def __init__(self, host: SpliceHost, held: Match, ns: Namespace) -> None:
+        self.host, self.held, self.ns = host, held, ns
 
     def prefill_into_slots(
-        self, prefix_slots: Sequence[int], token_ids: Sequence[int]
+        self, prefix_slots: Sequence[int], token_ids: Sequence[int], prefix_ids: Sequence[int]
     ) -> list[int]:
-        return self.host.runner.prefill_into_slots(prefix_slots, token_ids)
+        stepper = self.host.stepper
+        if stepper.holds_lock():
+            return self.host.runner.prefill_into_slots(prefix_slots, token_ids)
+        prefix = Match(len(prefix_slots), list(prefix_slots), self.held.node)
+        return stepper.prefill(prefix, list(prefix_ids), list(token_ids), self.ns)
 
     def rotate_into_fresh(self, src: Sequence[int], delta: int | Sequence[int]) -> list[int]:
-        dst = self.host.allocator.alloc(len(src))
-        try:
-            self.host.pool.copy_rotated(src, dst, delta)
-        except BaseException:
-            self.host.allocator.free(dst)
-            raise
+        with self.host.stepper.exclusive():
+            dst = self.host.allocator.alloc(len(src))
+            try:
+                self.host.pool.copy_rotated(src, dst, delta)
+            except BaseException:
+                self.host.allocator.free(dst)
+                raise
         return dst
 
 
@@ -103,15 +121,43 @@ def apply_request(
 ) -> DirectivesResponse:
     """Execute ``req`` in namespace ``ns``: its base is looked up as ``ns`` sees the cache
     (its own spliced rows first), and ``T'`` is written back as ``ns``'s (``radix.py``).
-    ``per_directive``: run a batch's steps one by one (``splice.py``; for measurements)."""
-    resp = _apply(host, req, ns, time.perf_counter(), per_directive)
-    host.counters(ns.tenant).count_directive(resp)
+    ``per_directive``: run a batch's steps one by one (``splice.py``; for measurements).
+    Takes the engine lock itself where it needs it (module doc)."""
+    t0 = time.perf_counter()
+    with host.stepper.exclusive():
+        ready = _prepare(host, req, ns, t0)
+        if isinstance(ready, DirectivesResponse):
+            host.counters(ns.tenant).count_directive(ready)
+            return ready
+        host.cache.hold(ready.match)
+    _execute(host, ready, ns, per_directive)
+    resp = ready.response()
+    with host.stepper.exclusive():
+        host.counters(ns.tenant).count_directive(resp)
     return resp
 
 
-def _apply(
-    host: SpliceHost, req: DirectivesRequest, ns: Namespace, t0: float, per_directive: bool
-) -> DirectivesResponse:
+@dataclass(slots=True)
+class _Ready:
+    """A checked, planned splice: what ``_execute`` runs and what it answers."""
+
+    plan: SplicePlan
+    match: Match
+    new_tokens: list[int]
+    order: list[Directive]
+    t0: float
+
+    def response(self) -> DirectivesResponse:
+        return _outcome(
+            self.new_tokens, self.order, self.plan, "applied", self.match.length, self.t0
+        )
+
+
+def _prepare(
+    host: SpliceHost, req: DirectivesRequest, ns: Namespace, t0: float
+) -> DirectivesResponse | _Ready:
+    """Checks, compile and the pure plan (under the lock; nothing is mutated but the
+    session's pin ending): the answer if there is nothing to execute, else the plan."""
     cache = host.cache
     if req.tokens is not None:
         tokens, compiled = _compile_token_form(host, req)
@@ -147,10 +193,9 @@ def _apply(
         base = old[: m.length]
     cache.arrive(ns)
     plan = plan_splice(base, order, exact_len=m.exact_len)
-    if order:
-        _execute(host, plan, m, ns, per_directive)
-    outcome = "applied" if order else "noop"
-    return _outcome(new_tokens, order, plan, outcome, m.length, t0)
+    if not order:
+        return _outcome(new_tokens, order, plan, "noop", m.length, t0)
+    return _Ready(plan, m, new_tokens, order, t0)
 
 
 def _outcome(
@@ -181,20 +226,23 @@ def _miss(
     return DirectivesResponse(outcome="fallback", tokens=new_tokens, applied=order, fallback=True)
 
 
-def _execute(
-    host: SpliceHost, plan: SplicePlan, m: Match, ns: Namespace, per_directive: bool
-) -> None:
-    cache = host.cache
-    cache.hold(m)
+def _execute(host: SpliceHost, ready: _Ready, ns: Namespace, per_directive: bool) -> None:
+    """Run the plan on fresh slots (``ready.match`` is held), then write ``T'`` into the
+    cache under the lock; on failure free every fresh slot and cache nothing."""
+    cache, plan, m = host.cache, ready.plan, ready.match
+    backend = _Backend(host, m, ns)
     try:
-        res = execute_splice(plan, m.slots, _Backend(host), per_directive=per_directive)
+        res = execute_splice(plan, m.slots, backend, per_directive=per_directive)
     except BaseException as e:
-        host.allocator.free(getattr(e, "fresh_slots", []))
+        with host.stepper.exclusive():
+            host.allocator.free(getattr(e, "fresh_slots", []))
+            cache.release(m)
         raise
-    finally:
+    with host.stepper.exclusive():
         cache.release(m)
-    if len(res.slots) != len(plan.tokens):
-        raise DirectiveError("internal: splice produced the wrong number of slots")
-    cache.insert(plan.tokens, res.slots, res.fresh, ns, plan.exact_len)
-    cache.pin(ns, plan.tokens)
-    host.evict()
+        if len(res.slots) != len(plan.tokens):
+            host.allocator.free(res.fresh)
+            raise DirectiveError("internal: splice produced the wrong number of slots")
+        cache.insert(plan.tokens, res.slots, res.fresh, ns, plan.exact_len)
+        cache.pin(ns, plan.tokens)
+        host.evict()

@@ -4,6 +4,12 @@ nano-vllm's ``engine/scheduler.py`` in one function: every decoding (and flushin
 sequence gets its one token first, so a long prefill never stalls other sessions' decodes;
 prefills then share what is left of the per-step token budget, oldest first, in chunks.
 With no decode running, the oldest prefill gets at least one token.
+
+A ``paced`` sequence (a splice's ``R``: rows no client reads token by token) gets at most
+``paced_tokens`` of a step while some other sequence decodes, so that the step, which every
+decoding stream waits for, stays close to a decode step's length (the stepper sizes
+``paced_tokens`` from measured step times). With no decode running it takes the whole
+budget like any prefill.
 """
 
 from __future__ import annotations
@@ -24,15 +30,22 @@ class Scheduled:
     num_tokens: int
 
 
-def schedule(running: Iterable[Sequence], budget: int = DEFAULT_STEP_TOKENS) -> list[Scheduled]:
+def schedule(
+    running: Iterable[Sequence], budget: int = DEFAULT_STEP_TOKENS, paced_tokens: int | None = None
+) -> list[Scheduled]:
     if budget < 1:
         raise ValueError(f"budget: {budget} must be >= 1")
+    if paced_tokens is not None and paced_tokens < 1:
+        raise ValueError(f"paced_tokens: {paced_tokens} must be >= 1")
     seqs = [s for s in running if s.stepping]
     out = [Scheduled(s, 1) for s in seqs if s.status is not SeqStatus.PREFILL]
+    pace = paced_tokens if out and paced_tokens is not None else budget
     left = budget - len(out)
     for s in seqs:
         if s.status is SeqStatus.PREFILL:
             n = min(s.pending(), max(left, 1 if not out else 0))
+            if s.paced:
+                n = min(n, pace)
             if n <= 0:
                 break
             out.append(Scheduled(s, n))

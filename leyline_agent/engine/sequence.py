@@ -4,7 +4,9 @@ Status, slots, cached count and sampling state live here; tensors do not. ``slot
 pool rows of ``token_ids[:num_computed]``: first the matched prefix (``match.slots``, held
 in the tree), then rows this sequence computed (``fresh``, owned by it until committed).
 Decode rows come from ``reserved``, a block allocated ahead (``stepper.py``), so that the
-rows of sequences decoding side by side do not interleave slot by slot.
+rows of sequences decoding side by side do not interleave slot by slot. A ``paced`` sequence
+is rows nobody waits on token by token (a splice's ``R``): while other sequences decode, the
+scheduler gives it a smaller share of a step (``scheduler.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Sequence:
     stop_ids: frozenset[int]
     t0: float
     splice_lost: bool = False
+    paced: bool = False  # background rows (a splice's R): paced while others decode
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SeqStatus = SeqStatus.PREFILL
     output_ids: list[int] = field(default_factory=list)

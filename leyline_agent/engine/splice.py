@@ -161,9 +161,10 @@ def _pieces(n: int, steps: list[SpliceStep], final: list[int]) -> list[Piece] | 
 
 class SpliceBackend(Protocol):
     def prefill_into_slots(
-        self, prefix_slots: Sequence[int], token_ids: Sequence[int]
+        self, prefix_slots: Sequence[int], token_ids: Sequence[int], prefix_ids: Sequence[int]
     ) -> list[int]:
-        """Forward ``token_ids`` after the prefix; fresh slots holding their KV."""
+        """Forward ``token_ids`` after the prefix (rows ``prefix_slots`` of the tokens
+        ``prefix_ids``); fresh slots holding their KV."""
         ...
 
     def rotate_into_fresh(self, src: Sequence[int], delta: int | Sequence[int]) -> list[int]:
@@ -199,7 +200,7 @@ def execute_splice(
             r = list(st.replacement)
             prefix = slots[: st.start]
             if st.mode is Mode.AMORTIZE:
-                r_slots = backend.prefill_into_slots(prefix, r)
+                r_slots = backend.prefill_into_slots(prefix, r, tokens[: st.start])
                 fresh += r_slots
                 tail = backend.rotate_into_fresh(slots[st.end :], st.delta) if st.tail_len else []
                 fresh += tail
@@ -207,7 +208,7 @@ def execute_splice(
                 tokens = tokens[: st.start] + r + tokens[st.end :]
             else:
                 new = r + tokens[st.end :]
-                new_slots = backend.prefill_into_slots(prefix, new)
+                new_slots = backend.prefill_into_slots(prefix, new, tokens[: st.start])
                 fresh += new_slots
                 slots = prefix + new_slots
                 tokens = tokens[: st.start] + new
@@ -234,7 +235,8 @@ def _execute_pieces(
                 out += base[p.lo : p.hi]
                 continue
             if p.kind == "prefill":
-                rows = backend.prefill_into_slots(base[: p.lo], list(p.tokens))
+                prefix_ids = plan.base_tokens[: p.lo]
+                rows = backend.prefill_into_slots(base[: p.lo], list(p.tokens), prefix_ids)
                 fresh += rows
                 if not p.delta:
                     out += rows

@@ -17,6 +17,12 @@ ms a step that way, against 54 ms for the same batch run alone).
 ``exclusive()`` is that lock, fair to non-step work: a waiting operation makes the step
 thread pause after its current step.
 
+``prefill`` runs rows that no one samples from (a splice's ``R``, ``executor.py``) as a
+sequence of the loop: chunked under the step budget and batched with the other sequences'
+decodes (``scheduler.py`` paces such chunks while others decode), so a long replacement
+never stops another session's stream. Its owner waits outside the lock; the rows it reads
+(the prefix) must be held by the owner for as long as it runs.
+
 Slots: a prefill chunk gets one allocation (a run of slots). A decoding sequence takes its
 rows from a block of up to ``DECODE_BLOCK`` slots allocated ahead (``Sequence.reserved``;
 what is left is freed when it finishes): with one allocation per token, the rows of eight
@@ -35,15 +41,61 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from leyline_agent.engine.cache.allocator import SlotAllocator
+from leyline_agent.engine.cache.radix import Match
+from leyline_agent.engine.detokenizer import Detokenizer
 from leyline_agent.engine.model.runner import ModelRunner, StepInput
-from leyline_agent.engine.sampler import mask_batch
+from leyline_agent.engine.params import SamplingParams
+from leyline_agent.engine.sampler import Sampler, mask_batch
 from leyline_agent.engine.scheduler import DEFAULT_STEP_TOKENS, schedule
 from leyline_agent.engine.sequence import SeqStatus, Sequence
+from leyline_agent.namespaces import Namespace
 
 __all__ = ["DECODE_BLOCK", "Stepper"]
 
 DECODE_BLOCK = 128
 IDLE_S = 0.5  # the step thread exits after this long with nothing to run
+# A step that carries paced rows beside decodes should take between 1 + PACE_LOW and
+# 1 + PACE_HIGH decode steps: a streaming client's gap grows by at most about that much.
+PACE_LOW, PACE_HIGH = 0.4, 0.8
+# The sizes a paced share takes: a few, so that the forwards' shapes repeat (oneDNN and the
+# attention kernels set up each new row count once; a share that wandered over every size
+# would pay that set-up in many steps).
+PACED_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512)
+PACED_FIRST = 3  # index of the share before anything was measured (16 tokens)
+
+
+class Pace:
+    """Sizes a paced sequence's share of a step (``scheduler.py``) by feedback from measured
+    steps: ``decode_s`` is a moving average of steps that only decode; after a step that
+    ran paced tokens beside decodes, the share moves one size up ``PACED_SIZES`` if the step
+    took less than ``1 + PACE_LOW`` decode steps, one size down if it took more than
+    ``1 + PACE_HIGH``. A forward has a fixed cost per sequence as well as one per token, so
+    no per-token rate predicts the share; the feedback finds it for the model, the context
+    length and the machine's load."""
+
+    def __init__(self) -> None:
+        self.decode_s: float | None = None
+        self.size = PACED_FIRST
+
+    def tokens(self, budget: int) -> int:
+        return max(1, min(PACED_SIZES[self.size], budget))
+
+    def observe(self, seconds: float, decodes: int, paced: int, other_prefill: int) -> None:
+        """One step's length, and what it ran: decoding rows, paced tokens, other prefill
+        tokens (a step with other prefill tells nothing about either)."""
+        if other_prefill or not decodes:
+            return
+        if not paced:
+            old = self.decode_s
+            self.decode_s = seconds if old is None else 0.8 * old + 0.2 * seconds
+            return
+        if self.decode_s is None:
+            return
+        extra = seconds / self.decode_s - 1
+        if extra < PACE_LOW:
+            self.size = min(len(PACED_SIZES) - 1, self.size + 1)
+        elif extra > PACE_HIGH:
+            self.size = max(0, self.size - 1)
 
 
 class _Host(Protocol):
@@ -62,6 +114,9 @@ class Stepper:
         self._work = threading.Condition()  # new sequences (wakes an idle step thread)
         self._progress = threading.Condition()  # a step ended (wakes the owners)
         self._thread: threading.Thread | None = None
+        self._owner: int | None = None  # the thread inside ``exclusive()``, if any
+        self._depth = 0
+        self.pace = Pace()
         self.steps = 0
 
     @contextmanager
@@ -71,11 +126,52 @@ class Stepper:
             self._ops += 1
         try:
             with self._lock:
-                yield
+                self._owner, self._depth = threading.get_ident(), self._depth + 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                    if not self._depth:
+                        self._owner = None
         finally:
             with self._ops_cond:
                 self._ops -= 1
                 self._ops_cond.notify_all()
+
+    def holds_lock(self) -> bool:
+        """Whether the calling thread is inside ``exclusive()`` (then no step can run until
+        it leaves, and work that needs the step loop must run inline)."""
+        return self._owner == threading.get_ident()
+
+    def prefill(
+        self, prefix: Match, prefix_ids: list[int], token_ids: list[int], namespace: Namespace
+    ) -> list[int]:
+        """Forward ``token_ids`` after ``prefix`` (its rows ``prefix.slots``, of the tokens
+        ``prefix_ids``) as a sequence of the step loop; the fresh slots now holding their KV,
+        the caller's to keep or free. Call outside the lock, with the prefix rows held. If it
+        fails, nothing is left allocated and the error is raised."""
+        if self.holds_lock():
+            raise RuntimeError("Stepper.prefill: called inside exclusive() (no step could run)")
+        if not token_ids:
+            return []
+        params = SamplingParams(max_tokens=0)
+        seq = Sequence(
+            prompt_ids=prefix_ids + token_ids, params=params, namespace=namespace, match=prefix,
+            sampler=Sampler(params, self.host.runner.device), detok=Detokenizer(self.host.tokenizer),
+            stop_ids=frozenset(), t0=time.perf_counter(), paced=True,
+        )  # fmt: skip
+        with self.exclusive():
+            self.running.append(seq)
+        try:
+            self.drive(seq)
+        except BaseException:
+            with self.exclusive():
+                if seq in self.running:
+                    self.running.remove(seq)
+                self.host.allocator.free(seq.fresh + seq.reserved)
+                seq.fresh, seq.reserved = [], []
+            raise
+        return seq.fresh
 
     # ------------------------------------------------------------------ driving
     def drive(self, seq: Sequence) -> None:
@@ -134,9 +230,18 @@ class Stepper:
     def step(self) -> bool:
         """One forward over every running sequence (call under the lock); False if there
         was nothing to run."""
-        plan = schedule(self.running, self.step_tokens)
+        plan = schedule(self.running, self.step_tokens, self.pace.tokens(self.step_tokens))
         if not plan:
             return False
+        t0 = time.perf_counter()
+        decodes = paced = other = 0
+        for p in plan:
+            if p.seq.status is not SeqStatus.PREFILL:
+                decodes += 1
+            elif p.seq.paced:
+                paced += p.num_tokens
+            else:
+                other += p.num_tokens
         inputs: list[StepInput] = []
         new: list[list[int]] = []
         ahead: list[list[int]] = []  # decode rows allocated with a prompt's last chunk
@@ -182,6 +287,7 @@ class Stepper:
                 assert logits is not None
                 self._sample(s, logits[k])
                 k += 1
+        self.pace.observe(time.perf_counter() - t0, decodes, paced, other)
         return True
 
     # ------------------------------------------------------------------ helpers
