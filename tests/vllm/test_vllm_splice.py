@@ -2,9 +2,10 @@
 vLLM's prefix cache; FORGET equals a fresh prefill.
 
 Ground truth (``conftest.Live.truth``): ``RefState`` from transformers, the tail's pre-RoPE
-keys re-rotated at their new positions by the model's own rotary function. vLLM holds
-``T'`` in full blocks only, so the truth keeps the spliced rows of those blocks and
-prefills the rest of the prompt over them, as vLLM's next request does.
+keys re-rotated at their new positions by the model's own rotary function. vLLM caches
+full blocks only; the plugin holds the rows of ``T'`` past its last full block and hands
+them to the next request (``held_rows``, ``connector``), so every row of ``T'`` is served
+from cache and the truth keeps all of them.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ def test_amortize_equals_the_independent_truth_and_is_served_from_cache(live):
     new = t[:s] + r + t[e:]
     assert body["tokens"] == new and body["splices"] == {"amortize": 1, "forget": 0}
     got_cached, got = live.complete(new + x)
-    full = (len(new) // b) * b  # every full block of T' (a vanilla engine: up to block 1)
-    assert got_cached == full and full > (s // b) * b
-    assert body["rotated_tokens"] == full - (s + len(r))
-    truth = live.truth(RefState.prefill(live.model, t).amortize(s, e, r), full, new[full:] + x)
-    fresh = live.truth(RefState.prefill(live.model, new), full, new[full:] + x)
+    assert len(new) % b  # T' ends inside a block: its last rows are the held ones
+    assert got_cached == len(new)  # every row of T' (a vanilla engine: up to block 1)
+    assert body["rotated_tokens"] == len(new) - (s + len(r))
+    truth = live.truth(RefState.prefill(live.model, t).amortize(s, e, r), len(new), x)
+    fresh = live.truth(RefState.prefill(live.model, new), len(new), x)
     assert live.max_err(got, truth) <= TOL
     assert live.max_err(got, fresh) > 100 * TOL  # the truth tells a splice from a re-prefill
 
@@ -44,7 +45,7 @@ def test_amortize_equals_the_independent_truth_and_is_served_from_cache(live):
 def test_forget_equals_a_fresh_prefill(live):
     b = live.block
     t, r, x = live.ids(21, 5 * b), live.ids(22, 7), live.ids(23, 1)
-    s, e = 64, 90  # FORGET re-prefills from the start of the block holding s
+    s, e = 70, 90  # inside block 2: T[64:70] are kept (exact rows here, so = a fresh prefill)
     live.complete(t)
     resp = live.directive(
         {"tokens": t, "directives": [{"start": s, "end": e, "replacement": r, "mode": "forget"}]}
@@ -53,9 +54,8 @@ def test_forget_equals_a_fresh_prefill(live):
     assert resp.json()["splices"] == {"amortize": 0, "forget": 1}
     new = t[:s] + r + t[e:]
     got_cached, got = live.complete(new + x)
-    full = (len(new) // b) * b
-    assert got_cached == full
-    truth = live.truth(RefState.prefill(live.model, new), full, new[full:] + x)
+    assert got_cached == len(new)
+    truth = live.truth(RefState.prefill(live.model, new), len(new), x)
     assert live.max_err(got, truth) <= TOL
 
 
@@ -71,9 +71,9 @@ def test_a_batch_of_two_directives_equals_two_amortizes_right_to_left(llama):
     assert resp.json()["splices"] == {"amortize": 2, "forget": 0}
     mid = t[:120] + r1 + t[150:]
     new = mid[:30] + r2 + mid[50:]
-    # after the first splice vLLM holds mid in full blocks (160 rows); the second splice's tail
-    # is what of them follows its span: T'' is held through (35 + 160 - 50) // 32 blocks
-    held = ((30 + len(r2) + (len(mid) // b) * b - 50) // b) * b
+    # the first splice leaves mid's rows past its last full block held; the second splice
+    # takes its tail from them: every row of T'' is kept
+    held = len(new)
     got_cached, got = live.complete(new + x)
     assert got_cached == held
     ref = RefState.prefill(live.model, t).amortize(120, 150, r1).amortize(30, 50, r2)
