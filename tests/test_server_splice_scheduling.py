@@ -5,9 +5,9 @@ The model is the tiny DeepSeek-V2 made three layers deep (so a wrong context for
 would show in the next request's logits). Session A streams greedy completions back to
 back; its solo inter-token gaps are measured first, on the same server, then again while
 session B splices. The splice must not stop the stream: tokens keep arriving all through it
-(a splice that stops the engine lets through none). The largest gap is printed beside the
-largest solo gap; it is not asserted (one stall of 0.1-0.2 s near the end of the splice
-remains on this machine).
+(a splice that stops the engine lets through none), and the median gap stays within 4x the
+solo median. The largest gap is printed beside the largest solo gap, not asserted: single
+stalls of 0.02-0.2 s remain on this machine, solo too.
 The spliced result is then compared with an independent AMORTIZE
 (``reference.kv_reference.RefState``: the model's own modules, never the engine's code).
 """
@@ -89,6 +89,10 @@ def _gaps(stamps: list[list[float]], lo: float, hi: float) -> list[float]:
     return [b - a for s in stamps for a, b in zip(s, s[1:], strict=False) if b > lo and a < hi]
 
 
+def _p90(xs: list[float]) -> float:
+    return sorted(xs)[int(0.9 * (len(xs) - 1))] if xs else float("inf")
+
+
 def _complete(c, name, ids, session, **kw):
     body = {"model": name, "prompt": ids, "max_tokens": 1, "temperature": 0, **kw}
     r = c.post("/v1/completions", json=body, headers={"X-Leyline-Session": session})
@@ -125,11 +129,17 @@ def _measure(c: httpx.Client, name: str, T: list[int], R: list[int]) -> str:
     assert resp.json()["prefilled_tokens"] == R_LEN
     gaps = _gaps(during, s0, s1)
     solo_p50, solo_max = statistics.median(solo_gaps), max(solo_gaps)
+    p50 = statistics.median(gaps) if gaps else float("inf")
+    solo_p90, p90 = _p90(solo_gaps), _p90(gaps)
     report = (
-        f"splice {s1 - s0:.2f}s; solo gap p50 {solo_p50 * 1e3:.1f} ms max "
-        f"{solo_max * 1e3:.1f} ms; during the splice {len(gaps)} gaps, max "
+        f"splice {s1 - s0:.2f}s; solo gap p50 {solo_p50 * 1e3:.1f} ms p90 {solo_p90 * 1e3:.1f} "
+        f"ms max {solo_max * 1e3:.1f} ms; during the splice {len(gaps)} gaps, p50 "
+        f"{p50 * 1e3:.1f} ms p90 {p90 * 1e3:.1f} ms max "
         f"{max(gaps, default=float('inf')) * 1e3:.1f} ms"
     )
+    # the typical gap while the splice runs stays near the solo one (measured 2.5-2.8x on a
+    # loaded 2-core machine; 4x leaves room for noise, an exclusive splice gives no gaps)
+    assert p50 < 4 * solo_p50, report
     # the stream kept going all through the splice: at least an eighth of the tokens it
     # would have produced alone (a splice that stops the engine lets through none)
     assert len(gaps) >= (s1 - s0) / solo_p50 / 8, report
