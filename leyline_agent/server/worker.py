@@ -7,8 +7,9 @@ prompt, generate, apply directives, read stats), ``submit``s it and awaits the `
 Threads: ``concurrency=1`` (the default of a bare ``Worker``, and the only value for an
 engine that does not say it is ``thread_safe``) runs one job at a time, to completion, in
 arrival order. ``concurrency=N`` (``leyline serve`` on the embedded ``Engine``: its
-concurrent ``generate`` calls share batched steps, everything else runs between two steps
-under its lock) starts jobs in arrival order on N threads that run side by side, so eight
+concurrent ``generate`` calls share batched steps; a directive's replacement is prefilled
+in those steps beside other sequences, and everything else runs between two steps under its
+lock) starts jobs in arrival order on N threads that run side by side, so eight
 streaming clients decode in one batched forward. ``concurrency_for`` picks N.
 
 Sessions: a job submitted with a ``key`` (the routes pass a named session's namespace,
@@ -17,7 +18,8 @@ arrival order, each after the previous one ended, while other keys' jobs run on 
 threads. A parked job holds no thread. So a directive of a session never lands in the
 middle of a generation of that session (it sees the session as its requests left it, as
 with one thread); requests that name no session share no key and run concurrently (each
-directive is still atomic: the engine runs it between two steps).
+directive still holds its base rows from its checks to its cache write, so what it reads
+cannot change under it).
 
 Streaming: ``stream`` runs a generating job whose ``on_token`` callback (called on the
 worker thread) hands each event to the event loop through an ``asyncio.Queue``; the
