@@ -122,3 +122,9 @@ class LeylineEndpoints:
             log.warning("leyline directives off", problem=info["problem"])
         else:
             log.info("leyline directives on", block_size=info.get("block_size"), tp=info.get("tp"))
+            if not info.get("held_rows"):
+                log.warning(
+                    "leyline keeps whole blocks only: kv_transfer_config names another "
+                    "connector, so rows past a sequence's last full block are prefilled again "
+                    "by the next request (rotated_tokens and cached_tokens say how many were kept)"
+                )

@@ -86,6 +86,7 @@ def _describe(engine: Any) -> dict[str, Any]:
     try:
         sched = _scheduler(engine)
         out["block_size"] = sched.block_size
+        out["held_rows"] = sched.leyline_rows_on  # rows past a last full block are kept
         if cfg.model_config.use_mla and not cfg.cache_config.enable_prefix_caching:
             raise RuntimeUnavailableError(
                 "enable_prefix_caching: this MLA model runs with prefix caching off (vLLM turns "

@@ -1,16 +1,15 @@
 """The two live servers of the conformance suite, side by side, on one >= 3-layer checkpoint.
 
 ``leyline serve`` (the embedded engine, started with ``.venv``'s Python) and ``vllm serve``
-with the Leyline plugin (``.venv-vllm``, block size 32: the CPU backend takes multiples of
-32), both on the 4-layer llama ``mini`` checkpoint, both behind ``--api-key KEY``, both on
-loopback. ``make test`` runs this folder with ``.venv-vllm``'s pytest (it needs both venvs:
+with the Leyline plugin (``.venv-vllm``), both on the 4-layer llama ``mini`` checkpoint,
+both behind ``--api-key KEY``, both on loopback. vLLM runs at two block sizes, one after
+the other (``BLOCKS``: 32, the smallest its CPU backend takes, and 128, its default
+there): every test that uses ``both`` runs against each. ``make test`` runs this folder with ``.venv-vllm``'s pytest (it needs both venvs:
 vLLM for one server, transformers for the oracle); the main run ignores it.
 
 ``Srv`` is one server seen over plain HTTP: posts with the key, completions by token ids
 that return ``(cached_tokens, sampled logprob, the top-20 logprobs sorted)``: values, not
-token texts, so the two detokenizers cannot make a difference. ``held(n)`` is how many rows
-of an n-token sequence the server keeps for the next request: every row on ``leyline
-serve``, whole blocks on vLLM (the stated difference the chain cases assert).
+token texts, so the two detokenizers cannot make a difference.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from leyline_agent.testing.server import free_port, wait_ready
 from leyline_agent.vllm_plugin.local_server import serve_vllm
 
 KEY = "sk-conformance"
-BLOCK = 32
+BLOCKS = [32, 128]
 TOP = 20
 ROOT = Path(__file__).resolve().parents[2]
 SERVERS = ["leyline", "vllm"]
@@ -43,11 +42,8 @@ class Srv:
     name: str
     url: str
     model: str
-    block: int | None  # None: every row is kept
+    block: int | None  # vLLM's block size (None: the embedded engine)
     client: httpx.Client
-
-    def held(self, n: int) -> int:
-        return n if self.block is None else (n // self.block) * self.block
 
     def post(
         self,
@@ -130,10 +126,11 @@ def leyline_srv(ckpt):
             proc.wait(10)
 
 
-@pytest.fixture(scope="session")
-def vllm_srv(ckpt, leyline_srv):  # started after leyline serve: one heavy start at a time
-    with serve_vllm(ckpt, block_size=BLOCK, extra_args=["--api-key", KEY]) as s, _client() as c:
-        yield Srv("vllm", s.url, s.model, BLOCK, c)
+@pytest.fixture(scope="session", params=BLOCKS, ids=[f"block{b}" for b in BLOCKS])
+def vllm_srv(request, ckpt, leyline_srv):  # after leyline serve: one heavy start at a time
+    b = request.param  # pytest stops one block size's server before it starts the next
+    with serve_vllm(ckpt, block_size=b, extra_args=["--api-key", KEY]) as s, _client() as c:
+        yield Srv("vllm", s.url, s.model, b, c)
 
 
 @pytest.fixture(scope="session")
