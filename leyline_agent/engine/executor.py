@@ -42,9 +42,9 @@ from typing import Any, Protocol
 from leyline_agent.directives import Directive, plan_batch, splice_tokens
 from leyline_agent.directives.compile import (
     clip_to_cached,
-    encode_replacements,
     message_edits,
     to_directives,
+    token_form,
 )
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVPool
@@ -64,14 +64,13 @@ class SpliceHost(Protocol):
     """What executing a directive needs of the engine (``engine.Engine`` is one)."""
 
     tokenizer: Any
+    vocab_size: int
     message_boundary_id: int | None
     cache: PrefixCache
     runner: ModelRunner
     allocator: SlotAllocator
     pool: KVPool
     stepper: Stepper
-
-    def check_ids(self, ids: Sequence[int], where: str, allow_empty: bool = False) -> list[int]: ...
 
     def counters(self, tenant: str) -> Counters: ...
 
@@ -104,16 +103,6 @@ class _Backend:
                 self.host.allocator.free(dst)
                 raise
         return dst
-
-
-def _compile_token_form(
-    host: SpliceHost, req: DirectivesRequest
-) -> tuple[list[int], list[Directive]]:
-    tokens = host.check_ids(req.tokens or [], "tokens")
-    compiled = encode_replacements(req.directives or [], host.tokenizer)
-    for i, d in enumerate(compiled):
-        host.check_ids(d.replacement, f"directives[{i}].replacement", allow_empty=True)
-    return tokens, compiled
 
 
 def apply_request(
@@ -160,7 +149,9 @@ def _prepare(
     session's pin ending): the answer if there is nothing to execute, else the plan."""
     cache = host.cache
     if req.tokens is not None:
-        tokens, compiled = _compile_token_form(host, req)
+        tokens, compiled = token_form(
+            req.tokens or [], req.directives or [], host.tokenizer, host.vocab_size
+        )
         order = plan_batch(compiled, seq_len=len(tokens))
         new_tokens = splice_tokens(tokens, order)
         m = cache.match(tokens, ns)
