@@ -124,6 +124,16 @@ class StatsResponse(BaseModel):
         "(leyline serve --tenant-cache-share); none: no shares",
     )
     evicted_tokens: int = Field(default=0, description="rows of this tenant's evicted")
+    drift_splices: int = Field(
+        default=0,
+        description="chat turns whose prompt drifted from the cached tokens in a few spans "
+        "(a template's stripped thinking, a changed head line) and were spliced",
+    )
+    drift_unspliced: dict[str, int] = Field(
+        default_factory=dict,
+        description="drifts found but not spliced, by reason: unproven (the request did not "
+        "echo the reply), not_cached, error, max_gap / max_spans (beyond the diff's bounds)",
+    )
     pinned_tokens: int = Field(default=0, description="splice results held for their session")
     pin_evictions: int = Field(
         default=0, description="splice results evicted before their session's next request"
@@ -155,6 +165,8 @@ class Counters:
     directive_errors: int = 0
     evicted_tokens: int = 0  # this tenant's rows evicted (whoever's request pushed them out)
     pin_evictions: int = 0  # this tenant's splice results lost before their session came back
+    drift_splices: int = 0  # chat turns whose token drift was spliced (server/drift_turn.py)
+    drift_unspliced: dict[str, int] = field(default_factory=dict)  # found, not spliced: why
 
     def count_generation(self, prompt_tokens: int, cached_tokens: int, generated: int) -> None:
         """One finished generation request."""
@@ -176,9 +188,10 @@ class Counters:
         out = cls()
         for part in parts:
             for f in fields(cls):
-                if f.name == "splices":
-                    for mode, n in part.splices.items():
-                        out.splices[mode] = out.splices.get(mode, 0) + n
+                if isinstance(getattr(part, f.name), dict):  # splices, drift_unspliced
+                    mine, theirs = getattr(out, f.name), getattr(part, f.name)
+                    for key, n in theirs.items():
+                        mine[key] = mine.get(key, 0) + n
                 else:
                     setattr(out, f.name, getattr(out, f.name) + getattr(part, f.name))
         return out
@@ -186,7 +199,8 @@ class Counters:
     def to_stats(self, **cache: Any) -> StatsResponse:
         """The wire form; ``cache`` adds the cache fields a serving side knows of."""
         counts = {f.name: getattr(self, f.name) for f in fields(self)}
-        return StatsResponse(**counts | {"splices": dict(self.splices)}, **cache)
+        copies = {"splices": dict(self.splices), "drift_unspliced": dict(self.drift_unspliced)}
+        return StatsResponse(**counts | copies, **cache)
 
 
 class ErrorBody(BaseModel):

@@ -9,19 +9,26 @@ generates ``PreparedChat.messages`` in ``PreparedChat.namespace``, adds ``body``
 answer and ``usage`` to ``usage.leyline``, and calls ``commit(reply)`` once the answer is
 complete (never for an abandoned one), which records the conversation for its next turn.
 
+Token drift: when the plan has no message-form directive, the same job renders the served
+prompt and diffs it against the tokens the conversation's last answer cached
+(``drift_turn``): a template that strips earlier thinking, or a changed head line, becomes
+a splice instead of a re-prefill (``usage.leyline.drift``). ``commit(reply, tokens)`` takes
+those tokens (the answer's prompt and output ids); without them the next turn is not diffed.
+
 Mode: ``leyline serve --client-edits amortize|forget|off`` (``create_app(client_edits=)``),
-overridden per request by ``{"leyline": {"client_edits": ...}}``.
+overridden per request by ``{"leyline": {"client_edits": ...}}``; it governs drift splices too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
 from leyline_agent.chat_input import canonical_message
+from leyline_agent.directives import Mode
 from leyline_agent.namespaces import Namespace
 from leyline_agent.server.completions import messages_for_template
 from leyline_agent.server.context_management import (
@@ -30,11 +37,12 @@ from leyline_agent.server.context_management import (
 )
 from leyline_agent.server.conversations import Conversation
 from leyline_agent.server.disconnect import run_connected
+from leyline_agent.server.drift_turn import drift_turn
 from leyline_agent.server.state import ServerState
 from leyline_agent.server.turns import applied_edits, execute_turn, plan_turn
 from leyline_agent.server.worker import session_key
 
-__all__ = ["PreparedChat", "prepare_chat"]
+__all__ = ["PreparedChat", "prepare_chat", "splice_mode_of"]
 
 
 @dataclass(slots=True)
@@ -43,7 +51,7 @@ class PreparedChat:
     namespace: Namespace
     body: dict[str, Any]
     usage: dict[str, Any]
-    commit: Callable[[dict[str, Any]], None]
+    commit: Callable[..., None]  # (reply, tokens=None): the answer and its cached ids
 
 
 async def prepare_chat(
@@ -85,11 +93,18 @@ async def prepare_chat(
 
         plan = plan_turn(messages, match, specs, mode, prompt_tokens, tools)
         edits = applied_edits(specs, messages, plan, count) if specs else []
-        return plan, edits, execute_turn(engine, plan, conv_ns)
+        results = execute_turn(engine, plan, conv_ns)
+        drift = None
+        if match is not None and not match.retry and mode != "off" and not plan.directives:
+            new = engine.render(plan.served, tools=tools, add_generation_prompt=True)
+            drift = drift_turn(engine, match, new, splice_mode_of(mode, conv), conv_ns)
+        return plan, edits, results, drift
 
     # one job per turn, in the conversation's session order: its directives never land in
     # the middle of another request of the same conversation
-    plan, edits, results = await run_connected(request, st.worker, job, key=session_key(conv_ns))
+    plan, edits, results, drift = await run_connected(
+        request, st.worker, job, key=session_key(conv_ns)
+    )
     splices: dict[str, int] = {"amortize": 0, "forget": 0}
     rotated = 0
     done = []
@@ -125,11 +140,16 @@ async def prepare_chat(
         "rotated_tokens": rotated,
         "client_edited_messages": len(plan.client_edited),
     }
+    if drift is not None:
+        body["leyline"]["drift"] = usage["drift"] = drift.wire()
+        if drift.spliced:
+            splices[str(splice_mode_of(mode, conv))] += 1
+            usage["rotated_tokens"] = rotated + drift.rotated_tokens
     spliced = conv.spliced or any(
         r.response and r.response.splices.get("amortize") for r in results
-    )
+    ) or bool(drift and drift.spliced and splice_mode_of(mode, conv) == Mode.AMORTIZE)
 
-    def commit(reply: dict[str, Any]) -> None:
+    def commit(reply: dict[str, Any], tokens: Sequence[int] | None = None) -> None:
         store.save(
             ns.tenant,
             Conversation(
@@ -141,7 +161,13 @@ async def prepare_chat(
                 labels=plan.labels,
                 spliced=bool(spliced),
                 exact=conv.exact,
+                tokens=tuple(tokens) if tokens else None,
             ),
         )
 
     return PreparedChat(plan.served, conv_ns, body, usage, commit)
+
+
+def splice_mode_of(mode: str, conv: Conversation) -> Mode:
+    """The mode a turn splices in: FORGET under ``forget`` or in a conversation marked exact."""
+    return Mode.FORGET if mode == "forget" or conv.exact else Mode.AMORTIZE

@@ -30,6 +30,16 @@ starts its own, and a repeat of the last prompt never continues an anonymous con
 (it proves nothing about who sent it). The answer's commit saves the next state unclaimed;
 a request that fails leaves its state claimed, so the client's next turn starts afresh.
 Bounded: the least recently used conversations are forgotten.
+
+Drift (``find`` falls back to it when no conversation is continued message for message): a
+request whose message *after* a conversation's prompt echoes that conversation's reply (the
+proof above: its call ids, or its text), with the same roles before it, continues it even
+though earlier messages differ in ways that are not in-place edits (a system message's
+first line, a date). Such a ``Match`` has ``drift=True``: the turn serves the messages as
+sent and the token diff (``directives.drift``, ``chat_context``) decides what is spliced.
+Every conversation a request continues may be diffed at the token level against the tokens
+its last answer left in the cache (``Conversation.tokens``); ``Match.echoed`` says whether
+the request proved it holds the reply, without which no drift is believed.
 """
 
 from __future__ import annotations
@@ -88,6 +98,7 @@ class Conversation:
     used: int = 0
     claimed: bool = False  # an anonymous request is continuing it (``find(claim=True)``)
     exact: bool = False  # a token-form FORGET in its session: its detected edits are FORGETs
+    tokens: tuple[int, ...] | None = None  # the last answer's prompt + output ids (cached)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +107,12 @@ class Match:
     edited: tuple[int, ...]  # prompt indices the request edited in place
     known: int  # messages of the conversation the request repeats (or edits in place)
     retry: bool = False
+    drift: bool = False  # found by its echo alone: earlier messages may differ in any way
+
+    @property
+    def echoed(self) -> bool:
+        """The request's message after the cached prompt echoes the server's reply."""
+        return not self.retry and self.known > len(self.conversation.raw)
 
 
 class ConversationStore:
@@ -124,6 +141,8 @@ class ConversationStore:
         declared = declared if session is not None else frozenset()
         with self._lock:  # held to the claim: two requests never continue one state
             best = self._best(tenant, session, messages, declared, claim)
+            if best is None:
+                best = self._drifted(tenant, session, messages, claim)
             if best is not None and claim:
                 best.conversation.claimed = True
             return best
@@ -157,6 +176,37 @@ class ConversationStore:
         if len(sessions) > 1 and any(m.conversation.spliced for m in (best, *rivals)):
             return None
         return best
+
+    def _drifted(
+        self, tenant: str, session: str | None, messages: Sequence[Mapping[str, Any]], claim: bool
+    ) -> Match | None:
+        """The conversation whose reply ``messages`` echo right after its prompt, with the
+        same roles before it (own tenant and session, as ``_best``); None if there is none,
+        or if conversations of two sessions fit and one holds spliced rows."""
+        fits = []
+        for c in self._tenants.get(tenant, {}).values():
+            if session is not None and c.session != session:
+                continue
+            if session is None and not c.session.startswith(CONVERSATION_PREFIX):
+                continue
+            if (claim and c.claimed) or c.reply is None or c.tokens is None:
+                continue
+            n = len(c.raw)
+            if not n or len(messages) <= n or _echo(c.reply, messages[n]) is None:
+                continue
+            if [m.get("role") for m in c.raw] != [m.get("role") for m in messages[:n]]:
+                continue
+            fits.append(c)
+        if not fits:
+            return None
+        fits.sort(key=lambda c: (len(c.raw), c.used), reverse=True)
+        best = fits[0]
+        rivals = [c for c in fits[1:] if len(c.raw) == len(best.raw)]
+        if {c.session for c in (best, *rivals)} != {best.session} and any(
+            c.spliced for c in (best, *rivals)
+        ):
+            return None
+        return Match(best, (), len(best.raw) + 1, drift=True)
 
     def new(self, tenant: str, session: str | None) -> Conversation:
         cid = CONVERSATION_PREFIX + uuid.uuid4().hex
@@ -207,7 +257,9 @@ class ConversationStore:
                 labels = {i: v for i, v in c.labels.items() if i not in changed}
                 for i in changed:
                     raw[i] = served[i] = dict(new[i])
-                convs[cid] = replace(c, raw=raw, served=served, labels=labels)
+                # tokens: the FORGET changed them; a token diff against the old ones
+                # would find its edit again and splice it back
+                convs[cid] = replace(c, raw=raw, served=served, labels=labels, tokens=None)
                 updated += 1
         return updated
 

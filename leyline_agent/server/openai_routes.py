@@ -167,7 +167,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     }
     if ctx is not None:
         body.update(ctx.body)
-        ctx.commit(message)
+        ctx.commit(message, result.prompt_ids + result.output_ids)  # the ids it cached
     return JSONResponse(body)
 
 
@@ -219,7 +219,7 @@ async def _chat_events(
     yield chunk({}, finish=_finish(result, bool(parsed.tool_calls)))
     if ctx is not None:
         reply = {k: v for k, v in _message(parsed).items() if k != "refusal"}
-        ctx.commit(reply)
+        ctx.commit(reply, result.prompt_ids + result.output_ids)  # the ids it cached
     if out.include_usage:
         yield out.usage(_usage(result, ctx))
 

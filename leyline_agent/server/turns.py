@@ -10,6 +10,9 @@ none), the checked ``context_management`` edits and the splice mode, and returns
   prompt with the client's edits), then the policies' (-> ``served``). Both use the turn's
   mode (``amortize`` / ``forget``; always ``forget`` in a conversation marked exact by a
   FORGET of its session); with ``off`` there are none and the next prefill is exact.
+- for a conversation found by its echo alone (``Match.drift``: earlier messages changed in
+  ways that are not in-place edits), the messages as sent and no message-form directive:
+  the token diff of ``drift_turn`` splices whatever differs, policy edits included.
 - ``labels``: which ``context_management`` edit stubbed each served message (for
   ``applied_edits``, counted over the whole prompt, as Anthropic reports them).
 
@@ -67,7 +70,7 @@ def plan_turn(
     base = [dict(m) for m in messages]
     labels: dict[int, str] = {}
     edited = list(match.edited) if match is not None else []
-    if conv is not None:
+    if conv is not None and match is not None and not match.drift:  # drift: served as sent
         for i in range(min(len(conv.raw), len(base))):
             if i not in edited:
                 base[i] = dict(conv.served[i])
@@ -89,8 +92,8 @@ def plan_turn(
             labels[e.index] = names.get(e.policy.split("+")[0], str(triggered[0][0]))
             policy_edited.append(e.index)
     plan = TurnPlan(served, labels, edited, policy_edited)
-    if conv is None or match is None or match.retry or mode == "off":
-        return plan
+    if conv is None or match is None or match.retry or match.drift or mode == "off":
+        return plan  # a drift match is spliced by the token diff (``drift_turn``)
     n = len(conv.raw) + 1  # the cached prompt and the reply
     splice_mode = Mode.FORGET if mode == "forget" or conv.exact else Mode.AMORTIZE
     cached = [*conv.served, messages[len(conv.raw)]]

@@ -19,12 +19,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     mk.add_argument("--size", default="tiny", choices=list(SIZES), help="model size")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0, help="weight seed")
+    mk.add_argument(
+        "--template",
+        default="chatml",
+        choices=["chatml", "reasoning", "reasoning_kept", "dated"],
+        help="chat template: chatml; reasoning (Qwen3-style: earlier turns' <think> dropped, "
+        "empty think blocks); reasoning_kept (thinking kept); dated (a date line at the head)",
+    )
+    mk.add_argument("--layers", type=int, default=None, help="layers (default: the size's)")
     mk.set_defaults(func=_make_model)
 
 
 def _make_model(args: argparse.Namespace) -> int:
     from leyline_agent.engine.checkpoints.modelgen import make_model
 
-    out = make_model(args.arch, args.size, args.out, seed=args.seed)
+    out = make_model(
+        args.arch, args.size, args.out, seed=args.seed, template=args.template, layers=args.layers
+    )
     print(out)
     return 0

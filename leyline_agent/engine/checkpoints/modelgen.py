@@ -49,13 +49,20 @@ _GQA: dict[str, tuple[Any, Any]] = {
 }
 
 
-def _shape(knobs: dict[str, tuple[Any, Any]], size: str) -> dict[str, Any]:
+def _shape(
+    knobs: dict[str, tuple[Any, Any]], size: str, layers: int | None = None
+) -> dict[str, Any]:
     k = SIZES.index(size)
-    return {name: values[k] for name, values in {**_EVERY, **knobs}.items()}
+    out = {name: values[k] for name, values in {**_EVERY, **knobs}.items()}
+    if layers is not None:
+        out["num_hidden_layers"] = layers
+    return out
 
 
-def model_config(arch: str, size: str, vocab_size: int, special: dict[str, int]) -> Any:
-    """The transformers config of one (arch, size)."""
+def model_config(
+    arch: str, size: str, vocab_size: int, special: dict[str, int], layers: int | None = None
+) -> Any:
+    """The transformers config of one (arch, size); ``layers`` overrides the layer count."""
     import transformers as tf
 
     if arch not in ARCHS:
@@ -72,7 +79,7 @@ def model_config(arch: str, size: str, vocab_size: int, special: dict[str, int])
         rms_norm_eps=1e-6,
     )
     if arch.startswith("deepseek"):
-        shape = _shape(_MLA, size)
+        shape = _shape(_MLA, size, layers)
         rope = {"rope_type": "default", "rope_theta": 10000.0}
         if arch == "deepseek_v2":
             return tf.DeepseekV2Config(
@@ -83,19 +90,36 @@ def model_config(arch: str, size: str, vocab_size: int, special: dict[str, int])
         return tf.DeepseekV3Config(
             **common, **shape, rope_parameters=rope, rope_interleave=True, n_group=1, topk_group=1
         )
-    shape = _shape(_GQA, size)
+    shape = _shape(_GQA, size, layers)
     rope = {"rope_type": "default", "rope_theta": 10000.0 if arch == "llama" else 1000000.0}
     if arch == "llama":
         return tf.LlamaConfig(**common, **shape, rope_parameters=rope)
     return tf.Qwen3Config(**common, **shape, rope_parameters=rope)
 
 
-def make_model(arch: str, size: str, out: str | Path, seed: int = 0, tokenizer: Any = None) -> Path:
+def make_model(
+    arch: str,
+    size: str,
+    out: str | Path,
+    seed: int = 0,
+    tokenizer: Any = None,
+    *,
+    template: str = "chatml",
+    layers: int | None = None,
+) -> Path:
     """Write a checkpoint (config, safetensors, tokenizer with chat template) to ``out``.
 
     The directory is built in a temporary sibling and renamed into place, so a reader never
     sees half a model. ``tokenizer``: reuse an already trained one (tests build several).
+    ``template``: a name of ``templates.TEMPLATES`` (``reasoning``: Qwen3-style thinking,
+    ``dated``: a date line at the head). ``layers``: override the size's layer count.
     """
+    from leyline_agent.engine.checkpoints.templates import TEMPLATES
+
+    if template not in TEMPLATES:
+        raise LeylineError(f"--template: {template!r} is not one of {', '.join(TEMPLATES)}")
+    if layers is not None and layers < 1:
+        raise LeylineError(f"--layers: {layers} must be >= 1")
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -104,7 +128,7 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0, tokenizer: 
     out = Path(out)
     tok = tokenizer if tokenizer is not None else train_tokenizer()
     special = {"eos": tok.convert_tokens_to_ids(IM_END), "pad": tok.convert_tokens_to_ids(EOS)}
-    config = model_config(arch, size, len(tok), special)
+    config = model_config(arch, size, len(tok), special, layers)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -114,6 +138,7 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0, tokenizer: 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(tmp)
+        tok.chat_template = TEMPLATES[template]
         tok.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
