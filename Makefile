@@ -37,7 +37,7 @@ SLOW_TESTS := cache_provenance_fuzz engine_paged engine_pool_shrink engine_splic
 	experiments_mechanism experiments_trajectories framework_debug_gym framework_pydantic_ai \
 	framework_self_editing framework_smolagents framework_table kernels_cbuild kernels_triton \
 	readme_commands serve_cli serve_shutdown server_anonymous_race server_concurrency server_constrained \
-	server_context_edits server_limits server_provenance server_security server_sessions server_splice_scheduling \
+	server_context_edits server_drift server_limits server_provenance server_security server_sessions server_splice_scheduling \
 	server_tenant_share server_tool_formats wrapper_http_runtime wrapper_openai wrapper_transport
 check: setup
 	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests
