@@ -21,7 +21,8 @@ the thinking is scripted; the template decides what the prompt holds). Arms, eac
 Arms are interleaved: turn k of every arm runs before turn k+1 of any (C sessions of one arm
 in flight together), so a change of the machine's load lands on all arms alike. Per arm:
 prefilled tokens (prompt - cached, plus the tokens a drift splice prefilled), TTFT p50/p90
-(first streamed chunk with text) and e2e of the whole replay. The thinking is scripted
+(first streamed chunk with text) and e2e of the whole replay, and the TTFT p50 and prefilled
+tokens of the requests right after a new user message (where the drift is). The thinking is scripted
 (sent back by the client), so every arm prefills each step's thinking once, where a real
 reasoning model decodes it: the table also gives the prefilled tokens without it (the same
 count, taken from every arm). ``--head-drift`` adds a head line whose reasoning effort
@@ -58,17 +59,21 @@ def script(session: int, context: int, user_turns: int, steps: int, think: int) 
     holds about ``context`` tokens in the reasoning-kept arm."""
     per_step = max(50, (context // 2) // (user_turns * steps) - think)
     return [
-        [(_words(session * 100 + u * 10 + s, think), _words(session + u + s, per_step))
-         for s in range(steps)]  # fmt: skip
+        [
+            (_words(session * 100 + u * 10 + s, think), _words(session + u + s, per_step))
+            for s in range(steps)
+        ]  # fmt: skip
         for u in range(user_turns)
     ]
 
 
 def _stream(url: str, model: str, messages: list[dict], max_tokens: int) -> dict[str, Any]:
+    """One streamed chat request. Sampled (temperature 1), so that sessions' replies differ as
+    real ones do: a reply two sessions share proves neither holds it, and is not spliced."""
     import httpx
 
     body = {"model": model, "messages": messages, "tools": TOOLS, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     t0 = time.perf_counter()
     ttft, text, usage, drift = None, "", None, None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as r:
@@ -91,7 +96,8 @@ def _stream(url: str, model: str, messages: list[dict], max_tokens: int) -> dict
 
 
 def run_session(
-    url: str, model: str, plan: list[list], max_tokens: int, system: str, head_drift: bool
+    url: str, model: str, plan: list[list], max_tokens: int, system: str, head_drift: bool,
+    name: str = "session",
 ) -> Any:
     """One session, turn by turn (a generator of per-request records, one step at a time).
     ``head_drift``: the system prompt's first line says a reasoning effort that alternates
@@ -101,7 +107,7 @@ def run_session(
         if head_drift:
             effort = "high" if u % 2 == 0 else "low"
             history[0] = {"role": "system", "content": f"Reasoning effort: {effort}\n{system}"}
-        history.append({"role": "user", "content": f"Task {u}: fix the failing test."})
+        history.append({"role": "user", "content": f"Task {u} of {name}: fix the failing test."})
         for s, (think, output) in enumerate(steps):
             r = _stream(url, model, history, max_tokens)
             usage = r["usage"]
@@ -109,8 +115,10 @@ def run_session(
             prompt = usage.get("prompt_tokens", 0)
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             yield {"prompt": prompt, "cached": cached, "ttft": r["ttft"], "e2e": r["e2e"],
+                   "boundary": u > 0 and s == 0,  # the first request after a new user message
                    "drift_prefilled": drift.get("prefilled_tokens", 0) if drift.get("spliced") else 0,
-                   "drift_spliced": bool(drift.get("spliced"))}  # fmt: skip
+                   "drift_spliced": bool(drift.get("spliced")),
+                   "drift_unspliced": drift.get("unspliced")}  # fmt: skip
             call_id = f"call_{u}_{s}_{len(history)}"
             history.append({"role": "assistant", "content": r["text"], "reasoning_content": think,
                             "tool_calls": [{"id": call_id, "type": "function", "function":
@@ -155,7 +163,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 ) - sum(len(tok.encode(f"<think>\n{p[-1][-1][0]}\n</think>\n\n",
                                        add_special_tokens=False)) for p in plans)  # fmt: skip
                 gens = {arm: [run_session(urls[arm], "m", p, args.max_tokens, system,
-                                          args.head_drift) for p in plans]
+                                          args.head_drift, f"session {k}")
+                              for k, p in enumerate(plans)]
                         for arm in ARMS}  # fmt: skip
                 recs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
                 wall = dict.fromkeys(ARMS, 0.0)
@@ -184,8 +193,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                              "scripted_thinking_tokens": think_sent,
                              "prefilled_without_thinking": prefilled - think_sent,
                              "drift_splices": sum(x["drift_spliced"] for x in r),
+                             "drift_unspliced": [x["drift_unspliced"] for x in r
+                                                 if x["drift_unspliced"]],
                              "ttft_p50_s": statistics.median(x["ttft"] for x in r),
                              "ttft_p90_s": _pct([x["ttft"] for x in r], 0.9),
+                             "boundary_ttft_p50_s": statistics.median(
+                                 x["ttft"] for x in r if x["boundary"]),
+                             "boundary_prefilled_tokens": sum(
+                                 x["prompt"] - x["cached"] + x["drift_prefilled"]
+                                 for x in r if x["boundary"]),
                              "e2e_s": wall[arm]})  # fmt: skip
             print_rows([x for x in rows if x["context"] == context and x["clients"] == c])
     return {"command": "python -m experiments.bench_drift " + " ".join(args.argv),
@@ -236,14 +252,45 @@ def print_rows(rows: list[dict]) -> None:
               f"plain, {r['prefilled_without_thinking'] / kept['prefilled_without_thinking']:.2f}x kept)  "
               f"TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms "
               f"({r['ttft_p50_s'] / plain['ttft_p50_s']:.2f}x plain)  p90 "
-              f"{r['ttft_p90_s'] * 1e3:7.1f} ms  e2e {r['e2e_s']:6.1f} s  "
-              f"splices {r['drift_splices']}", flush=True)  # fmt: skip
+              f"{r['ttft_p90_s'] * 1e3:7.1f} ms  e2e {r['e2e_s']:6.1f} s  at new user "
+              f"messages: TTFT p50 {r['boundary_ttft_p50_s'] * 1e3:7.1f} ms "
+              f"({r['boundary_ttft_p50_s'] / plain['boundary_ttft_p50_s']:.2f}x plain), "
+              f"prefilled {r['boundary_prefilled_tokens']} "
+              f"({r['boundary_prefilled_tokens'] / plain['boundary_prefilled_tokens']:.2f}x)  "
+              f"splices {r['drift_splices']} unspliced {r['drift_unspliced']}", flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run, write ``--out`` and record the printed table in ``report.json`` beside it
+    (``experiments.results``: ``leyline bench report`` renders it into docs/results.md)."""
     import sys
 
+    from .results import recorded
+
     argv = sys.argv[1:] if argv is None else argv
+    sys.argv = [sys.argv[0], *argv]
+    args = _parser().parse_args(argv)
+    args.argv = argv
+    rc = recorded("bench drift", _run, Path(args.out).parent)(args)
+    record = Path(args.out).parent / "report.json"
+    if rc == 0 and record.is_file():  # the record names the command that ran, not a verb
+        rec = json.loads(record.read_text())
+        rec["command"] = "python -m experiments.bench_drift " + " ".join(argv)
+        record.write_text(json.dumps(rec, indent=1) + "\n")
+    return rc
+
+
+def _run(args: argparse.Namespace) -> int:
+    costs = diff_cost()
+    report = {**bench(args), "diff_cost": costs} if args.contexts else {"diff_cost": costs}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     ap.add_argument("--contexts", type=ints, default=[2000, 16000])
@@ -255,15 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=None)
     ap.add_argument("--head-drift", action="store_true", help="an effort line that alternates")
     ap.add_argument("--out", default="runs/drift/results.json")
-    args = ap.parse_args(argv)
-    args.argv = argv
-    costs = diff_cost()
-    report = {**bench(args), "diff_cost": costs} if args.contexts else {"diff_cost": costs}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
-    return 0
+    return ap
 
 
 if __name__ == "__main__":
