@@ -1,6 +1,6 @@
 """Benchmark (not a test): a multi-turn reasoning agent against ``leyline serve``, three arms.
 
-    .venv/bin/python -m experiments.bench_drift [--contexts 2000,16000] [--clients 1,4]
+    leyline bench drift [--contexts 2000,16000] [--clients 1,4]
         [--head-drift] [--out runs/drift/results.json]    (--contexts "": the diff's cost only)
 
 Each session is a reasoning agent: ``--user-turns`` user messages, each followed by
@@ -261,23 +261,8 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run, write ``--out`` and record the printed table in ``report.json`` beside it
-    (``experiments.results``: ``leyline bench report`` renders it into docs/results.md)."""
-    import sys
-
-    from .results import recorded
-
-    argv = sys.argv[1:] if argv is None else argv
-    sys.argv = [sys.argv[0], *argv]
-    args = _parser().parse_args(argv)
-    args.argv = argv
-    rc = recorded("bench drift", _run, Path(args.out).parent)(args)
-    record = Path(args.out).parent / "report.json"
-    if rc == 0 and record.is_file():  # the record names the command that ran, not a verb
-        rec = json.loads(record.read_text())
-        rec["command"] = "python -m experiments.bench_drift " + " ".join(argv)
-        record.write_text(json.dumps(rec, indent=1) + "\n")
-    return rc
+    """Run and write ``--out`` (``leyline bench drift`` records the printed table)."""
+    return _run(_parser().parse_args(argv))
 
 
 def _run(args: argparse.Namespace) -> int:

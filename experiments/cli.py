@@ -1,7 +1,7 @@
 """CLI verbs of the experiments layer.
 
     leyline bench mechanism      replay trajectories against the runtime, arms interleaved
-    leyline bench splice|soak    the in-process splice benchmark, the RSS soak (own options)
+    leyline bench splice|soak|drift  modules with their own options (-h), recorded
     leyline bench report         every recorded run (runs/**/report.json) into docs/results.md
     leyline check correctness    first-token agreement and bf16 drift of splices
     leyline eval mini-nightmare  debug-gym's froggy through Leyline, per arm
@@ -118,9 +118,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     for verb, module, help_text in (
         ("splice", "bench_splice", "splice vs FORGET vs a forward, in-process (mini models)"),
         ("soak", "soak_rss", "RSS of leyline serve over rounds of streaming clients"),
+        ("drift", "bench_drift", "reasoning-agent replay: plain cache, drift splices, kept"),
     ):
         p = bench.add_parser(verb, help=help_text, add_help=False)
-        p.add_argument("--out", type=Path, default=Path(f"runs/{verb}"), help="record folder")
         p.set_defaults(
             func=recorded(f"bench {verb}", _module_main(module), Path(f"runs/{verb}")),
             passthrough=[],  # the module's own options (``leyline bench splice -h``)

@@ -84,6 +84,9 @@ def recorded(verb: str, handler: Callable[[Any], int], default_out: Path) -> Cal
 
     def run(args: Any) -> int:
         out = getattr(args, "out", None)
+        own = list(getattr(args, "passthrough", None) or [])
+        if out is None and "--out" in own[:-1]:  # a module's own --out (``bench drift``)
+            out = own[own.index("--out") + 1]
         out_dir = Path(out) if out is not None else default_out
         if out_dir.suffix:  # an output file: record beside it
             out_dir = out_dir.parent

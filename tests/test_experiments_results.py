@@ -63,7 +63,7 @@ def test_every_benchmark_verb_records_its_output():
     cmd = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     bench = cmd.choices["bench"]
     verbs = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert {"mechanism", "side-by-side", "engine", "serve", "splice", "soak", "grammar"} <= set(verbs)
+    assert {"mechanism", "side-by-side", "engine", "serve", "splice", "soak", "grammar", "drift"} <= set(verbs)
     for name, sub in verbs.items():
         func = sub.get_default("func")
         if name == "report":
