@@ -83,7 +83,7 @@ def register() -> None:
                 self.kv_transfer_config = KVTransferConfig(
                     kv_connector=CONNECTOR_CLS.rsplit(".", 1)[1],
                     kv_connector_module_path=CONNECTOR_CLS.rsplit(".", 1)[0],
-                    kv_role="kv_both",
+                    kv_role="kv_consumer",  # it only loads rows; nothing is handed off
                 )
             return create(self, *args, **kwargs)
 

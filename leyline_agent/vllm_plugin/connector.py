@@ -56,6 +56,11 @@ class LeylineConnector(KVConnectorBase_V1):
         self._copier: Any = None
         self.loaded_rows = 0  # rows handed to requests (scheduler side)
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Nothing is handed off: a preempted request owes no one its blocks."""
+        return False
+
     # -- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
