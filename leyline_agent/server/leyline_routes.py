@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from leyline_agent.chat_input import canonical_tools
-from leyline_agent.directives import Directive, Mode, plan_batch
+from leyline_agent.directives import Directive, Mode
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.server.completions import (
     check_message_shapes,
@@ -58,7 +58,6 @@ def checked(req: DirectivesRequest, request: Request) -> DirectivesRequest:
     if req.tokens is not None and req.directives is not None:
         check_prompt_length(len(req.tokens), st.model, "tokens")
         check_prompt_ids(req.tokens, st.model.limits, "tokens")
-        plan_batch(req.directives, seq_len=len(req.tokens))  # raises naming directives[i]
         check_directive_sizes(req.tokens, req.directives, st.model)
         for i, d in enumerate(req.directives):
             if isinstance(d.replacement, list) and d.replacement:
