@@ -15,7 +15,8 @@ vLLM checks ``--api-key`` only on its own path prefixes (``/v1``, ``/v2``, ...),
   own ``cache_salt`` starting with ``leyline-`` is refused (400 naming ``cache_salt``):
   such salts are Leyline's session namespaces, which the scheduler routes
   (``namespace.route_salt``); a client's salt there would be moved to the shared unsalted
-  pool and served other clients' rows. With ``X-Leyline-Session: id`` the request gets that
+  pool and served other clients' rows. Edits carried in the body (``context_management``,
+  ``leyline``), which only ``leyline serve`` applies, are a 400 naming the field. With ``X-Leyline-Session: id`` the request gets that
   session's salt (a bad id, or a ``cache_salt`` of its own next to the header: 400). A body
   that is not JSON is passed on unchanged (vLLM answers it). A request without a valid key
   on a path vLLM guards is passed on unread: vLLM answers its 401.
@@ -41,6 +42,9 @@ KEYS_STATE = "leyline_api_keys"  # app.state: the key digests (set by init_state
 LEYLINE_PREFIX = "/leyline"
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware
 _FORMS = (b"multipart/form-data", b"application/x-www-form-urlencoded")
+# Body fields only ``leyline serve``'s front applies; vLLM would ignore them (a 200 that
+# applied nothing), so they are refused by name.
+FRONT_ONLY = ("context_management", "leyline")
 
 
 def max_body_bytes() -> int:
@@ -135,6 +139,14 @@ def _salted(raw: bytes, session: bytes | None) -> bytes:
         return raw  # not JSON: vLLM's own answer
     if not isinstance(data, dict):
         return raw
+    for field in FRONT_ONLY:
+        if field in data:
+            raise GuardError(
+                "this server (vLLM + the Leyline plugin) does not apply edits carried in a "
+                "request body; send them as a message-form POST /leyline/v1/directives "
+                "(wrap_openai and LeylineTransport do)",
+                field,
+            )
     own = data.get("cache_salt")
     if session is None:
         if is_leyline_salt(own):

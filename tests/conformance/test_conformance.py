@@ -370,3 +370,34 @@ def test_stats_answer_the_same_keys(both):
     keys = [set(srv.stats()) for srv in both]
     assert keys[0] >= keys[1] and {"splices", "rotated_tokens", "prefilled_tokens"} <= keys[1]
     assert TOP == 20
+
+
+# -- edits in a chat body ----------------------------------------------------------------------
+def test_edits_in_a_chat_body_are_applied_or_refused_by_name(both):
+    """``leyline serve`` applies ``context_management`` and ``leyline.edits`` (it lists
+    ``body_edits``); vLLM + plugin cannot, and refuses each by name: never a 200 that
+    applied nothing."""
+    msgs = [
+        {"role": "user", "content": "list the files"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "ls", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py b.py c.py " * 20},
+        {"role": "user", "content": "and now?"},
+    ]  # fmt: skip
+    bodies = {
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919",
+                                          "trigger": {"type": "input_tokens", "value": 1},
+                                          "keep": {"type": "tool_uses", "value": 1}}]},
+        "leyline": {"edits": [{"index": 2, "content": "[elided]"}]},
+    }  # fmt: skip
+    for srv in both:
+        applies = "body_edits" in srv.stats().get("features", [])
+        assert applies == (srv.name == "leyline"), srv.name
+        for field, value in bodies.items():
+            r = srv.post("/v1/chat/completions", {"model": srv.model, "messages": msgs,
+                                                  "max_tokens": 1, field: value})  # fmt: skip
+            if applies:
+                assert r.status_code == 200, (srv.name, field, r.text)
+            else:
+                assert r.status_code == 400, (srv.name, field, r.text)
+                assert r.json()["error"]["param"] == field, r.text
