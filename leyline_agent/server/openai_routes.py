@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from leyline_agent.engine.params import GenerationResult, SamplingParams
 from leyline_agent.errors import ModelNotFoundError
 from leyline_agent.http_errors import error_body
 from leyline_agent.namespaces import Namespace
@@ -69,7 +70,7 @@ from leyline_agent.server.tool_choice import (
     check_met,
     parse_tool_choice,
 )
-from leyline_agent.server.worker import StreamEnd, session_key
+from leyline_agent.server.worker import ServedEngine, StreamEnd, session_key
 
 __all__ = ["router"]
 
@@ -91,7 +92,7 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     return model_card(m.id, m.created)
 
 
-def _usage(result: Any, ctx: PreparedChat | None = None) -> dict[str, Any]:
+def _usage(result: GenerationResult, ctx: PreparedChat | None = None) -> dict[str, Any]:
     """OpenAI's usage, plus ``leyline.splice_evicted``: the session's last splice result was
     evicted before this request could use it (so it was prefilled again); for a chat turn
     the server edited, what it spliced first (``chat_context``)."""
@@ -102,7 +103,7 @@ def _usage(result: Any, ctx: PreparedChat | None = None) -> dict[str, Any]:
     return out
 
 
-def _finish(result: Any, called_tools: bool = False) -> str:
+def _finish(result: GenerationResult, called_tools: bool = False) -> str:
     reason = result.finish_reason if result.finish_reason in ("stop", "length") else "stop"
     return "tool_calls" if called_tools and reason == "stop" else reason
 
@@ -184,7 +185,7 @@ async def _chat_events(
     st: ServerState,
     req: ChatCompletionRequest,
     events: AsyncIterator[Any],
-    params: Any,
+    params: SamplingParams,
     stream: ResponseStream,
     choice: ToolChoice,
     ctx: PreparedChat | None = None,
@@ -268,7 +269,7 @@ async def _completion_events(
     st: ServerState,
     req: CompletionRequest,
     events: AsyncIterator[str | StreamEnd],
-    params: Any,
+    params: SamplingParams,
     text: StreamedText,
 ) -> AsyncIterator[str]:
     out = _Stream(st, req, "cmpl", "text_completion")
@@ -327,7 +328,7 @@ class _Stream:
 
 
 async def _generate_once(
-    request: Request, st: ServerState, ids: list[int], params: Any, ns: Namespace
+    request: Request, st: ServerState, ids: list[int], params: SamplingParams, ns: Namespace
 ) -> Any:
     """One non-streamed generation, stopped if the client leaves (see the module doc)."""
     gone = threading.Event()
@@ -342,7 +343,7 @@ async def _generate_once(
 
 
 async def _generate(
-    st: ServerState, ids: list[int], params: Any, text: StreamedText, ns: Namespace
+    st: ServerState, ids: list[int], params: SamplingParams, text: StreamedText, ns: Namespace
 ) -> AsyncIterator[str | StreamEnd]:
     """``""`` when the job starts, text deltas (the engine's, through ``text``), then
     ``StreamEnd``.
@@ -357,7 +358,7 @@ async def _generate(
             raise GenerationCancelled("the client disconnected")
         emit(text.push(delta))
 
-    def job(engine: Any, emit: Callable[..., None]) -> Any:
+    def job(engine: ServedEngine, emit: Callable[..., None]) -> GenerationResult:
         emit("")
         return engine.generate(ids, params, on_token=partial(on_token, emit), namespace=ns)
 

@@ -50,8 +50,10 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
+from leyline_agent.engine.params import GenerationResult, SamplingParams
 from leyline_agent.errors import RuntimeUnavailableError
 from leyline_agent.namespaces import ANONYMOUS, Namespace
+from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
 log = structlog.get_logger(__name__)
 
@@ -99,15 +101,17 @@ class ServedEngine(Protocol):
     def generate(
         self,
         prompt_ids: list[int],
-        params: Any,
-        on_token: Any = None,
+        params: SamplingParams,
+        on_token: Callable[[int, str], None] | None = None,
         *,
         namespace: Namespace = ANONYMOUS,
-    ) -> Any: ...
+    ) -> GenerationResult: ...
 
-    def apply_directives(self, request: Any, *, namespace: Namespace | None = None) -> Any: ...
+    def apply_directives(
+        self, request: DirectivesRequest, *, namespace: Namespace | None = None
+    ) -> DirectivesResponse: ...
 
-    def stats(self, tenant: str | None = None) -> Any: ...
+    def stats(self, tenant: str | None = None) -> StatsResponse: ...
 
 
 class QueueTimeoutError(RuntimeUnavailableError):
@@ -124,7 +128,7 @@ class QueueTimeoutError(RuntimeUnavailableError):
         self.retry_after_s = max(1, min(60, math.ceil(timeout_s / 10)))
 
 
-def concurrency_for(engine: Any, requested: int | None = None) -> int:
+def concurrency_for(engine: ServedEngine, requested: int | None = None) -> int:
     """Worker threads for ``engine``: ``requested``, or by default ``DEFAULT_CONCURRENCY``
     for a ``thread_safe`` engine and 1 for any other; more than 1 for an engine that is
     not thread-safe is a ``ValueError`` (never a silent downgrade)."""
