@@ -16,7 +16,8 @@ vLLM checks ``--api-key`` only on its own path prefixes (``/v1``, ``/v2``, ...),
   such salts are Leyline's session namespaces, which the scheduler routes
   (``namespace.route_salt``); a client's salt there would be moved to the shared unsalted
   pool and served other clients' rows. Edits carried in the body (``context_management``,
-  ``leyline``), which only ``leyline serve`` applies, are a 400 naming the field. With ``X-Leyline-Session: id`` the request gets that
+  ``leyline.edits``, client edits on), which only ``leyline serve`` applies, are a 400 naming
+  the field; ``{"leyline": {"client_edits": "off"}}`` asks for nothing and is removed. With ``X-Leyline-Session: id`` the request gets that
   session's salt (a bad id, or a ``cache_salt`` of its own next to the header: 400). A body
   that is not JSON is passed on unchanged (vLLM answers it). A request without a valid key
   on a path vLLM guards is passed on unread: vLLM answers its 401.
@@ -42,9 +43,13 @@ KEYS_STATE = "leyline_api_keys"  # app.state: the key digests (set by init_state
 LEYLINE_PREFIX = "/leyline"
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware
 _FORMS = (b"multipart/form-data", b"application/x-www-form-urlencoded")
-# Body fields only ``leyline serve``'s front applies; vLLM would ignore them (a 200 that
-# applied nothing), so they are refused by name.
-FRONT_ONLY = ("context_management", "leyline")
+# Body fields only ``leyline serve``'s front applies: vLLM would ignore them (a 200 that
+# applied nothing), so they are refused by name (``_front_only``).
+_NOT_HERE = (
+    "this server (vLLM + the Leyline plugin) does not apply edits carried in a request body; "
+    "send them as a message-form POST /leyline/v1/directives (wrap_openai and LeylineTransport "
+    "do)"
+)
 
 
 def max_body_bytes() -> int:
@@ -139,14 +144,7 @@ def _salted(raw: bytes, session: bytes | None) -> bytes:
         return raw  # not JSON: vLLM's own answer
     if not isinstance(data, dict):
         return raw
-    for field in FRONT_ONLY:
-        if field in data:
-            raise GuardError(
-                "this server (vLLM + the Leyline plugin) does not apply edits carried in a "
-                "request body; send them as a message-form POST /leyline/v1/directives "
-                "(wrap_openai and LeylineTransport do)",
-                field,
-            )
+    stripped = _front_only(data)
     own = data.get("cache_salt")
     if session is None:
         if is_leyline_salt(own):
@@ -155,7 +153,7 @@ def _salted(raw: bytes, session: bytes | None) -> bytes:
                 f"namespaces; choose another salt, or name a session with {SESSION_HEADER}",
                 "cache_salt",
             )
-        return raw
+        return json.dumps(data).encode() if stripped else raw
     try:
         sid = check_session_id(session.decode("utf-8", "replace"), SESSION_HEADER)
     except ValueError as e:
@@ -169,6 +167,25 @@ def _salted(raw: bytes, session: bytes | None) -> bytes:
         )
     data["cache_salt"] = salt
     return json.dumps(data).encode()
+
+
+def _front_only(data: dict[str, Any]) -> bool:
+    """Refuse (``GuardError`` naming the field) the body fields that ask for work only
+    ``leyline serve``'s front does: ``context_management``, ``leyline.edits`` and client
+    edits turned on. ``{"leyline": {"client_edits": "off"}}`` (what the wrapper sends when its
+    edits went as directives) asks for nothing: it is removed, and True returned."""
+    if "context_management" in data:
+        raise GuardError(_NOT_HERE, "context_management")
+    if "leyline" not in data:
+        return False
+    opts = data["leyline"]
+    if isinstance(opts, dict) and set(opts) <= {"client_edits"}:
+        if opts.get("client_edits", "off") == "off":
+            del data["leyline"]
+            return True
+        raise GuardError(_NOT_HERE, "leyline.client_edits")
+    raise GuardError(_NOT_HERE, "leyline.edits" if isinstance(opts, dict) and "edits" in opts
+                     else "leyline")  # fmt: skip
 
 
 def _replay(body: bytes, receive: Any) -> Any:

@@ -400,4 +400,7 @@ def test_edits_in_a_chat_body_are_applied_or_refused_by_name(both):
                 assert r.status_code == 200, (srv.name, field, r.text)
             else:
                 assert r.status_code == 400, (srv.name, field, r.text)
-                assert r.json()["error"]["param"] == field, r.text
+                assert r.json()["error"]["param"] == {"leyline": "leyline.edits"}.get(field, field)
+        r = srv.post("/v1/chat/completions", {"model": srv.model, "messages": msgs,
+                                              "max_tokens": 1, "leyline": {"client_edits": "off"}})
+        assert r.status_code == 200, (srv.name, r.text)  # asks for nothing: served on both
