@@ -178,22 +178,10 @@ def _turn(
     return engine.generate(ids, params, namespace=ns), directive_s, generate_at
 
 
-def replay(
-    engine: Any,
-    arm: str,
-    trajectories: list[TrajectoryRecord],
-    *,
-    concurrency: int,
-    sessions: int,
-    policies_factory: Callable[[], list[Any]],
-    max_turns: int | None,
-    max_tokens: int = 8,
-) -> ReplayResult:
-    """Replay ``sessions`` sessions (trajectory ``i % len``), ``concurrency`` in flight."""
-    (res,) = replay_interleaved(
-        [(engine, arm)], trajectories, concurrency=concurrency, sessions=sessions,
-        policies_factory=policies_factory, max_turns=max_turns, max_tokens=max_tokens,
-    )  # fmt: skip
+def replay(engine: Any, arm: str, trajectories: list[TrajectoryRecord], **kw: Any) -> ReplayResult:
+    """Replay ``sessions`` sessions (trajectory ``i % len``), ``concurrency`` in flight: one
+    arm of ``replay_interleaved``, which takes the same keywords."""
+    (res,) = replay_interleaved([(engine, arm)], trajectories, **kw)
     return res
 
 
