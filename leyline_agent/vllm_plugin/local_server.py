@@ -3,6 +3,9 @@
 Used by the live tests and the side-by-side benchmark; imports neither torch nor vLLM. The
 binary is ``.venv-vllm/bin/vllm`` (``scripts/setup_vllm.sh``) unless ``vllm`` is given.
 CPU defaults: both cores for compute (``VLLM_CPU_OMP_THREADS_BIND=0-1``), fp32, eager.
+With ``tensor_parallel_size=2`` vLLM starts one worker per rank (gloo on CPU) and the
+default binding gives each rank one core (``0|1``: vLLM splits the binding at ``|``, one
+part per rank); other sizes need a binding of your own in ``VLLM_CPU_OMP_THREADS_BIND``.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def serve_vllm(
     vllm: str | Path | None = None,
     kv_cache_gib: int = 1,
     max_model_len: int = 4096,
+    tensor_parallel_size: int = 1,
     startup_timeout_s: float = 300.0,
 ) -> Iterator[VLLMServer]:
     exe = Path(vllm) if vllm else default_vllm()
@@ -78,9 +82,17 @@ def serve_vllm(
     ]  # fmt: skip
     if block_size:
         args += ["--block-size", str(block_size)]
+    if tensor_parallel_size != 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     args += list(extra_args)
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    binds = {1: "0-1", 2: "0|1"}
+    if "VLLM_CPU_OMP_THREADS_BIND" not in env and tensor_parallel_size not in binds:
+        raise RuntimeUnavailableError(
+            f"tensor_parallel_size: {tensor_parallel_size} needs VLLM_CPU_OMP_THREADS_BIND "
+            "(one core list per rank, separated by |)"
+        )
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", binds.get(tensor_parallel_size, ""))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["VLLM_PLUGINS"] = "leyline" if leyline else ""

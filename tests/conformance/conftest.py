@@ -4,8 +4,13 @@
 with the Leyline plugin (``.venv-vllm``), both on the 4-layer llama ``mini`` checkpoint,
 both behind ``--api-key KEY``, both on loopback. vLLM runs at two block sizes, one after
 the other (``BLOCKS``: 32, the smallest its CPU backend takes, and 128, its default
-there): every test that uses ``both`` runs against each. ``make test`` runs this folder with ``.venv-vllm``'s pytest (it needs both venvs:
-vLLM for one server, transformers for the oracle); the main run ignores it.
+there): every test that uses ``both`` runs against each. A third vLLM configuration,
+tensor parallelism 2 at block 32 (``TP2``: two worker ranks over gloo, one core each),
+runs the core cases only: a test opts in with ``@pytest.mark.parametrize("vllm_srv",
+CONFIGS, indirect=True)`` (the chains against the oracle, the block-boundary splice, the
+bad-input statuses); the other tests run on the ``TP1`` configurations. ``make test`` runs
+this folder with ``.venv-vllm``'s pytest (it needs both venvs: vLLM for one server,
+transformers for the oracle); the main run ignores it.
 
 ``Srv`` is one server seen over plain HTTP: posts with the key, completions by token ids
 that return ``(cached_tokens, sampled logprob, the top-20 logprobs sorted)``: values, not
@@ -32,6 +37,11 @@ from leyline_agent.vllm_plugin.local_server import serve_vllm
 
 KEY = "sk-conformance"
 BLOCKS = [32, 128]
+# vLLM configurations: "block<size>" (TP = 1) and "block32-tp2" (TP = 2). Plain strings so
+# that a test's indirect parametrization and the fixture's own params share one server.
+TP1 = [f"block{b}" for b in BLOCKS]
+TP2 = "block32-tp2"
+CONFIGS = [*TP1, TP2]
 TOP = 20
 ROOT = Path(__file__).resolve().parents[2]
 SERVERS = ["leyline", "vllm"]
@@ -126,11 +136,21 @@ def leyline_srv(ckpt):
             proc.wait(10)
 
 
-@pytest.fixture(scope="session", params=BLOCKS, ids=[f"block{b}" for b in BLOCKS])
+def _config(name: str) -> tuple[int, int]:
+    """``(block size, tensor parallel size)`` of a configuration name."""
+    head, _, tp = name.partition("-tp")
+    return int(head.removeprefix("block")), int(tp or 1)
+
+
+@pytest.fixture(scope="session", params=TP1, ids=TP1)
 def vllm_srv(request, ckpt, leyline_srv):  # after leyline serve: one heavy start at a time
-    b = request.param  # pytest stops one block size's server before it starts the next
-    with serve_vllm(ckpt, block_size=b, extra_args=["--api-key", KEY]) as s, _client() as c:
-        yield Srv("vllm", s.url, s.model, b, c)
+    b, tp = _config(request.param)  # pytest stops one configuration's server before the next
+    args = ["--api-key", KEY]
+    with (
+        serve_vllm(ckpt, block_size=b, tensor_parallel_size=tp, extra_args=args) as s,
+        _client() as c,
+    ):
+        yield Srv("vllm" if tp == 1 else f"vllm-tp{tp}", s.url, s.model, b, c)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """One contract, two live servers: ``leyline serve`` and ``vllm serve`` + the Leyline plugin
 get the same requests and must give the same answers (``conftest``: the 4-layer llama
-``mini``, vLLM at block 32 and at its default block size 128, both behind ``--api-key``).
+``mini``, vLLM at block 32 and at its default block size 128, both behind ``--api-key``;
+the core cases, marked ``CORE``, also against vLLM with tensor parallelism 2 at block 32).
 
 - chains: directive chains of every case type (a first splice anywhere in ``T``, its
   partial last block included; a FORGET after an AMORTIZE starting among the rotated rows;
@@ -30,6 +31,9 @@ TOL = 1e-4
 KEY = "sk-conformance"  # conftest's
 BLOCK = 32  # the smallest vLLM block size in conftest: the scale of the fixed cases
 TOP = 20
+# conftest's vLLM configurations (TP1 + TP2): the core cases below run on all three.
+CONFIGS = ["block32", "block128", "block32-tp2"]
+CORE = pytest.mark.parametrize("vllm_srv", CONFIGS, indirect=True)
 
 
 def ids(seed: int, n: int) -> list[int]:
@@ -155,6 +159,7 @@ def _between(a: list[float], b: list[float]) -> float:
     return errs[-missing - 1]
 
 
+@CORE
 @pytest.mark.parametrize("seed", CHAIN_SEEDS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_chains_equal_the_oracle_and_each_other(both, oracle, kind, seed):
@@ -165,7 +170,7 @@ def test_chains_equal_the_oracle_and_each_other(both, oracle, kind, seed):
     ley, vll = (_run_chain(srv, t, steps, session, seed) for srv in both)
     for k in range(len(steps)):
         assert _err(ley[k], want[k]) <= TOL, ("leyline", k, _err(ley[k], want[k]))
-        assert _err(vll[k], want[k]) <= TOL, ("vllm", b, k, _err(vll[k], want[k]))
+        assert _err(vll[k], want[k]) <= TOL, (both[1].name, b, k, _err(vll[k], want[k]))
         gap = _between(ley[k], vll[k])
         assert gap <= TOL, ("servers differ", b, k, gap)
 
@@ -183,6 +188,7 @@ def test_the_chain_cases_are_the_ones_named():
             assert len(t) % b and d["end"] <= len(t)
 
 
+@CORE
 def test_a_splice_that_ends_on_a_block_boundary_agrees_between_servers(both, oracle):
     """T' a whole number of blocks: both servers keep every spliced row, so the answers must
     agree with each other, and both differ from a re-prefill."""
@@ -297,6 +303,7 @@ def _answers(both, case) -> list[tuple[int, dict]]:
     return out
 
 
+@CORE
 @pytest.mark.parametrize("i", range(len(BAD)))
 def test_bad_input_gets_the_same_4xx_naming_the_same_field(both, i):
     (s1, e1), (s2, e2) = _answers(both, BAD[i])
