@@ -6,10 +6,10 @@ prefills then share what is left of the per-step token budget, oldest first, in 
 With no decode running, the oldest prefill gets at least one token.
 
 A ``paced`` sequence (a splice's ``R``: rows no client reads token by token) gets at most
-``paced_tokens`` of a step while some other sequence decodes, so that the step, which every
-decoding stream waits for, stays close to a decode step's length (the stepper sizes
-``paced_tokens`` from measured step times). With no decode running it takes the whole
-budget like any prefill.
+``paced_tokens`` of a step when the caller passes it, so that the step, which every
+decoding stream and every arriving request waits for, stays close to a decode step's length.
+The stepper passes it while other sessions' sequences run or ran moments ago, sized from
+measured step times; without it a paced sequence takes the whole budget like any prefill.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def schedule(
         raise ValueError(f"paced_tokens: {paced_tokens} must be >= 1")
     seqs = [s for s in running if s.stepping]
     out = [Scheduled(s, 1) for s in seqs if s.status is not SeqStatus.PREFILL]
-    pace = paced_tokens if out and paced_tokens is not None else budget
+    pace = paced_tokens if paced_tokens is not None else budget
     left = budget - len(out)
     for s in seqs:
         if s.status is SeqStatus.PREFILL:

@@ -19,8 +19,9 @@ thread pause after its current step.
 
 ``prefill`` runs rows that no one samples from (a splice's ``R``, ``executor.py``) as a
 sequence of the loop: chunked under the step budget and batched with the other sequences'
-decodes (``scheduler.py`` paces such chunks while others decode), so a long replacement
-never stops another session's stream. Its owner waits outside the lock; the rows it reads
+decodes (``scheduler.py`` paces such chunks while other sessions' sequences run, and for
+``PACE_HOLD_S`` after the last of them), so a long replacement never stops another session's
+stream, nor holds the next request of a client between two of its requests. Its owner waits outside the lock; the rows it reads
 (the prefix) must be held by the owner for as long as it runs.
 
 Slots: a prefill chunk gets one allocation (a run of slots). A decoding sequence takes its
@@ -34,8 +35,10 @@ cached, a few new prompt tokens) decodes over two runs: the cached rows, then it
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -56,26 +59,38 @@ DECODE_BLOCK = 128
 IDLE_S = 0.5  # the step thread exits after this long with nothing to run
 # A step that carries paced rows beside decodes should take between 1 + PACE_LOW and
 # 1 + PACE_HIGH decode steps: a streaming client's gap grows by at most about that much.
-PACE_LOW, PACE_HIGH = 0.4, 0.8
+PACE_LOW, PACE_HIGH = 0.5, 0.9
 # The sizes a paced share takes: a few, so that the forwards' shapes repeat (oneDNN and the
 # attention kernels set up each new row count once; a share that wandered over every size
 # would pay that set-up in many steps).
-PACED_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512)
-PACED_FIRST = 3  # index of the share before anything was measured (16 tokens)
+PACED_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+PACED_FIRST = 3  # index of the share before anything was measured (4 tokens)
+DECODE_WINDOW = 15  # decode-only steps whose median is the reference decode step
+# Pacing holds this long after the last step that ran another session's sequence: a client
+# streams request after request, and between two of them (its answer committed, its next
+# prompt not yet running) a paced prefill alone would take the whole step budget, a step
+# the next request then waits for (measured: 100-200 ms of 512 tokens at 4k context).
+PACE_HOLD_S = 1.0
 
 
 class Pace:
     """Sizes a paced sequence's share of a step (``scheduler.py``) by feedback from measured
-    steps: ``decode_s`` is a moving average of steps that only decode; after a step that
-    ran paced tokens beside decodes, the share moves one size up ``PACED_SIZES`` if the step
-    took less than ``1 + PACE_LOW`` decode steps, one size down if it took more than
-    ``1 + PACE_HIGH``. A forward has a fixed cost per sequence as well as one per token, so
-    no per-token rate predicts the share; the feedback finds it for the model, the context
-    length and the machine's load."""
+    steps: ``decode_s`` is the median of the last ``DECODE_WINDOW`` steps that only decode
+    (a median, not a mean: one step stalled by the machine's load would raise a mean for
+    many steps, and every share sized against it); after a step that ran paced tokens
+    beside decodes, the share moves one size up ``PACED_SIZES`` if the step took less than
+    ``1 + PACE_LOW`` decode steps, one size down if it took more than ``1 + PACE_HIGH``. A
+    forward has a fixed cost per sequence as well as one per token, so no per-token rate
+    predicts the share; the feedback finds it for the model, the context length and the
+    machine's load."""
 
     def __init__(self) -> None:
-        self.decode_s: float | None = None
+        self._decodes: deque[float] = deque(maxlen=DECODE_WINDOW)
         self.size = PACED_FIRST
+
+    @property
+    def decode_s(self) -> float | None:
+        return statistics.median(self._decodes) if self._decodes else None
 
     def tokens(self, budget: int) -> int:
         return max(1, min(PACED_SIZES[self.size], budget))
@@ -86,12 +101,12 @@ class Pace:
         if other_prefill or not decodes:
             return
         if not paced:
-            old = self.decode_s
-            self.decode_s = seconds if old is None else 0.8 * old + 0.2 * seconds
+            self._decodes.append(seconds)
             return
-        if self.decode_s is None:
+        decode_s = self.decode_s
+        if decode_s is None:
             return
-        extra = seconds / self.decode_s - 1
+        extra = seconds / decode_s - 1
         if extra < PACE_LOW:
             self.size = min(len(PACED_SIZES) - 1, self.size + 1)
         elif extra > PACE_HIGH:
@@ -118,6 +133,7 @@ class Stepper:
         self._depth = 0
         self.pace = Pace()
         self.steps = 0
+        self._shared_at = float("-inf")  # when a step last ran another session's sequence
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -230,10 +246,15 @@ class Stepper:
     def step(self) -> bool:
         """One forward over every running sequence (call under the lock); False if there
         was nothing to run."""
-        plan = schedule(self.running, self.step_tokens, self.pace.tokens(self.step_tokens))
+        t0 = time.perf_counter()
+        if any(not s.paced for s in self.running if s.stepping):
+            self._shared_at = t0
+        pacing = t0 - self._shared_at < PACE_HOLD_S
+        plan = schedule(
+            self.running, self.step_tokens, self.pace.tokens(self.step_tokens) if pacing else None
+        )
         if not plan:
             return False
-        t0 = time.perf_counter()
         decodes = paced = other = 0
         for p in plan:
             if p.seq.status is not SeqStatus.PREFILL:
