@@ -82,7 +82,9 @@ class Pace:
     ``1 + PACE_LOW`` decode steps, one size down if it took more than ``1 + PACE_HIGH``. A
     forward has a fixed cost per sequence as well as one per token, so no per-token rate
     predicts the share; the feedback finds it for the model, the context length and the
-    machine's load."""
+    machine's load. A paced step with nothing else running (pacing held after the others
+    left) moves the share one size up: a request that arrives waits for one step of the
+    share, which doubles each step the paced sequence stays alone."""
 
     def __init__(self) -> None:
         self._decodes: deque[float] = deque(maxlen=DECODE_WINDOW)
@@ -98,7 +100,11 @@ class Pace:
     def observe(self, seconds: float, decodes: int, paced: int, other_prefill: int) -> None:
         """One step's length, and what it ran: decoding rows, paced tokens, other prefill
         tokens (a step with other prefill tells nothing about either)."""
-        if other_prefill or not decodes:
+        if other_prefill:
+            return
+        if not decodes:  # held alone (``PACE_HOLD_S``): nobody waits on this step yet
+            if paced:
+                self.size = min(len(PACED_SIZES) - 1, self.size + 1)
             return
         if not paced:
             self._decodes.append(seconds)
