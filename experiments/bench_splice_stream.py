@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import threading
 import time
@@ -43,10 +44,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=1, help="the server's torch threads")
 
 
+def random_ids(seed: int, n: int) -> list[int]:
+    """``n`` seeded token ids inside the tiny and mini models' vocabulary."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 5990) for _ in range(n)]
+
+
 def _stream(c, name: str, stop: threading.Event, stamps: list[list[float]]) -> None:
     """Session A: greedy streams back to back until ``stop``; each event's arrival time."""
-    from leyline_agent.testing.token_ids import random_ids
-
     k = 0
     while not stop.is_set():
         k += 1
@@ -70,8 +75,6 @@ def _gaps(stamps: list[list[float]], lo: float, hi: float) -> list[float]:
 def _cache(c, name: str, seed: int, n_ctx: int, n_r: int):
     """Cache a fresh T as session B (its own prefill, before any stream is timed); the
     directive's ``splice()`` that times one AMORTIZE on it over HTTP (seconds)."""
-    from leyline_agent.testing.token_ids import random_ids
-
     T, R = random_ids(seed, n_ctx), random_ids(seed + 1, n_r)
     body = {"model": name, "prompt": T, "max_tokens": 1, "temperature": 0}
     c.post("/v1/completions", json=body, headers={"X-Leyline-Session": "B"}).raise_for_status()
@@ -112,7 +115,8 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
     import httpx
 
     from leyline_agent.engine.checkpoints.store import model_dir
-    from leyline_agent.testing.server import serve_in_process
+
+    from .bench_serve import leyline_serve
 
     if not isinstance(a, argparse.Namespace):
         ap = argparse.ArgumentParser(prog="bench_splice_stream", description=__doc__.split("\n")[0])
@@ -129,8 +133,8 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
     during: list[float] = []
     alone_s: list[float] = []
     sched_s: list[float] = []
-    with serve_in_process(path, "--cache-tokens", budget, env=env, timeout=300) as srv:
-        with httpx.Client(base_url=srv.url, timeout=600) as c:
+    with leyline_serve(path, ["--cache-tokens", budget], env, None) as url:
+        with httpx.Client(base_url=url, timeout=600) as c:
             name = path.name
             _cache(c, name, 1, a.context, a.replacement)()  # warm-up: shapes, pool growth
             for k in range(a.repeats):
