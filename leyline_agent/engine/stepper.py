@@ -68,9 +68,11 @@ PACED_FIRST = 3  # index of the share before anything was measured (4 tokens)
 DECODE_WINDOW = 15  # decode-only steps whose median is the reference decode step
 # Pacing holds this long after the last step that ran another session's sequence: a client
 # streams request after request, and between two of them (its answer committed, its next
-# prompt not yet running) a paced prefill alone would take the whole step budget, a step
-# the next request then waits for (measured: 100-200 ms of 512 tokens at 4k context).
-PACE_HOLD_S = 1.0
+# prompt not yet running: a few ms to tens of ms) a paced prefill alone would take the whole
+# step budget, a step the next request then waits for (measured: 100-200 ms of 512 tokens
+# at 4k context). A share that doubled per step alone would reach 512 tokens within such a
+# pause (measured: 161 ms gaps at 8k). Past the hold the splice runs at the full budget.
+PACE_HOLD_S = 0.25
 
 
 class Pace:
@@ -82,9 +84,8 @@ class Pace:
     ``1 + PACE_LOW`` decode steps, one size down if it took more than ``1 + PACE_HIGH``. A
     forward has a fixed cost per sequence as well as one per token, so no per-token rate
     predicts the share; the feedback finds it for the model, the context length and the
-    machine's load. A paced step with nothing else running (pacing held after the others
-    left) moves the share one size up: a request that arrives waits for one step of the
-    share, which doubles each step the paced sequence stays alone."""
+    machine's load. Steps with nothing else running (pacing held after the others left)
+    leave the share as it is."""
 
     def __init__(self) -> None:
         self._decodes: deque[float] = deque(maxlen=DECODE_WINDOW)
@@ -100,11 +101,7 @@ class Pace:
     def observe(self, seconds: float, decodes: int, paced: int, other_prefill: int) -> None:
         """One step's length, and what it ran: decoding rows, paced tokens, other prefill
         tokens (a step with other prefill tells nothing about either)."""
-        if other_prefill:
-            return
-        if not decodes:  # held alone (``PACE_HOLD_S``): nobody waits on this step yet
-            if paced:
-                self.size = min(len(PACED_SIZES) - 1, self.size + 1)
+        if other_prefill or not decodes:
             return
         if not paced:
             self._decodes.append(seconds)
