@@ -41,6 +41,24 @@ def test_the_share_moves_one_size_by_the_step_it_made(step_s, move):
     assert pace.size == before + move
 
 
+def test_a_size_known_to_be_too_long_is_only_tried_again_now_and_then():
+    # decode step 3 ms; the share at one size makes a 4 ms step (extra 0.33, below the
+    # band), at the next an 8 ms one (extra 1.67, above it): a share that moved by the last
+    # step alone would alternate, half the steps at 8 ms, the median gap 2.7x a solo one
+    pace = Pace()
+    for _ in range(5):
+        pace.observe(0.003, decodes=1, paced=0, other_prefill=0)
+    low = pace.size
+    sizes = []
+    for _ in range(128):
+        sizes.append(pace.size)
+        step_s = 0.004 if pace.size <= low else 0.008
+        pace.observe(step_s, decodes=1, paced=PACED_SIZES[pace.size], other_prefill=0)
+    long = sum(size > low for size in sizes)
+    assert set(sizes) == {low, low + 1}
+    assert long <= 128 // stepper_mod.PROBE_STEPS + 2, sizes
+
+
 def test_steps_that_say_nothing_about_the_share_leave_it():
     pace = Pace()
     for _ in range(5):

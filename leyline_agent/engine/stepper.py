@@ -66,6 +66,8 @@ PACE_LOW, PACE_HIGH = 0.5, 0.9
 PACED_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PACED_FIRST = 3  # index of the share before anything was measured (4 tokens)
 DECODE_WINDOW = 15  # decode-only steps whose median is the reference decode step
+EXTRA_WEIGHT = 0.5  # the newest step's weight in a size's remembered extra length
+PROBE_STEPS = 32  # paced steps before a size known to be too long is tried again
 # Pacing holds this long after the last step that ran another session's sequence: a client
 # streams request after request, and between two of them (its answer committed, its next
 # prompt not yet running: a few ms to tens of ms) a paced prefill alone would take the whole
@@ -79,16 +81,24 @@ class Pace:
     """Sizes a paced sequence's share of a step (``scheduler.py``) by feedback from measured
     steps: ``decode_s`` is the median of the last ``DECODE_WINDOW`` steps that only decode
     (a median, not a mean: one step stalled by the machine's load would raise a mean for
-    many steps, and every share sized against it); after a step that ran paced tokens
-    beside decodes, the share moves one size up ``PACED_SIZES`` if the step took less than
-    ``1 + PACE_LOW`` decode steps, one size down if it took more than ``1 + PACE_HIGH``. A
-    forward has a fixed cost per sequence as well as one per token, so no per-token rate
-    predicts the share; the feedback finds it for the model, the context length and the
-    machine's load. Steps with nothing else running (pacing held after the others left)
+    many steps, and every share sized against it). After a step that ran paced tokens
+    beside decodes, its extra length (in decode steps) is remembered for its size (a moving
+    average, ``EXTRA_WEIGHT`` on the newest); the share moves one size down if that size's
+    extra is above ``PACE_HIGH``, one size up if it is below ``PACE_LOW`` and the size above
+    is not known to be too long. A forward has a fixed cost per sequence as well as one per
+    token, so no per-token rate predicts the share; the feedback finds it for the model, the
+    context length and the machine's load. The memory is what keeps the share from
+    alternating: where the per-token cost dominates, doubling the share about doubles the
+    extra, so the size below the band and the size above it can both exist, and a share
+    that moved on the last step alone would spend half the steps at the long one. A size
+    known to be too long is tried again every ``PROBE_STEPS`` paced steps (the machine's
+    load changes). Steps with nothing else running (pacing held after the others left)
     leave the share as it is."""
 
     def __init__(self) -> None:
         self._decodes: deque[float] = deque(maxlen=DECODE_WINDOW)
+        self._extra: dict[int, float] = {}
+        self._since_probe = 0
         self.size = PACED_FIRST
 
     @property
@@ -110,10 +120,17 @@ class Pace:
         if decode_s is None:
             return
         extra = seconds / decode_s - 1
-        if extra < PACE_LOW:
-            self.size = min(len(PACED_SIZES) - 1, self.size + 1)
-        elif extra > PACE_HIGH:
+        seen = self._extra.get(self.size)
+        extra = extra if seen is None else EXTRA_WEIGHT * extra + (1 - EXTRA_WEIGHT) * seen
+        self._extra[self.size] = extra
+        self._since_probe += 1
+        if extra > PACE_HIGH:
             self.size = max(0, self.size - 1)
+        elif extra < PACE_LOW and self.size + 1 < len(PACED_SIZES):
+            above = self._extra.get(self.size + 1)
+            if above is None or above <= PACE_HIGH or self._since_probe >= PROBE_STEPS:
+                self.size += 1
+                self._since_probe = 0
 
 
 class _Host(Protocol):
