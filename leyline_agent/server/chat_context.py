@@ -37,10 +37,16 @@ from leyline_agent.server.context_management import (
 )
 from leyline_agent.server.conversations import Conversation
 from leyline_agent.server.disconnect import run_connected
-from leyline_agent.server.drift_turn import drift_turn
+from leyline_agent.server.drift_turn import DriftOutcome, drift_turn
 from leyline_agent.server.state import ServerState
-from leyline_agent.server.turns import applied_edits, execute_turn, plan_turn
-from leyline_agent.server.worker import session_key
+from leyline_agent.server.turns import (
+    TurnPlan,
+    TurnResult,
+    applied_edits,
+    execute_turn,
+    plan_turn,
+)
+from leyline_agent.server.worker import ServedEngine, session_key
 
 __all__ = ["PreparedChat", "prepare_chat", "splice_mode_of"]
 
@@ -81,13 +87,13 @@ async def prepare_chat(
     store = st.conversations
     # an anonymous request claims the state it continues, so that clients with the same
     # opening that arrive together each get a conversation of their own
-    match = store.find(
-        ns.tenant, ns.session, messages, declared=declared, claim=ns.session is None
-    )
+    match = store.find(ns.tenant, ns.session, messages, declared=declared, claim=ns.session is None)
     conv = match.conversation if match is not None else store.new(ns.tenant, ns.session)
     conv_ns = Namespace(ns.tenant, conv.session)
 
-    def job(engine: Any) -> Any:
+    def job(
+        engine: ServedEngine,
+    ) -> tuple[TurnPlan, list[dict[str, Any]], list[TurnResult], DriftOutcome | None]:
         def prompt_tokens(ms: list[dict[str, Any]]) -> int:
             return len(engine.render(ms, tools=tools, add_generation_prompt=True))
 
@@ -145,9 +151,11 @@ async def prepare_chat(
         if drift.spliced:
             splices[str(splice_mode_of(mode, conv))] += 1
             usage["rotated_tokens"] = rotated + drift.rotated_tokens
-    spliced = conv.spliced or any(
-        r.response and r.response.splices.get("amortize") for r in results
-    ) or bool(drift and drift.spliced and splice_mode_of(mode, conv) == Mode.AMORTIZE)
+    spliced = (
+        conv.spliced
+        or any(r.response and r.response.splices.get("amortize") for r in results)
+        or bool(drift and drift.spliced and splice_mode_of(mode, conv) == Mode.AMORTIZE)
+    )
 
     def commit(reply: dict[str, Any], tokens: Sequence[int] | None = None) -> None:
         store.save(

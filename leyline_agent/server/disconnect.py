@@ -17,12 +17,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Any
 
 from starlette.requests import Request
 
 from leyline_agent.server.errors import ClientDisconnected
-from leyline_agent.server.worker import Worker
+from leyline_agent.server.worker import ServedEngine, Worker
 
 __all__ = [
     "ClientDisconnected",
@@ -40,7 +39,7 @@ class GenerationCancelled(Exception):
 def stop_when_gone(gone: threading.Event) -> Callable[..., None]:
     """An ``on_token`` that stops the generation once ``gone`` is set."""
 
-    def on_token(*_: Any) -> None:
+    def on_token(*_: object) -> None:
         if gone.is_set():
             raise GenerationCancelled("the client disconnected")
 
@@ -77,7 +76,7 @@ async def while_connected[T](
 async def run_connected[T](
     request: Request,
     worker: Worker,
-    fn: Callable[[Any], T],
+    fn: Callable[[ServedEngine], T],
     gone: threading.Event | None = None,
     key: Hashable | None = None,
 ) -> T:

@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from leyline_agent.directives import Directive, Mode
 from leyline_agent.directives.drift import MIN_RUN, drift_spans
 from leyline_agent.logs import get_logger
 from leyline_agent.namespaces import Namespace
 from leyline_agent.server.conversations import Match
-from leyline_agent.wire import DirectivesRequest
+from leyline_agent.wire import Counters, DirectivesRequest
+
+if TYPE_CHECKING:
+    from leyline_agent.server.worker import ServedEngine
 
 __all__ = ["DriftOutcome", "drift_turn"]
 
@@ -60,7 +63,7 @@ class DriftOutcome:
 
 
 def drift_turn(
-    engine: Any, match: Match, new: list[int], mode: Mode, ns: Namespace
+    engine: ServedEngine, match: Match, new: list[int], mode: Mode, ns: Namespace
 ) -> DriftOutcome | None:
     """Diff and splice (worker thread); None when the prompt continues ``T`` as it is."""
     cached = match.conversation.tokens
@@ -112,5 +115,5 @@ def drift_turn(
     return out
 
 
-def _count(counters: Any, reason: str) -> None:
+def _count(counters: Counters, reason: str) -> None:
     counters.drift_unspliced[reason] = counters.drift_unspliced.get(reason, 0) + 1

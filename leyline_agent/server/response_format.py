@@ -27,10 +27,13 @@ silent plain answer; a forced call is then still forced by the prompt and checke
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from leyline_agent.engine import grammar_spec as gs
 from leyline_agent.server.errors import RequestError
+
+if TYPE_CHECKING:
+    from leyline_agent.server.worker import ServedEngine
 
 __all__ = ["SCHEMA_FIELD", "answer_grammar", "response_grammar", "supports_grammar"]
 
@@ -38,7 +41,7 @@ SCHEMA_FIELD = "response_format.json_schema.schema"
 _TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
 
-def supports_grammar(engine: Any) -> bool:
+def supports_grammar(engine: ServedEngine) -> bool:
     """Whether ``engine`` masks its sampling by ``SamplingParams.grammar``."""
     return bool(getattr(engine, "supports_grammar", False))
 
@@ -75,7 +78,7 @@ def response_grammar(fmt: Any) -> gs.GrammarSpec | None:
 
 
 def answer_grammar(
-    engine: Any, call: gs.GrammarSpec | None, response_format: Any
+    engine: ServedEngine, call: gs.GrammarSpec | None, response_format: Any
 ) -> gs.GrammarSpec | None:
     """The grammar the answer is sampled under (see the module doc); ``call`` is the
     grammar of a forced tool call, if the request forces one."""

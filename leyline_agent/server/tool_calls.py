@@ -28,7 +28,7 @@ import functools
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers.utils.chat_parsing import ResponseParser
 
@@ -42,6 +42,9 @@ from leyline_agent.families import (
     reasons,
     tool_format,
 )
+
+if TYPE_CHECKING:
+    from leyline_agent.server.worker import ServedEngine
 
 __all__ = [
     "CLOSE_TAG",
@@ -74,7 +77,7 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def served_format(engine: Any) -> tuple[ToolFormat, bool]:
+def served_format(engine: ServedEngine) -> tuple[ToolFormat, bool]:
     """(the tool-call format, whether it reasons) of the checkpoint ``engine`` serves."""
     model_type = getattr(getattr(engine, "config", None), "model_type", None)
     template = getattr(getattr(engine, "tokenizer", None), "chat_template", None)

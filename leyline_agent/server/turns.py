@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from leyline_agent.directives import Mode
 from leyline_agent.namespaces import Namespace
@@ -34,6 +34,9 @@ from leyline_agent.server.context_management import EditSpec
 from leyline_agent.server.conversations import Match
 from leyline_agent.trajectory import message_text
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse
+
+if TYPE_CHECKING:
+    from leyline_agent.server.worker import ServedEngine
 
 __all__ = ["TurnPlan", "TurnResult", "applied_edits", "execute_turn", "plan_turn"]
 
@@ -107,7 +110,7 @@ def plan_turn(
     return plan
 
 
-def execute_turn(engine: Any, plan: TurnPlan, ns: Namespace) -> list[TurnResult]:
+def execute_turn(engine: ServedEngine, plan: TurnPlan, ns: Namespace) -> list[TurnResult]:
     """Run the plan's directives in order (worker thread). A directive that fails changed
     nothing (the engine's guarantee): the rest are skipped and the turn is served exactly."""
     out = []

@@ -46,14 +46,19 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import structlog
 
 from leyline_agent.engine.params import GenerationResult, SamplingParams
 from leyline_agent.errors import RuntimeUnavailableError
 from leyline_agent.namespaces import ANONYMOUS, Namespace
-from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
+from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse, StatsResponse
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from leyline_agent.engine.cache.prefix_cache import PrefixCache
 
 log = structlog.get_logger(__name__)
 
@@ -84,12 +89,16 @@ class ServedEngine(Protocol):
 
     An engine whose methods may be called from several threads at once says so with a
     true ``thread_safe`` attribute (``Engine.thread_safe``); without it (doubles, wrappers
-    of engines that are not) the worker runs one job at a time (``concurrency_for``)."""
+    of engines that are not) the worker runs one job at a time (``concurrency_for``).
+
+    ``counters`` is read by a chat turn whose token drift is spliced (``drift_turn``) and
+    ``cache`` by ``POST /leyline/v1/flush``; doubles that serve neither may leave them out."""
 
     model_name: str
+    cache: PrefixCache
 
     @property
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
     def render(
         self,
@@ -112,6 +121,8 @@ class ServedEngine(Protocol):
     ) -> DirectivesResponse: ...
 
     def stats(self, tenant: str | None = None) -> StatsResponse: ...
+
+    def counters(self, tenant: str) -> Counters: ...
 
 
 class QueueTimeoutError(RuntimeUnavailableError):
@@ -153,7 +164,7 @@ def session_key(ns: Namespace) -> Namespace | None:
 
 @dataclass(slots=True)
 class _Job:
-    fn: Callable[[Any], Any]
+    fn: Callable[[ServedEngine], object]
     future: Future
     queued_at: float
     key: Hashable | None = None
