@@ -191,7 +191,7 @@ def _edit(raw: Any, k: int, count: Callable[[str], int]) -> EditSpec:
     return EditSpec(kind, cls(**knobs))
 
 
-def _validate[M: BaseModel](model: type[M], raw: Any, where: tuple[Any, ...]) -> M:
+def _validate[M: BaseModel](model: type[M], raw: Any, where: tuple[str | int, ...]) -> M:
     if not isinstance(raw, dict):
         raise RequestError("must be an object", field_path(where))
     try:

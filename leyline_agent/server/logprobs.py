@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from leyline_agent.engine.params import TokenLogprob
 
 __all__ = ["chat", "legacy"]
 
 
-def _get(entry: Any, *names: str, default: Any = None) -> Any:
+def _get(entry: object, *names: str, default: object = None) -> Any:
     for name in names:
         if isinstance(entry, Mapping):
             if name in entry:
@@ -26,16 +29,16 @@ def _get(entry: Any, *names: str, default: Any = None) -> Any:
 FLOOR = -9999.0  # stands for -inf, which JSON cannot carry
 
 
-def _finite(value: Any) -> float:
+def _finite(value: float) -> float:
     v = float(value)
     return v if math.isfinite(v) else FLOOR
 
 
-def _token(entry: Any) -> tuple[str, float]:
+def _token(entry: object) -> tuple[str, float]:
     return str(_get(entry, "text", "token", default="")), _finite(_get(entry, "logprob"))
 
 
-def _top(entry: Any) -> list[tuple[str, float]]:
+def _top(entry: object) -> list[tuple[str, float]]:
     """The engine's alternatives: ``(token_id, text, logprob)`` tuples (or entries)."""
     top = _get(entry, "top", "top_logprobs", default=None) or []
     return [(str(t[1]), _finite(t[2])) if isinstance(t, tuple | list) else _token(t) for t in top]
@@ -45,7 +48,7 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def chat(entries: Iterable[Any] | None) -> dict[str, Any]:
+def chat(entries: Iterable[TokenLogprob] | None) -> dict[str, Any]:
     content = []
     for e in entries or []:
         text, logprob = _token(e)
@@ -62,7 +65,7 @@ def chat(entries: Iterable[Any] | None) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def legacy(entries: Iterable[Any] | None, top_k: int) -> dict[str, Any]:
+def legacy(entries: Iterable[TokenLogprob] | None, top_k: int) -> dict[str, Any]:
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = 0
     for e in entries or []:

@@ -184,7 +184,7 @@ def _message(parsed: ParsedOutput) -> dict[str, Any]:
 async def _chat_events(
     st: ServerState,
     req: ChatCompletionRequest,
-    events: AsyncIterator[Any],
+    events: AsyncIterator[str | StreamEnd[GenerationResult]],
     params: SamplingParams,
     stream: ResponseStream,
     choice: ToolChoice,
@@ -194,7 +194,10 @@ async def _chat_events(
     first = {**out.head, **ctx.body} if ctx is not None else out.head  # what the server edited
 
     def chunk(
-        delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, top: Any = None
+        delta: dict[str, Any],
+        finish: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        top: dict[str, Any] | None = None,
     ) -> str:
         choice = {"delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return out.frame(choice, top)
@@ -268,13 +271,13 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
 async def _completion_events(
     st: ServerState,
     req: CompletionRequest,
-    events: AsyncIterator[str | StreamEnd],
+    events: AsyncIterator[str | StreamEnd[GenerationResult]],
     params: SamplingParams,
     text: StreamedText,
 ) -> AsyncIterator[str]:
     out = _Stream(st, req, "cmpl", "text_completion")
 
-    def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> str:
+    def chunk(text: str, finish: str | None = None, logprobs: dict[str, Any] | None = None) -> str:
         return out.frame({"text": text, "logprobs": logprobs, "finish_reason": finish})
 
     async for delta in out.deltas(events):
@@ -302,12 +305,23 @@ class _Stream:
     framing (``usage: null`` on each chunk when the last one carries it), the deltas."""
 
     def __init__(
-        self, st: ServerState, req: Any, prefix: str, obj: str, extra: dict[str, Any] | None = None
+        self,
+        st: ServerState,
+        req: ChatCompletionRequest | CompletionRequest,
+        prefix: str,
+        obj: str,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.head = {"id": new_id(prefix), "object": obj, "created": now(), "model": st.model.id}
         self.head.update(extra or {})
-        self.result: Any = None
+        self._result: GenerationResult | None = None
+
+    @property
+    def result(self) -> GenerationResult:
+        """The generation's result, once ``deltas`` has ended."""
+        assert self._result is not None  # set by ``deltas`` before it ends
+        return self._result
 
     def frame(self, choice: dict[str, Any], top: dict[str, Any] | None = None) -> str:
         body = {**(top or self.head), "choices": [{"index": 0, **choice}]}
@@ -316,20 +330,22 @@ class _Stream:
     def usage(self, usage: dict[str, Any]) -> str:
         return sse({**self.head, "choices": [], "usage": usage})
 
-    async def deltas(self, events: AsyncIterator[str | StreamEnd]) -> AsyncIterator[str]:
+    async def deltas(
+        self, events: AsyncIterator[str | StreamEnd[GenerationResult]]
+    ) -> AsyncIterator[str]:
         """The text deltas of ``events``; ``result`` is the generation's once they end."""
         async with aclosing(events):
             async for event in events:
                 if isinstance(event, StreamEnd):
-                    self.result = event.result
+                    self._result = event.result
                 elif event:
                     yield event
-        assert self.result is not None  # _generate always ends with StreamEnd or raises
+        assert self._result is not None  # _generate always ends with StreamEnd or raises
 
 
 async def _generate_once(
     request: Request, st: ServerState, ids: list[int], params: SamplingParams, ns: Namespace
-) -> Any:
+) -> GenerationResult:
     """One non-streamed generation, stopped if the client leaves (see the module doc)."""
     gone = threading.Event()
     on_token = stop_when_gone(gone)
@@ -344,7 +360,7 @@ async def _generate_once(
 
 async def _generate(
     st: ServerState, ids: list[int], params: SamplingParams, text: StreamedText, ns: Namespace
-) -> AsyncIterator[str | StreamEnd]:
+) -> AsyncIterator[str | StreamEnd[GenerationResult]]:
     """``""`` when the job starts, text deltas (the engine's, through ``text``), then
     ``StreamEnd``.
 
@@ -371,8 +387,8 @@ async def _generate(
 
 
 async def _started(
-    request: Request, events: AsyncIterator[str | StreamEnd]
-) -> AsyncIterator[str | StreamEnd]:
+    request: Request, events: AsyncIterator[str | StreamEnd[GenerationResult]]
+) -> AsyncIterator[str | StreamEnd[GenerationResult]]:
     """``events`` once its job runs: until then the client is watched and a failure (the
     queue timeout) is raised here, before any response header is sent."""
     try:

@@ -121,7 +121,9 @@ def _edit(raw: Any, k: int, messages: list[dict[str, Any]]) -> MessageEdit:
     return edit
 
 
-def _check_calls(calls: list[dict[str, Any]], msg: dict[str, Any], where: tuple[Any, ...]) -> None:
+def _check_calls(
+    calls: list[dict[str, Any]], msg: dict[str, Any], where: tuple[str | int, ...]
+) -> None:
     """An in-place edit of an assistant message's calls: the same ids and names, in order
     (tool results pair with the ids; another call is another message, not an edit)."""
     if msg.get("role") != "assistant" or not msg.get("tool_calls"):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -168,7 +168,11 @@ def _head(response_id: str, model: str, req: ResponsesRequest) -> dict[str, Any]
     }
 
 
-async def _events(answer: Any, head: dict[str, Any], save: Any) -> AsyncIterator[str]:
+async def _events(
+    answer: StreamingResponse,
+    head: dict[str, Any],
+    save: Callable[[dict[str, Any], dict[str, Any]], None],
+) -> AsyncIterator[str]:
     """The Responses events of the chat route's stream ``answer``."""
     out = ResponseEvents(head)
     for event in out.start():
