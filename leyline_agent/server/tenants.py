@@ -12,8 +12,10 @@
   domain to 127.0.0.1 (DNS rebinding) and talk to a loopback server; it still sends its
   own ``Host``. So only ``localhost``, ``127.0.0.1``, ``[::1]`` (any port) and the names
   given are answered; anything else gets 400 naming ``host``.
+- ``session_header`` (the routers' dependency): the ``X-Leyline-Session`` header, checked
+  once per request (400 naming it) and kept in the request's scope.
 - ``namespace(request, body_session)``: ``Namespace(tenant, session)`` of a request; the
-  session comes from the ``X-Leyline-Session`` header or a directive's ``session`` field.
+  session comes from the checked header or a directive's ``session`` field.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
 ]
 
 SCOPE_TENANT = "leyline.tenant"
+SCOPE_SESSION = "leyline.session"  # the checked X-Leyline-Session header (or None)
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 OPEN_PATHS = frozenset({"/health"})
 
@@ -189,19 +192,25 @@ class HostAllowlist:
 
 
 def session_header(request: Request) -> str | None:
-    """The ``X-Leyline-Session`` header, checked (400 naming it)."""
+    """The ``X-Leyline-Session`` header, checked (400 naming it) on the first call for a
+    request and kept in its scope; later calls for the same request return that value."""
+    if SCOPE_SESSION in request.scope:
+        return request.scope[SCOPE_SESSION]
     try:
-        return check_session_id(request.headers.get(SESSION_HEADER), SESSION_HEADER)
+        session = check_session_id(request.headers.get(SESSION_HEADER), SESSION_HEADER)
     except ValueError as e:
         raise RequestError(str(e).partition(": ")[2] or str(e), SESSION_HEADER) from e
+    request.scope[SCOPE_SESSION] = session
+    return session
 
 
 def namespace(request: Request, body_session: str | None = None) -> Namespace:
-    """The request's ``Namespace``: its key's tenant, and the session named by the header or
-    by the body's ``session`` field (both given and different: 400 naming ``session``)."""
+    """The request's ``Namespace``: its key's tenant, and the session named by the header
+    (``session_header``'s checked value) or by the body's ``session`` field (both given and
+    different: 400 naming ``session``)."""
     tenant = request.scope.get(SCOPE_TENANT, DEFAULT_TENANT)
     try:
-        return named_namespace(body_session, request.headers.get(SESSION_HEADER), tenant)
+        return named_namespace(body_session, session_header(request), tenant)
     except DirectiveError as e:
         field, _, message = str(e).partition(": ")
         raise RequestError(message, field) from e
