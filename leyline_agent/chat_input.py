@@ -16,7 +16,7 @@ the prompt. So both routes reduce their input to this form first, and nothing el
   ``function.parameters``; ``strict`` and any other key are dropped (the server does not
   enforce a schema: see docs/server.md on ``tool_choice``).
 
-Shapes are the caller's to validate first (``server.openai_api.ChatMessage``/``ToolSpec``);
+Shapes are the caller's to validate first (``chat_shapes.ChatMessage``/``ToolSpec``);
 this module only projects. Pure, no torch, no pydantic models.
 """
 

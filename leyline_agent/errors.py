@@ -37,6 +37,13 @@ class InvalidRequestError(LeylineError, ValueError):
         self.detail = message
 
 
+class RequestError(InvalidRequestError):
+    """A request every Leyline front refuses before any engine work: a bad value, a bound
+    passed, an unsupported option (400 on every engine, ``leyline_type`` ``RequestError``)."""
+
+    status = 400
+
+
 class ModelNotFoundError(InvalidRequestError):
     """The request names a model the server does not serve (404 on every Leyline route)."""
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from leyline_agent.errors import DirectiveError
+from leyline_agent.errors import RequestError
 
 __all__ = [
     "ANONYMOUS",
@@ -84,16 +84,17 @@ def named_namespace(
 ) -> Namespace:
     """The namespace a request names: the ``X-Leyline-Session`` header or the body's
     ``session`` (both given: they must agree); neither: the tenant's anonymous session.
-    ``DirectiveError`` whose message starts with the field at fault (``session`` or the
-    header)."""
+    ``RequestError`` (400) naming the field at fault (``session`` or the header)."""
     try:
         header = check_session_id(header_session, SESSION_HEADER)
         body = check_session_id(body_session, "session")
     except ValueError as e:
-        raise DirectiveError(str(e)) from e
+        field, _, message = str(e).partition(": ")
+        raise RequestError(message, field) from e
     if header is not None and body is not None and header != body:
-        raise DirectiveError(
-            f"session: the {SESSION_HEADER} header ({header!r}) and the body ({body!r}) "
-            "name different sessions"
+        raise RequestError(
+            f"the {SESSION_HEADER} header ({header!r}) and the body ({body!r}) "
+            "name different sessions",
+            "session",
         )
     return Namespace(tenant=tenant, session=header if header is not None else body)

@@ -62,16 +62,20 @@ def test_a_missing_directive_base_is_409_cache_miss(server, name):
 
 
 def test_one_model_not_found_error_for_every_route():
-    """``leyline serve`` and the vLLM plugin raise the same class, answered 404 naming
-    ``model`` by the one mapping (``http_errors.classify``)."""
-    from leyline_agent import http_errors
+    """``leyline serve`` and the vLLM plugin check the model with the same function
+    (``directives.validate.check_served``), answered 404 naming ``model`` by both mappings."""
+    from leyline_agent.directives.validate import check_served
     from leyline_agent.errors import InvalidRequestError, ModelNotFoundError
-    from leyline_agent.server import completions
+    from leyline_agent.server import errors as serve_errors
     from leyline_agent.vllm_plugin import errors as vllm_errors  # route.py needs vllm itself
 
-    assert completions.ModelNotFoundError is ModelNotFoundError
-    exc = ModelNotFoundError("'x' is not served here")
+    check_served(None, "m")
+    check_served("alias", "m", ["alias"])
+    with pytest.raises(ModelNotFoundError) as info:
+        check_served("x", "m", ["alias"])
+    exc = info.value
     assert isinstance(exc, InvalidRequestError) and exc.field == "model"
-    want = (404, "ModelNotFoundError", "model: 'x' is not served here", "model")
-    assert http_errors.classify(exc) == want
+    message = "model: the model 'x' does not exist; this server serves 'm'"
+    want = (404, "ModelNotFoundError", message, "model")
+    assert serve_errors.classify(exc) == want
     assert vllm_errors.classify(exc) == want

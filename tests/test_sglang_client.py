@@ -201,7 +201,7 @@ def test_sglang_http_route_sessions(engine: Engine, loop: Loopback, monkeypatch)
     r = client.post(
         "/leyline/v1/directives", json={**body, "session": "b"}, headers={"X-Leyline-Session": "a"}
     )
-    assert r.status_code == 400 and r.json()["error"]["leyline_type"] == "DirectiveError"
+    assert r.status_code == 400 and r.json()["error"]["leyline_type"] == "RequestError"
     assert "X-Leyline-Session" in r.json()["error"]["message"]
     r = client.post("/leyline/v1/directives", json={**body, "session": ""})
     assert r.status_code == 400 and "session" in r.json()["error"]["message"]

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from leyline_agent.errors import InvalidRequestError
+from leyline_agent.errors import RequestError
 from leyline_agent.wire import DirectivesRequest
 
 __all__ = [
@@ -50,14 +50,12 @@ MAX_REQUEST_ID = 256
 
 
 def check_request_id(value: object) -> None:
-    """``InvalidRequestError`` naming ``request_id`` unless it is None or 1 to 256
+    """``RequestError`` (400) naming ``request_id`` unless it is None or 1 to 256
     printable characters."""
     if value is None:
         return
     if not (isinstance(value, str) and 0 < len(value) <= MAX_REQUEST_ID and value.isprintable()):
-        raise InvalidRequestError(
-            f"must be 1 to {MAX_REQUEST_ID} printable characters", "request_id"
-        )
+        raise RequestError(f"must be 1 to {MAX_REQUEST_ID} printable characters", "request_id")
 
 
 def fingerprint(req: DirectivesRequest) -> str:
@@ -86,7 +84,7 @@ class RequestMemory[A]:
     # -- the public API ------------------------------------------------------------------
     def lookup(self, namespace: str, request_id: str | None, digest: str) -> A | None:
         """The remembered answer of ``request_id`` in ``namespace`` (None: run it).
-        ``InvalidRequestError`` naming ``request_id`` if the namespace used it for
+        ``RequestError`` naming ``request_id`` if the namespace used it for
         another body."""
         if request_id is None:
             return None
@@ -97,7 +95,7 @@ class RequestMemory[A]:
                 return None
             first, answer = seen
             if first != digest:
-                raise InvalidRequestError(
+                raise RequestError(
                     f"{request_id!r} was already used for a different request; a retry must "
                     "repeat the request unchanged, a new request needs a new id",
                     "request_id",

@@ -9,18 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
 from leyline_agent.chat_input import canonical_messages, canonical_tools
-from leyline_agent.directives.checks import check_token_ids
+from leyline_agent.directives import validate
+from leyline_agent.directives.validate import check_message_shapes
 from leyline_agent.engine.grammar_spec import GrammarSpec
 from leyline_agent.engine.params import GREEDY_BELOW, SEED_MAX, SamplingParams
-from leyline_agent.errors import ModelNotFoundError
-from leyline_agent.http_errors import field_path
 from leyline_agent.server.errors import RequestError
 from leyline_agent.server.openai_api import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
 )
 
@@ -65,11 +61,15 @@ class ServedModel:
     max_prompt_tokens: int | None = None  # None: the model's context
     max_tokens_cap: int | None = None  # the largest max_tokens a request may ask for
 
-    def check(self, requested: str | None, field: str = "model") -> None:
-        if requested is not None and requested != self.id and requested not in self.aliases:
-            raise ModelNotFoundError(
-                f"the model {requested!r} does not exist; this server serves {self.id!r}", field
-            )
+    def check(self, requested: str | None) -> None:
+        validate.check_served(requested, self.id, self.aliases)
+
+    @property
+    def request_limits(self) -> validate.RequestLimits:
+        """The bounds every request is checked against (``directives.validate``)."""
+        return validate.RequestLimits(
+            self.limits.vocab_size, self.max_prompt_tokens, self.limits.longest_token_bytes
+        )
 
 
 def _refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -184,27 +184,12 @@ def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]
 
 def check_prompt_length(n_tokens: int, model: ServedModel, field: str) -> None:
     """Refuse a prompt of more than the server's ``max_prompt_tokens`` (exact count)."""
-    limit = model.max_prompt_tokens
-    if limit is not None and n_tokens > limit:
-        raise RequestError(f"the prompt has {n_tokens} tokens; the limit is {limit}", field)
-
-
-def check_message_shapes(messages: list[dict[str, Any]], name: str) -> None:
-    """Every message of ``messages`` shaped as OpenAI's (``RequestError`` naming
-    ``name[i].field``); the chat route and message-form directives both check with it."""
-    for i, raw in enumerate(messages):
-        try:
-            ChatMessage.model_validate(raw)
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise RequestError(
-                err.get("msg", "invalid message"), field_path((name, i, *err["loc"]))
-            ) from e
+    validate.check_prompt_length(n_tokens, model.max_prompt_tokens, field)
 
 
 def check_prompt_ids(ids: list[int], limits: ModelLimits, field: str) -> None:
     """Token ids inside the vocabulary (``directives.checks``, as the engine checks them)."""
-    check_token_ids(ids, limits.vocab_size, field, error=RequestError)
+    validate.check_prompt_ids(ids, limits.vocab_size, field)
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:

@@ -17,20 +17,10 @@ from leyline_agent.directives.idempotence import (
     RequestMemory,
     fingerprint,
 )
-from leyline_agent.directives.idempotence import check_request_id as _check
-from leyline_agent.errors import InvalidRequestError
 from leyline_agent.namespaces import Namespace
-from leyline_agent.server.errors import RequestError
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
-__all__ = ["DEFAULT_REMEMBERED", "DirectiveMemory", "check_request_id"]
-
-
-def check_request_id(value: str | None) -> None:
-    try:
-        _check(value)
-    except InvalidRequestError as e:
-        raise RequestError(e.detail, e.field) from e
+__all__ = ["DEFAULT_REMEMBERED", "DirectiveMemory"]
 
 
 class DirectiveMemory:
@@ -46,12 +36,7 @@ class DirectiveMemory:
         execute: Callable[[], DirectivesResponse],
     ) -> DirectivesResponse:
         """The remembered answer of ``req.request_id`` in ``ns``, or ``execute()``'s."""
-        try:
-            return self.memory.run(ns.key, req.request_id, fingerprint(req), execute)
-        except InvalidRequestError as e:
-            if isinstance(e, RequestError) or e.field != "request_id":
-                raise
-            raise RequestError(e.detail, e.field) from e
+        return self.memory.run(ns.key, req.request_id, fingerprint(req), execute)
 
     def __len__(self) -> int:
         return len(self.memory)

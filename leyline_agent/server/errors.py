@@ -36,8 +36,8 @@ answers them (FastAPI's default for a validation error would be 422). ``type`` i
 ``field`` names the request field at fault, as a path: ``messages[2].role``,
 ``directives[0].end``, ``prompt[7]``. Errors raised by the layers below carry it as the
 prefix of their message (``"directives[0].end: ..."``); it is lifted from there. The part
-of this mapping that is not FastAPI's is ``leyline_agent.http_errors``, shared with the
-SGLang plugin's route.
+of this mapping that is not FastAPI's is ``leyline_agent.directives.answers``, shared with
+the vLLM plugin's routes.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from leyline_agent import http_errors
-from leyline_agent.errors import InvalidRequestError, LeylineError
-from leyline_agent.http_errors import error_body, error_code, validation_answer
+from leyline_agent.directives import answers
+from leyline_agent.errors import LeylineError, RequestError
+from leyline_agent.http_errors import error_body, validation_answer
 
 log = structlog.get_logger(__name__)
 
@@ -67,12 +67,6 @@ __all__ = [
     "exception_code",
     "install",
 ]
-
-
-class RequestError(InvalidRequestError):
-    """A request the server refuses before any engine work: bad value, unsupported option."""
-
-    status = 400
 
 
 class ClientDisconnected(Exception):
@@ -96,7 +90,7 @@ def exception_code(exc: BaseException, type_: str) -> str:
     """A validation error's code is pydantic's own (``missing``, ``int_type``...)."""
     if isinstance(exc, RequestValidationError) and exc.errors():
         return str(exc.errors()[0].get("type", "invalid_value")).replace(".", "_")
-    return error_code(type_)
+    return answers.error_code_of(exc, type_)
 
 
 def exception_response(exc: BaseException) -> JSONResponse:
@@ -109,9 +103,7 @@ def exception_response(exc: BaseException) -> JSONResponse:
 
 def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
     """(status, type, message, field) of an exception: what only FastAPI and the worker
-    raise here, the rest as every Leyline route answers it (``http_errors.classify``)."""
-    if isinstance(exc, RequestError):
-        return exc.status, type(exc).__name__, str(exc), exc.field
+    raise here, the rest as every Leyline route answers it (``directives.answers``)."""
     if isinstance(exc, RequestValidationError):
         return validation_answer(exc.errors())
     if isinstance(exc, concurrent.futures.CancelledError):  # the worker shut down
@@ -120,7 +112,7 @@ def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
         return _http_error(exc)
     if isinstance(exc, ClientDisconnected):
         return 499, "ClientDisconnected", str(exc), None
-    return http_errors.classify(exc)
+    return answers.classify(exc)
 
 
 def _http_error(exc: StarletteHTTPException) -> tuple[int, str, str, str | None]:

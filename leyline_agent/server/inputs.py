@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from pydantic import BaseModel
 
 from leyline_agent.directives import http_guards
+from leyline_agent.directives.validate import check_text_bound, message_text_bytes
 from leyline_agent.server.errors import RequestError
-from leyline_agent.server.limits import check_text_bound, message_text_bytes
 
 __all__ = [
     "DEFAULT_MAX_MESSAGES",
@@ -42,6 +43,7 @@ __all__ = [
     "check_json_body",
     "check_json_text",
     "check_message_lists",
+    "raw_json_body",
 ]
 
 DEFAULT_MAX_MESSAGES = 4096
@@ -87,11 +89,23 @@ def check_message_lists(body: Any, limits: InputLimits) -> None:
 
 
 async def check_json_body(request: Request) -> None:
-    """Route dependency: check the body FastAPI parsed (``request.json()`` is cached)."""
+    """Route dependency: check the body FastAPI parsed (``request.json()`` is cached). A
+    route that parses its body itself (``RAW_JSON_BODY`` in its ``openapi_extra``) gets it
+    parsed by ``http_guards.parse_json``, as every Leyline front parses it, in
+    ``request.state.json_body`` (None for an empty body)."""
     if request.method not in ("POST", "PUT", "PATCH"):
         return
-    takes_body = getattr(request.scope.get("route"), "body_field", None) is not None
+    route = request.scope.get("route")
+    takes_body = getattr(route, "body_field", None) is not None
+    takes_raw = "requestBody" in (getattr(route, "openapi_extra", None) or {})
     raw = await request.body()
+    limits = getattr(getattr(request.app.state, "leyline", None), "inputs", None)
+    limits = limits if isinstance(limits, InputLimits) else InputLimits()
+    if takes_raw:
+        body = http_guards.parse_json(raw) if raw.strip() else None
+        request.state.json_body = body
+        check_message_lists(body, limits)
+        return
     if not takes_body and not raw.strip():
         return
     try:
@@ -102,6 +116,16 @@ async def check_json_body(request: Request) -> None:
         raise RequestError(f"the body is not valid JSON ({type(e).__name__})", "body") from e
     if not takes_body and body != {}:
         raise RequestError("this route takes no fields; send no body or {}", "body")
-    limits = getattr(getattr(request.app.state, "leyline", None), "inputs", None)
-    check_message_lists(body, limits if isinstance(limits, InputLimits) else InputLimits())
+    check_message_lists(body, limits)
     check_json_text(body)
+
+
+def raw_json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` of a route that parses its JSON body itself (``check_json_body``
+    hands it over), documenting ``model`` as the body."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }

@@ -1,8 +1,9 @@
 """``POST /leyline/v1/directives``, ``GET /leyline/v1/stats`` and ``POST /leyline/v1/flush``.
 
 Everything that can be checked without the cache is checked here before the engine is
-asked (model name, message shapes, token ids, directive spans against ``len(tokens)``), so
-a refused request costs the engine nothing and changes none of its counters. What needs
+asked (``directives.validate``, as every Leyline front checks it: the body, model name,
+message shapes, token ids, sizes), so a refused request costs the engine nothing and
+changes none of its counters. What needs
 the cache (is ``tokens`` cached?) is the engine's to say: ``CacheMissError`` -> 409.
 A message-form FORGET also updates the conversations it edits (``ConversationStore.forgotten``),
 so the chat request that sends the edited history is not taken for a client edit; a
@@ -22,28 +23,17 @@ conversations; other tenants and every counter are untouched.
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
 
-from leyline_agent.chat_input import canonical_tools
-from leyline_agent.directives import Directive, Mode
+from leyline_agent.directives import Mode
 from leyline_agent.directives.flush import FlushResponse
-from leyline_agent.server.completions import (
-    check_message_shapes,
-    check_prompt_ids,
-    check_prompt_length,
-    messages_for_template,
-)
-from leyline_agent.server.directive_memory import check_request_id
+from leyline_agent.directives.idempotence import check_request_id
+from leyline_agent.directives.validate import checked, parse_directives
 from leyline_agent.server.disconnect import run_connected
-from leyline_agent.server.errors import RequestError
-from leyline_agent.server.limits import check_text_bound, message_text_bytes
-from leyline_agent.server.openai_api import ToolSpec
+from leyline_agent.server.inputs import raw_json_body
 from leyline_agent.server.state import state
 from leyline_agent.server.tenants import namespace
-from leyline_agent.server.worker import session_key
+from leyline_agent.server.worker import ServedEngine, session_key
 from leyline_agent.wire import BODY_EDITS, DirectivesRequest, DirectivesResponse, StatsResponse
 
 __all__ = ["FlushResponse", "router"]
@@ -51,77 +41,21 @@ __all__ = ["FlushResponse", "router"]
 router = APIRouter()
 
 
-def checked(req: DirectivesRequest, request: Request) -> DirectivesRequest:
-    """``req`` validated against the served model, ready for the engine."""
+@router.post(
+    "/leyline/v1/directives",
+    response_model=DirectivesResponse,
+    openapi_extra=raw_json_body(DirectivesRequest),
+)
+async def directives(request: Request) -> DirectivesResponse:
     st = state(request)
-    st.model.check(req.model)
-    if req.tokens is not None and req.directives is not None:
-        check_prompt_length(len(req.tokens), st.model, "tokens")
-        check_prompt_ids(req.tokens, st.model.limits, "tokens")
-        check_directive_sizes(req.tokens, req.directives, st.model)
-        for i, d in enumerate(req.directives):
-            if isinstance(d.replacement, list) and d.replacement:
-                check_prompt_ids(d.replacement, st.model.limits, f"directives[{i}].replacement")
-        return req
-    assert req.old_messages is not None and req.new_messages is not None  # the model's invariant
-    check_message_shapes(req.old_messages, "old_messages")
-    check_message_shapes(req.new_messages, "new_messages")
-    longest, limit = st.model.limits.longest_token_bytes, st.model.max_prompt_tokens
-    for name, messages in (("old_messages", req.old_messages), ("new_messages", req.new_messages)):
-        check_text_bound(message_text_bytes(messages), longest, limit, name)
-    for i, tool in enumerate(req.tools or []):
-        try:
-            ToolSpec.model_validate(tool)
-        except ValidationError as e:
-            raise RequestError(e.errors()[0].get("msg", "invalid tool"), f"tools[{i}]") from e
-    return req.model_copy(
-        update={
-            "old_messages": messages_for_template(req.old_messages),
-            "new_messages": messages_for_template(req.new_messages),
-            "tools": canonical_tools(req.tools),  # as the chat route renders them
-        }
-    )
-
-
-def check_directive_sizes(tokens: list[int], directives: list[Directive], model: Any) -> None:
-    """Refuse, before any prefill, a replacement or a resulting sequence longer than the
-    server's ``max_prompt_tokens`` (the model's context unless set lower): such a splice
-    would hold the engine for its R prefill and leave rows no completion may use. A text
-    replacement is counted from below (its bytes over the longest token's) before it is
-    tokenized, so a huge text is refused without tokenizing it."""
-    limit = model.max_prompt_tokens
-    if limit is None:
-        return
-    longest = model.limits.longest_token_bytes
-    length, from_below = len(tokens), False
-    for i, d in enumerate(directives):
-        field = f"directives[{i}].replacement"
-        if isinstance(d.replacement, str):
-            n_bytes = len(d.replacement.encode("utf-8", "surrogatepass"))
-            check_text_bound(n_bytes, longest, limit, field)
-            n, from_below = (n_bytes // longest if longest else 0), True
-        else:
-            n = len(d.replacement)
-            if n > limit:
-                raise RequestError(f"the replacement has {n} tokens; the limit is {limit}", field)
-        length += n - (d.end - d.start)
-    if length > limit:
-        raise RequestError(
-            f"the spliced sequence would have {'at least ' * from_below}{length} tokens; "
-            f"the limit is {limit}",
-            "directives",
-        )
-
-
-@router.post("/leyline/v1/directives", response_model=DirectivesResponse)
-async def directives(req: DirectivesRequest, request: Request) -> DirectivesResponse:
-    st = state(request)
+    req = parse_directives(request.state.json_body)
     ns = namespace(request, req.session)
     check_request_id(req.request_id)
-    ready = checked(req, request).model_copy(update={"session": ns.session})
+    st.model.check(req.model)
+    ready = checked(req, st.model.request_limits).model_copy(update={"session": ns.session})
     memory = st.directive_memory
 
-    def job(engine: Any) -> DirectivesResponse:  # on the worker: lookup + execute, atomic
+    def job(engine: ServedEngine) -> DirectivesResponse:  # on the worker: lookup + execute, atomic
         out = memory.run(req, ns, lambda: engine.apply_directives(ready, namespace=ns))
         if ready.mode == Mode.FORGET and ready.old_messages is not None:
             # the conversation takes the edited messages: its next chat request continues
@@ -148,7 +82,7 @@ async def flush(request: Request) -> FlushResponse:
     st = state(request)
     tenant = namespace(request).tenant
 
-    def job(engine: Any) -> FlushResponse:  # on the worker: between two engine steps
+    def job(engine: ServedEngine) -> FlushResponse:  # on the worker: between two engine steps
         rep = engine.cache.flush(tenant)
         return FlushResponse(
             tenant=tenant,

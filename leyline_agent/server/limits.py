@@ -3,24 +3,27 @@
 - ``BodyLimit``: pure ASGI middleware. A request whose ``Content-Length`` is over the limit
   is answered 413 at once, without reading a byte of the body; a body without a length
   (chunked) is counted as it arrives and refused as soon as the count passes the limit.
-- ``longest_token_bytes``: computed once at start-up. Each token of a byte-level tokenizer
-  without a normalizer covers at most that many bytes of the text, so
-  ``utf8_bytes // longest`` is a lower bound on a text's token count: an obviously
-  too-long prompt is refused before the tokenizer runs (``check_text_bound``). Tokenizers
-  that normalize or drop characters (their bound would not hold) get no early check; the
-  exact count after tokenizing is checked for every tokenizer.
+- ``longest_token_bytes`` (``directives.validate``, shared with the vLLM plugin): computed
+  once at start-up. Each token of a byte-level tokenizer without a normalizer covers at
+  most that many bytes of the text, so ``utf8_bytes // longest`` is a lower bound on a
+  text's token count: an obviously too-long prompt is refused before the tokenizer runs
+  (``check_text_bound``). Tokenizers that normalize or drop characters (their bound would
+  not hold) get no early check; the exact count after tokenizing is checked for every
+  tokenizer.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
-from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from leyline_agent.server.errors import RequestError, TrackedSend, error_response
+from leyline_agent.directives.validate import (
+    check_text_bound,
+    longest_token_bytes,
+    message_text_bytes,
+)
+from leyline_agent.server.errors import TrackedSend, error_response
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -84,52 +87,3 @@ class BodyLimit:
         exc = BodyTooLargeError(self.max_bytes)
         response = error_response(413, exc.error_type, exc.detail, exc.field)
         await response(scope, receive, send)
-
-
-def longest_token_bytes(tokenizer: Any) -> int | None:
-    """Bytes of the longest token, or None where a byte count does not bound the tokens.
-
-    ``decode`` of one token is never shorter than the token's bytes (a partial UTF-8
-    sequence decodes to U+FFFD, 3 bytes, for at most 3 bytes), so the maximum is safe.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.normalizer is not None:
-        return None
-    if "ByteLevel" not in repr(backend.pre_tokenizer):
-        return None
-    longest = 0
-    for i in range(len(tokenizer)):
-        text = tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        longest = max(longest, len(text.encode("utf-8", "surrogatepass")))
-    return longest or None
-
-
-def message_text_bytes(messages: Iterable[Any]) -> int:
-    """UTF-8 bytes of the text of ``messages`` that the chat template copies verbatim."""
-    total = 0
-    for m in messages:
-        if not isinstance(m, dict):
-            continue
-        content = m.get("content")
-        if isinstance(content, str):
-            total += len(content.encode("utf-8", "surrogatepass"))
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    total += len(part["text"].encode("utf-8", "surrogatepass"))
-    return total
-
-
-def check_text_bound(
-    utf8_bytes: int, longest: int | None, max_tokens: int | None, field: str
-) -> None:
-    """Refuse a text whose token count is surely above ``max_tokens`` (before tokenizing)."""
-    if longest is None or max_tokens is None:
-        return
-    at_least = utf8_bytes // longest
-    if at_least > max_tokens:
-        raise RequestError(
-            f"the prompt has at least {at_least} tokens ({utf8_bytes} bytes of text); "
-            f"the limit is {max_tokens}",
-            field,
-        )

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from leyline_agent.chat_shapes import ChatMessage, ToolSpec
 
 __all__ = [
     "ChatCompletionRequest",
@@ -37,55 +39,6 @@ class StreamOptions(BaseModel):
     model_config = _REQUEST
 
     include_usage: bool = False
-
-
-class FunctionSpec(BaseModel):
-    model_config = _REQUEST
-
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-
-class ToolSpec(BaseModel):
-    model_config = _REQUEST
-
-    type: Literal["function"] = "function"
-    function: FunctionSpec
-
-
-class FunctionCall(BaseModel):
-    model_config = _REQUEST
-
-    name: str = Field(min_length=1)
-    arguments: str | dict[str, Any]
-
-
-class ToolCall(BaseModel):
-    model_config = _REQUEST
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ContentPart(BaseModel):
-    model_config = _REQUEST
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    """One message, validated for shape only; the raw dict is what the template renders."""
-
-    model_config = _REQUEST
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
 
 
 class _Sampling(BaseModel):

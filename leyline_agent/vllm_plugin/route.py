@@ -33,7 +33,6 @@ from typing import Any
 import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
 from leyline_agent.directives import Directive, Mode, http_guards, plan_batch, splice_tokens
 from leyline_agent.directives.compile import (
@@ -44,10 +43,16 @@ from leyline_agent.directives.compile import (
 )
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
+from leyline_agent.directives.validate import (
+    RequestLimits,
+    check_served,
+    checked,
+    longest_token_bytes,
+    parse_directives,
+)
 from leyline_agent.errors import (
     CacheMissError,
     DirectiveError,
-    ModelNotFoundError,
     RuntimeUnavailableError,
 )
 from leyline_agent.families import chat_format, token_id
@@ -80,6 +85,7 @@ class VLLMRoute:
         self.directive_errors = 0
         self._locks: dict[str, asyncio.Lock] = {}  # one per namespace (salt)
         self._info: dict[str, Any] | None = None
+        self._limits: RequestLimits | None = None
         self.memory: RequestMemory[dict[str, Any]] = RequestMemory(_MEMORY)
 
     # -- engine calls --------------------------------------------------------------------
@@ -113,18 +119,29 @@ class VLLMRoute:
         async for _ in self.engine.generate(prompt, params, rid):
             pass
 
+    async def limits(self) -> RequestLimits:
+        """The bounds every directive is checked against, as ``leyline serve`` checks them
+        (``directives.validate``): the vocabulary, ``max_model_len``, the longest token's
+        bytes (found once)."""
+        if self._limits is None:
+            info = await self.info()
+            tok = self.engine.get_tokenizer() if hasattr(self.engine, "get_tokenizer") else None
+            longest = longest_token_bytes(tok) if tok is not None else None
+            self._limits = RequestLimits(
+                int(info["vocab_size"]), int(info["max_model_len"]), longest
+            )
+        return self._limits
+
     # -- the directive route ---------------------------------------------------------------
     async def directives(self, body: Any, session_header: str | None) -> tuple[int, dict[str, Any]]:
-        try:
-            req = DirectivesRequest.model_validate(body)
-        except ValidationError as e:
-            self.directive_errors += 1
-            return error_content(e)
         t0 = time.perf_counter()
-        try:
-            check_request_id(req.request_id)
+        try:  # the checks every Leyline front runs, in the same order (``leyline_routes``)
+            req = parse_directives(body)
             key = salt_for(named_namespace(req.session, session_header))
-        except Exception as e:  # noqa: BLE001 - a bad session id is an answer too
+            check_request_id(req.request_id)
+            check_served(req.model, self.model_names[0], self.model_names[1:])
+            req = checked(req, await self.limits())
+        except Exception as e:  # noqa: BLE001 - a bad request is an answer too
             self.directive_errors += 1
             return error_content(e)
         digest = fingerprint(req)
@@ -160,10 +177,6 @@ class VLLMRoute:
     async def _run(self, req: DirectivesRequest, session_header: str | None) -> DirectivesResponse:
         ns = named_namespace(req.session, session_header)
         salt = salt_for(ns)
-        if req.model is not None and req.model not in self.model_names:
-            raise ModelNotFoundError(
-                f"{req.model!r} is not served here (served: {', '.join(self.model_names)})"
-            )
         info = await self.info()
         if info.get("problem"):
             raise RuntimeUnavailableError(f"{info['problem']} (Leyline directives are off)")

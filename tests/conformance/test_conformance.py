@@ -284,14 +284,6 @@ def _send(srv, case: bytes | dict):
     )  # fmt: skip
 
 
-# Cases whose status, type, field and param agree but whose message / leyline_type / code
-# still differ: vLLM's plugin validates with its own messages (pydantic's "instance of
-# DirectivesRequest", TrajectoryError for messages, DirectiveError for spans, InvalidRequestError
-# for request_id / session), and leyline serve answers nested JSON with a generic HTTPError.
-# Expected to fail (strict): the day the bodies agree, the mark must go.
-BODY_DRIFT = {0, 3, 4, 5, 6, 7, 12, 21, 26, 27, 28, 53, 54, 56, 58, 59, 62, 66, 67}
-
-
 def _answers(both, case) -> list[tuple[int, dict]]:
     out = []
     for srv in both:
@@ -310,15 +302,7 @@ def test_bad_input_gets_the_same_4xx_naming_the_same_field(both, i):
     assert (s1, e1["type"], e1["field"], e1["param"]) == (s2, e2["type"], e2["field"], e2["param"])
 
 
-@pytest.mark.parametrize(
-    "i",
-    [
-        pytest.param(i, marks=pytest.mark.xfail(strict=True, reason="message/code drift, above"))
-        if i in BODY_DRIFT
-        else i
-        for i in range(len(BAD))
-    ],
-)
+@pytest.mark.parametrize("i", range(len(BAD)))
 def test_bad_input_gets_the_same_error_body(both, i):
     answers = _answers(both, BAD[i])
     assert answers[0] == answers[1], json.dumps(answers, indent=1)[:3000]
@@ -358,9 +342,8 @@ def test_request_id_reuse_is_the_same_on_both(both):
         assert other.status_code == 400 and other.json()["error"]["field"] == "request_id"
         assert elsewhere.status_code in (200, 409), (srv.name, elsewhere.text)
         err = other.json()["error"]
-        seen.append((first.json()["tokens"], err["type"], err["field"], elsewhere.status_code))
+        seen.append((first.json()["tokens"], err, elsewhere.status_code))
     assert seen[0] == seen[1]
-    # stated drift: leyline_type is RequestError on leyline serve, InvalidRequestError on vLLM
 
 
 def test_a_40_mb_body_is_the_same_413(both):
