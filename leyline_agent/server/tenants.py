@@ -29,7 +29,6 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from leyline_agent.errors import DirectiveError
 from leyline_agent.namespaces import (
     DEFAULT_TENANT,
     SESSION_HEADER,
@@ -209,8 +208,4 @@ def namespace(request: Request, body_session: str | None = None) -> Namespace:
     (``session_header``'s checked value) or by the body's ``session`` field (both given and
     different: 400 naming ``session``)."""
     tenant = request.scope.get(SCOPE_TENANT, DEFAULT_TENANT)
-    try:
-        return named_namespace(body_session, session_header(request), tenant)
-    except DirectiveError as e:
-        field, _, message = str(e).partition(": ")
-        raise RequestError(message, field) from e
+    return named_namespace(body_session, session_header(request), tenant)
