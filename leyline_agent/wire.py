@@ -18,6 +18,7 @@ from leyline_agent.directives.core import Directive, ImplementedMode, Mode
 
 __all__ = [
     "BODY_EDITS",
+    "CLIENT_EDITS",
     "Counters", "DirectivesRequest", "DirectivesResponse", "ErrorBody",
     "StatsResponse",
 ]
@@ -99,6 +100,7 @@ class DirectivesResponse(BaseModel):
 
 
 BODY_EDITS = "body_edits"  # StatsResponse.features: `leyline.edits` in chat bodies
+CLIENT_EDITS = "client_edits"  # StatsResponse.features: undeclared client edits found too
 
 
 class StatsResponse(BaseModel):
@@ -142,7 +144,9 @@ class StatsResponse(BaseModel):
     features: tuple[str, ...] = Field(
         default=(),
         description="optional front features this server has; BODY_EDITS: it applies a chat "
-        "request's `leyline.edits` in the turn's own job",
+        "request's `leyline.edits` in the turn's own job; CLIENT_EDITS: it also finds edits a "
+        "client made without declaring them (`leyline.client_edits` on, conversations by "
+        "content)",
     )
 
 

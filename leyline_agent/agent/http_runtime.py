@@ -61,6 +61,7 @@ from leyline_agent.logs import get_logger
 from leyline_agent.namespaces import SESSION_HEADER
 from leyline_agent.wire import (
     BODY_EDITS,
+    CLIENT_EDITS,
     DirectivesRequest,
     DirectivesResponse,
     ErrorBody,
@@ -170,8 +171,10 @@ class _HTTPRuntimeBase:
         self.max_retry_after_s = max_retry_after_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # learnt from the stats answer: the server applies `leyline.edits` of a chat body
-        # (`leyline serve`); elsewhere (the vLLM and SGLang plugins) edits go as directives
+        # (`leyline serve`, the vLLM plugin); elsewhere (the SGLang plugin) edits go as
+        # directives
         self.body_edits = False
+        self.client_edits = False  # it also finds undeclared edits (CLIENT_EDITS)
 
     def _retry_kwargs(self, method: str) -> dict[str, Any]:
         errors = _POST_RETRY_ERRORS if method == "POST" else _GET_RETRY_ERRORS
@@ -315,7 +318,8 @@ class HTTPRuntime(_HTTPRuntimeBase):
         """True if the server answers ``/leyline/v1/stats``; False for a plain endpoint.
         Raises ``RuntimeUnavailableError`` if the server cannot be reached at all."""
         try:
-            self.body_edits = BODY_EDITS in self.stats().features
+            features = self.stats().features
+            self.body_edits, self.client_edits = BODY_EDITS in features, CLIENT_EDITS in features
         except NoLeylineRoutesError:
             return False
         return True
@@ -363,7 +367,8 @@ class AsyncHTTPRuntime(_HTTPRuntimeBase):
 
     async def has_leyline(self) -> bool:
         try:
-            self.body_edits = BODY_EDITS in (await self.stats()).features
+            features = (await self.stats()).features
+            self.body_edits, self.client_edits = BODY_EDITS in features, CLIENT_EDITS in features
         except NoLeylineRoutesError:
             return False
         return True

@@ -236,7 +236,13 @@ class ContextSession:
         """The ``leyline`` body field of the chat request that sends ``plan``: the session's
         mode as ``client_edits`` and, when the turn edits cached messages, ``edits`` (the
         ``MessageEdit`` form). The server applies the edits in the turn's own job, before
-        its prefill, so no separate directive request is needed."""
+        its prefill, so no separate directive request is needed. A server that splices only
+        declared edits (its runtime's ``client_edits`` is False: the vLLM plugin) gets the
+        field only with edits: there ``client_edits`` on alone would ask for a search of
+        undeclared edits it does not run (and refuses)."""
+        detects = bool(getattr(self.runtime, "client_edits", True))
+        if not plan.forwarded and not detects:
+            return {}
         out: dict[str, Any] = {"client_edits": self.mode.value}
         if plan.forwarded:
             out["edits"] = [e.model_dump(exclude_none=True) for e in plan.forwarded]

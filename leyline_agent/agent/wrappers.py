@@ -297,7 +297,8 @@ def with_leyline_field(body: dict[str, Any], key: str, ours: dict[str, Any]) -> 
     merged = {**ours, **own} if isinstance(own, dict) else ours if own is None else own
     if isinstance(merged, dict) and merged.get("client_edits") == "off":
         merged = {k: v for k, v in merged.items() if k != "edits"}
-    body[key] = merged
+    if merged != {} or own is not None:
+        body[key] = merged
 
 
 def _prepare(state: LeylineState, session: ContextSession, kwargs: dict[str, Any]) -> Plan | None:

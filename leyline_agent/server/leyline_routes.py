@@ -34,7 +34,13 @@ from leyline_agent.server.inputs import raw_json_body
 from leyline_agent.server.state import state
 from leyline_agent.server.tenants import namespace
 from leyline_agent.server.worker import ServedEngine, session_key
-from leyline_agent.wire import BODY_EDITS, DirectivesRequest, DirectivesResponse, StatsResponse
+from leyline_agent.wire import (
+    BODY_EDITS,
+    CLIENT_EDITS,
+    DirectivesRequest,
+    DirectivesResponse,
+    StatsResponse,
+)
 
 __all__ = ["FlushResponse", "router"]
 
@@ -61,7 +67,9 @@ async def directives(request: Request) -> DirectivesResponse:
             # the conversation takes the edited messages: its next chat request continues
             # it as it is, so no client edit amortizes the forgotten span back
             assert ready.new_messages is not None
-            st.conversations.forgotten(ns.tenant, ns.session, ready.old_messages, ready.new_messages)
+            st.conversations.forgotten(
+                ns.tenant, ns.session, ready.old_messages, ready.new_messages
+            )
         forgets = any(d.mode == Mode.FORGET for d in ready.directives or [])
         if forgets and ns.session is not None:  # token form: the session's edits stay exact
             st.conversations.mark_exact(ns.tenant, ns.session)
@@ -74,7 +82,7 @@ async def directives(request: Request) -> DirectivesResponse:
 async def stats(request: Request) -> StatsResponse:
     tenant = namespace(request).tenant
     counts = await run_connected(request, state(request).worker, lambda e: e.stats(tenant=tenant))
-    return counts.model_copy(update={"features": (BODY_EDITS,)})  # request_edits applies them
+    return counts.model_copy(update={"features": (BODY_EDITS, CLIENT_EDITS)})  # chat_context
 
 
 @router.post("/leyline/v1/flush", response_model=FlushResponse)

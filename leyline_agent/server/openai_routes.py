@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from leyline_agent.directives.body_edits import outcome, request_edits
 from leyline_agent.engine.params import GenerationResult, SamplingParams
 from leyline_agent.errors import ModelNotFoundError
 from leyline_agent.http_errors import error_body
@@ -58,7 +59,6 @@ from leyline_agent.server.openai_api import (
     now,
     usage,
 )
-from leyline_agent.server.request_edits import outcome, request_edits
 from leyline_agent.server.response_format import answer_grammar
 from leyline_agent.server.state import ServerState, state
 from leyline_agent.server.streaming import DONE, StreamedText, sse

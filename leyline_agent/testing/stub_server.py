@@ -51,6 +51,7 @@ from pydantic import ValidationError
 from leyline_agent.http_errors import error_body
 from leyline_agent.wire import (
     BODY_EDITS,
+    CLIENT_EDITS,
     DirectivesRequest,
     DirectivesResponse,
     ErrorBody,
@@ -173,7 +174,7 @@ class StubServer:
         chats = self.chat_bodies()
         prompt = sum(prompt_tokens(b) for b in chats)
         return StatsResponse(  # it says, as leyline serve does, that chat bodies carry edits
-            requests=len(chats), prompt_tokens=prompt, splices=splices, features=(BODY_EDITS,)
+            requests=len(chats), prompt_tokens=prompt, splices=splices, features=(BODY_EDITS, CLIENT_EDITS)
         )
 
 

@@ -13,7 +13,8 @@ scheduler that hands blocks to requests, and the workers' KV tensors.
 - ``engine_ops``: ``EngineCore.leyline_rpc``, the ops that run between two engine steps.
 - ``worker`` / ``kv_rows``: ``LeylineWorkerExtension`` (rows copied, keys rotated with
   ``leyline_agent.kernels``), the CPU cache layout probed with the backend's write op.
-- ``compile``, ``route``, ``errors``: the HTTP side, same wire contract as ``leyline serve``.
+- ``route``, ``errors``, ``guard``, ``chat_front``: the HTTP side, same wire contract as
+  ``leyline serve`` (directives, edits riding with a chat request).
 
 Entry points (``pyproject.toml``): ``vllm.general_plugins: leyline = register`` (loaded by
 vLLM in the API server, the EngineCore and the workers) and ``vllm.endpoint_plugins:
@@ -107,7 +108,8 @@ class LeylineEndpoints:
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         import structlog
 
-        from leyline_agent.vllm_plugin.guard import KEYS_STATE, api_keys
+        from leyline_agent.vllm_plugin.chat_front import ChatFront
+        from leyline_agent.vllm_plugin.guard import FRONT_STATE, KEYS_STATE, api_keys
         from leyline_agent.vllm_plugin.route import VLLMRoute
 
         setattr(state, KEYS_STATE, api_keys(args))  # the guard's key check, vLLM's keys
@@ -116,6 +118,7 @@ class LeylineEndpoints:
         names = list(getattr(args, "served_model_name", None) or []) or [str(args.model)]
         route = VLLMRoute(engine_client, names)
         state.leyline = route
+        setattr(state, FRONT_STATE, ChatFront(route))  # leyline.edits of chat requests
         info = await route.info()
         log = structlog.get_logger(__name__)
         if info.get("problem"):

@@ -15,11 +15,16 @@ vLLM checks ``--api-key`` only on its own path prefixes (``/v1``, ``/v2``, ...),
   own ``cache_salt`` starting with ``leyline-`` is refused (400 naming ``cache_salt``):
   such salts are Leyline's session namespaces, which the scheduler routes
   (``namespace.route_salt``); a client's salt there would be moved to the shared unsalted
-  pool and served other clients' rows. Edits carried in the body (``context_management``,
-  ``leyline.edits``, client edits on), which only ``leyline serve`` applies, are a 400 naming
-  the field; ``{"leyline": {"client_edits": "off"}}`` asks for nothing and is removed. With ``X-Leyline-Session: id`` the request gets that
-  session's salt (a bad id, or a ``cache_salt`` of its own next to the header: 400). A body
-  that is not JSON is passed on unchanged (vLLM answers it). A request without a valid key
+  pool and served other clients' rows. With ``X-Leyline-Session: id`` the request gets that
+  session's salt (a bad id, or a ``cache_salt`` of its own next to the header: 400).
+- **Chat requests** (``/v1/chat/completions``) go through ``chat_front``: a named session's
+  messages are remembered, and the edits the request declares (``leyline.edits``) are
+  spliced before vLLM sees it; the answer says what came of them (``leyline.edits``).
+  Body fields this front does not act on are a 400 naming the field: ``context_management``,
+  client edits turned on without ``edits`` (finding undeclared edits takes ``leyline
+  serve``'s conversation tracking), ``leyline.edits`` outside a chat request;
+  ``{"leyline": {"client_edits": "off"}}`` asks for nothing and is removed. A body that is
+  not JSON is passed on unchanged (vLLM answers it). A request without a valid key
   on a path vLLM guards is passed on unread: vLLM answers its 401.
 
 The limit is ``LEYLINE_MAX_BODY_BYTES`` (bytes; default 16 MiB, ``leyline serve``'s).
@@ -32,23 +37,33 @@ import os
 from typing import Any
 
 from leyline_agent.directives import http_guards
+from leyline_agent.directives.answers import error_content
 from leyline_agent.directives.http_guards import GuardError
+from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 from leyline_agent.namespaces import SESSION_HEADER, Namespace, check_session_id
+from leyline_agent.vllm_plugin.chat_front import ChatFront, annotate
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, salt_for
 
-__all__ = ["BODY_KEY", "KEYS_STATE", "LeylineGuard", "api_keys", "max_body_bytes"]
+__all__ = ["BODY_KEY", "FRONT_STATE", "KEYS_STATE", "LeylineGuard", "api_keys", "max_body_bytes"]
 
 BODY_KEY = "leyline.body"  # the scope key of a Leyline route's parsed body
 KEYS_STATE = "leyline_api_keys"  # app.state: the key digests (set by init_state)
+FRONT_STATE = "leyline_chat"  # app.state: the ``chat_front.ChatFront`` (set by init_state)
+CHAT_PATH = "/v1/chat/completions"
 LEYLINE_PREFIX = "/leyline"
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware
 _FORMS = (b"multipart/form-data", b"application/x-www-form-urlencoded")
 # Body fields only ``leyline serve``'s front applies: vLLM would ignore them (a 200 that
-# applied nothing), so they are refused by name (``_front_only``).
+# applied nothing), so they are refused by name (``_front_checks``).
 _NOT_HERE = (
-    "this server (vLLM + the Leyline plugin) does not apply edits carried in a request body; "
-    "send them as a message-form POST /leyline/v1/directives (wrap_openai and LeylineTransport "
-    "do)"
+    "this server (vLLM + the Leyline plugin) does not apply context_management; send the "
+    "edits as leyline.edits of the chat request, or as a message-form POST "
+    "/leyline/v1/directives (wrap_openai and LeylineTransport do)"
+)
+_UNDECLARED = (
+    "this server (vLLM + the Leyline plugin) splices only the edits a chat request declares "
+    "in leyline.edits (it keeps no conversations to find others); send them there, or "
+    "client_edits 'off'"
 )
 
 
@@ -93,6 +108,8 @@ class LeylineGuard:
                 await self._other(scope, receive, send, path)
         except GuardError as e:
             await http_guards.send_error(send, e)
+        except LeylineError as e:  # the chat front's refusals and failures
+            await _send_answer(send, e)
 
     def _keys(self, scope: Any) -> tuple[bytes, ...] | None:
         app = scope.get("app")
@@ -129,35 +146,64 @@ class LeylineGuard:
         if http_guards.content_length_over(scope.get("headers", ()), self.limit):
             raise http_guards.PayloadTooLargeError(self.limit)
         raw = await http_guards.read_body(receive, self.limit)
-        body = _salted(raw, _header(scope, SESSION_HEADER.lower().encode()))
+        data = _json_object(raw)
+        sid = _session(_header(scope, SESSION_HEADER.lower().encode()))
+        if data is None or (sid is None and not _for_leyline(data)):
+            await self.app(scope, _replay(raw, receive), send)  # nothing to do here
+            return
+        _front_checks(data, edits_here=path == CHAT_PATH)
+        _salt(data, sid)  # checked before anything is spliced
+        leyline = None
+        if path == CHAT_PATH and (sid is not None or "leyline" in data):
+            done = await _front(scope).splice(data, sid)  # edits riding with the turn
+            data, leyline = done.body, done.leyline
+        else:
+            data = {k: v for k, v in data.items() if k != "leyline"}
+        body = json.dumps(data).encode()
         headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
-        await self.app({**scope, "headers": headers}, _replay(body, receive), send)
+        out = send if leyline is None else _annotating(send, leyline)
+        await self.app({**scope, "headers": headers}, _replay(body, receive), out)
 
 
-def _salted(raw: bytes, session: bytes | None) -> bytes:
-    """``raw`` with the session's salt set (or unchanged); ``GuardError`` for a salt the
-    client may not send (see the module docstring)."""
+def _for_leyline(data: dict[str, Any]) -> bool:
+    """Does ``data`` carry anything this middleware must check or act on (Leyline's body
+    fields, ``context_management``, a ``cache_salt`` of Leyline's)?"""
+    return (
+        "leyline" in data or "context_management" in data or is_leyline_salt(data.get("cache_salt"))
+    )
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
     try:
         data = json.loads(raw) if raw.strip() else None
     except (ValueError, RecursionError):
-        return raw  # not JSON: vLLM's own answer
-    if not isinstance(data, dict):
-        return raw
-    stripped = _front_only(data)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _session(header: bytes | None) -> str | None:
+    """The ``X-Leyline-Session`` header, checked (``GuardError`` naming it)."""
+    if header is None:
+        return None
+    try:
+        return check_session_id(header.decode("utf-8", "replace"), SESSION_HEADER)
+    except ValueError as e:
+        raise GuardError(str(e).partition(": ")[2], SESSION_HEADER) from None
+
+
+def _salt(data: dict[str, Any], sid: str | None) -> None:
+    """Set the session's salt on ``data`` (``GuardError`` for a salt the client may not
+    send: see the module docstring)."""
     own = data.get("cache_salt")
-    if session is None:
+    if sid is None:
         if is_leyline_salt(own):
             raise GuardError(
                 "a salt starting with 'leyline-' is reserved for Leyline's session "
                 f"namespaces; choose another salt, or name a session with {SESSION_HEADER}",
                 "cache_salt",
             )
-        return json.dumps(data).encode() if stripped else raw
-    try:
-        sid = check_session_id(session.decode("utf-8", "replace"), SESSION_HEADER)
-    except ValueError as e:
-        raise GuardError(str(e).partition(": ")[2], SESSION_HEADER) from None
+        return
     salt = salt_for(Namespace(session=sid))
     if own not in (None, salt):
         raise GuardError(
@@ -166,26 +212,85 @@ def _salted(raw: bytes, session: bytes | None) -> bytes:
             "cache_salt",
         )
     data["cache_salt"] = salt
-    return json.dumps(data).encode()
 
 
-def _front_only(data: dict[str, Any]) -> bool:
-    """Refuse (``GuardError`` naming the field) the body fields that ask for work only
-    ``leyline serve``'s front does: ``context_management``, ``leyline.edits`` and client
-    edits turned on. ``{"leyline": {"client_edits": "off"}}`` (what the wrapper sends when its
-    edits went as directives) asks for nothing: it is removed, and True returned."""
+def _front(scope: Any) -> ChatFront:
+    front = getattr(getattr(scope.get("app"), "state", None), FRONT_STATE, None)
+    if front is None:
+        raise RuntimeUnavailableError("the Leyline chat front has no engine")
+    return front
+
+
+def _front_checks(data: dict[str, Any], edits_here: bool) -> None:
+    """Refuse (``GuardError`` naming the field) the body fields that ask for work this
+    front does not do: ``context_management``; client edits turned on without ``edits``
+    (finding undeclared edits takes ``leyline serve``'s conversation tracking); ``edits``
+    anywhere but in a chat request (``edits_here``). ``{"leyline": {"client_edits":
+    "off"}}`` asks for nothing (the caller drops it)."""
     if "context_management" in data:
         raise GuardError(_NOT_HERE, "context_management")
     if "leyline" not in data:
-        return False
+        return
     opts = data["leyline"]
-    if isinstance(opts, dict) and set(opts) <= {"client_edits"}:
-        if opts.get("client_edits", "off") == "off":
-            del data["leyline"]
-            return True
-        raise GuardError(_NOT_HERE, "leyline.client_edits")
-    raise GuardError(_NOT_HERE, "leyline.edits" if isinstance(opts, dict) and "edits" in opts
-                     else "leyline")  # fmt: skip
+    if not isinstance(opts, dict):
+        raise GuardError("must be an object", "leyline")
+    if "edits" in opts:
+        if not edits_here:
+            raise GuardError("edits ride with a chat request only", "leyline.edits")
+        return  # checked with the messages (``body_edits.request_edits``)
+    unknown = sorted(set(opts) - {"client_edits"})
+    if unknown:
+        raise GuardError(f"unknown option {unknown[0]!r}", f"leyline.{unknown[0]}")
+    if opts.get("client_edits", "off") != "off":
+        raise GuardError(_UNDECLARED, "leyline.client_edits")
+
+
+def _annotating(send: Any, leyline: dict[str, Any]) -> Any:
+    """An ASGI ``send`` that adds ``leyline`` to a 200 answer: to the JSON object, or to the
+    first event of a stream (``chat_front.annotate``); any other answer passes unchanged."""
+    held: dict[str, Any] = {}
+    done = False
+
+    async def annotated(message: dict[str, Any]) -> None:
+        nonlocal done
+        if done:
+            await send(message)
+            return
+        if message["type"] == "http.response.start":
+            if message.get("status") != 200:
+                done = True
+                await send(message)
+                return
+            held["start"], held["buf"] = message, b""
+            return
+        if message["type"] != "http.response.body" or "start" not in held:
+            await send(message)
+            return
+        start = held["start"]
+        ctype = dict((k.lower(), v) for k, v in start.get("headers", ())).get(b"content-type", b"")
+        stream = ctype.startswith(b"text/event-stream")
+        held["buf"] += message.get("body", b"")
+        more = message.get("more_body", False)
+        if more and (not stream or b"\n\n" not in held["buf"]):
+            return  # the whole answer, or a stream's whole first event
+        body = annotate(held["buf"], leyline, stream)
+        headers = [(k, v) for k, v in start.get("headers", ()) if k.lower() != b"content-length"]
+        if not stream:
+            headers.append((b"content-length", str(len(body)).encode()))
+        done = True
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": more})
+
+    return annotated
+
+
+async def _send_answer(send: Any, exc: LeylineError) -> None:
+    """Answer ``exc`` as every Leyline route answers it (``directives.answers``)."""
+    status, content = error_content(exc)
+    raw = json.dumps(content, separators=(",", ":")).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": raw})
 
 
 def _replay(body: bytes, receive: Any) -> Any:

@@ -61,7 +61,7 @@ from leyline_agent.vllm_plugin.errors import error_content
 from leyline_agent.vllm_plugin.guard import BODY_KEY
 from leyline_agent.vllm_plugin.namespace import salt_for
 from leyline_agent.vllm_plugin.scheduler import HOLD_KEY
-from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
+from leyline_agent.wire import BODY_EDITS, DirectivesRequest, DirectivesResponse, StatsResponse
 
 __all__ = ["VLLMRoute", "add_routes"]
 
@@ -158,14 +158,33 @@ class VLLMRoute:
                     log.error("leyline directive failed", error=repr(e))
                 return status, content
             resp = resp.model_copy(update={"elapsed_s": time.perf_counter() - t0})
-            for k, v in resp.splices.items():
-                self.splices[k] = self.splices.get(k, 0) + v
-            self.rotated_tokens += resp.rotated_tokens
-            self.prefilled_tokens += resp.prefilled_tokens
-            self.fallbacks += int(resp.fallback)
+            self._count(resp)
             content = resp.model_dump(mode="json")
             self.memory.remember(key, req.request_id, digest, content)
         return 200, content
+
+    async def run_edits(self, req: DirectivesRequest, session: str) -> DirectivesResponse:
+        """A message-form directive made by the chat front (``chat_front``: a chat request's
+        ``leyline.edits``), checked and run as the directive route runs one, in the
+        session's order, and counted; a failure is counted and raised."""
+        t0 = time.perf_counter()
+        try:
+            req = checked(req, await self.limits())
+            async with self._namespace_lock(salt_for(named_namespace(req.session, session))):
+                resp = await self._run(req, session)
+        except Exception:
+            self.directive_errors += 1
+            raise
+        resp = resp.model_copy(update={"elapsed_s": time.perf_counter() - t0})
+        self._count(resp)
+        return resp
+
+    def _count(self, resp: DirectivesResponse) -> None:
+        for k, v in resp.splices.items():
+            self.splices[k] = self.splices.get(k, 0) + v
+        self.rotated_tokens += resp.rotated_tokens
+        self.prefilled_tokens += resp.prefilled_tokens
+        self.fallbacks += int(resp.fallback)
 
     def _namespace_lock(self, key: str) -> asyncio.Lock:
         """Directives of one namespace run one at a time; namespaces run side by side (each
@@ -309,6 +328,7 @@ class VLLMRoute:
             directive_errors=self.directive_errors,
             cache_tokens=s["cache_tokens"],
             cache_capacity_tokens=s["cache_capacity_tokens"],
+            features=(BODY_EDITS,),  # chat_front applies them
         ).model_dump(mode="json")
 
 

@@ -363,34 +363,101 @@ def test_stats_answer_the_same_keys(both):
 
 
 # -- edits in a chat body ----------------------------------------------------------------------
-def test_edits_in_a_chat_body_are_applied_or_refused_by_name(both):
-    """``leyline serve`` applies ``context_management`` and ``leyline.edits`` (it lists
-    ``body_edits``); vLLM + plugin cannot, and refuses each by name: never a 200 that
-    applied nothing."""
-    msgs = [
-        {"role": "user", "content": "list the files"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-         "function": {"name": "ls", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "a.py b.py c.py " * 20},
-        {"role": "user", "content": "and now?"},
-    ]  # fmt: skip
+BODY_MSGS = [
+    {"role": "system", "content": "You are a careful agent."},
+    {"role": "user", "content": "list the files"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+     "function": {"name": "ls", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "a.py b.py c.py d.py " * 40},
+    {"role": "user", "content": "and now?"},
+]  # fmt: skip
+
+
+def _body_chat(srv, messages, session, **extra):
+    body = {"model": srv.model, "messages": messages, "max_tokens": 1, "temperature": 0,
+            "logprobs": True, "top_logprobs": TOP, **extra}  # fmt: skip
+    r = srv.post("/v1/chat/completions", body, session=session)
+    assert r.status_code == 200, (srv.name, r.text)
+    return r.json()
+
+
+def _chat_truth(oracle, held: list[int], span, new_prompt: list[int]) -> tuple[int, list[float]]:
+    """(rows of ``T'`` the next prompt reuses, its next-token top log-probs) for AMORTIZE of
+    ``span`` over the rows ``held`` (transformers' modules and rotary function)."""
+    st = RefState.prefill(oracle, held).amortize(span.start, span.end, span.replacement)
+    c = next(c for c in range(len(st.tokens), -1, -1) if st.tokens[:c] == new_prompt[:c])
+    head = RefState(oracle, st.tokens[:c], [p[:, :, :c] for p in st.plain],
+                    [p[:, :, :c] for p in st.pre])  # fmt: skip
+    lp = torch.log_softmax(logits_from_kv(oracle, head.kv(), new_prompt[c:]).double(), -1)
+    return c, sorted(lp.tolist(), reverse=True)[:TOP]
+
+
+def test_edits_riding_in_a_chat_body_are_exact_splices(both, ckpt, oracle):
+    """A turn that stubs an earlier tool result with ``leyline.edits``: both servers say the
+    edit was spliced, and each turn's next-token log-probs equal AMORTIZE of the edit over
+    the rows that server held, computed by transformers (the 4-layer checkpoint: R over a
+    wrong context would show). The rows held differ by one: ``leyline serve`` computes the
+    KV of the last sampled token of an answer (the reply's), vLLM never does, so on vLLM
+    the reply's token is prefilled with the next turn, over the spliced rows."""
+    from transformers import AutoTokenizer
+
+    from leyline_agent.directives.compile import message_edits, render
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    edits = {"client_edits": "amortize", "edits": [{"index": 3, "content": "[elided]"}]}
+    for srv in both:
+        first = _body_chat(srv, BODY_MSGS, "body-edits")
+        reply = first["choices"][0]["message"]["content"] or ""
+        turn = [*BODY_MSGS, {"role": "assistant", "content": reply},
+                {"role": "user", "content": "go on"}]  # fmt: skip
+        j = _body_chat(srv, turn, "body-edits", leyline=edits)
+        assert j["leyline"]["edits"] == {"declared": [3], "spliced": [3], "fallback": False}
+        top = j["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        got = sorted((t["logprob"] for t in top), reverse=True)
+        cached = j["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        edited = [dict(m) for m in turn]
+        edited[3] = {**edited[3], "content": "[elided]"}
+        (span,) = message_edits(tok, turn, edited, None, None).spans
+        prompt = render(tok, BODY_MSGS, None, add_generation_prompt=True)
+        new_prompt = render(tok, edited, None, add_generation_prompt=True)
+        held = prompt + tok.encode(reply, add_special_tokens=False)
+        if srv.name == "vllm":
+            held = prompt  # no KV for the last sampled token (see the docstring)
+        c, want = _chat_truth(oracle, held, span, new_prompt)
+        assert cached == c, (srv.name, cached, c)
+        assert _err(got, want) <= TOL, (srv.name, _err(got, want))
+        # the check can tell: the edited turn prefilled afresh differs
+        with torch.inference_mode():
+            logits = oracle(input_ids=torch.tensor([new_prompt])).logits[0, -1]
+        fresh = sorted(torch.log_softmax(logits.double(), -1).tolist(), reverse=True)[:TOP]
+        assert _err(got, fresh) > 100 * TOL, srv.name
+
+
+def test_what_a_chat_body_asks_is_done_or_refused_by_name(both):
+    """``leyline serve`` also finds undeclared client edits and applies
+    ``context_management`` (it lists ``client_edits``); vLLM + plugin splices declared edits
+    only and refuses the others by name: never a 200 that applied nothing."""
     bodies = {
         "context_management": {"edits": [{"type": "clear_tool_uses_20250919",
                                           "trigger": {"type": "input_tokens", "value": 1},
                                           "keep": {"type": "tool_uses", "value": 1}}]},
-        "leyline": {"edits": [{"index": 2, "content": "[elided]"}]},
+        "leyline": {"client_edits": "amortize"},
     }  # fmt: skip
     for srv in both:
-        applies = "body_edits" in srv.stats().get("features", [])
-        assert applies == (srv.name == "leyline"), srv.name
+        features = srv.stats().get("features", [])
+        assert "body_edits" in features, srv.name
+        finds = "client_edits" in features
+        assert finds == (srv.name == "leyline"), srv.name
         for field, value in bodies.items():
-            r = srv.post("/v1/chat/completions", {"model": srv.model, "messages": msgs,
+            r = srv.post("/v1/chat/completions", {"model": srv.model, "messages": BODY_MSGS,
                                                   "max_tokens": 1, field: value})  # fmt: skip
-            if applies:
+            if finds:
                 assert r.status_code == 200, (srv.name, field, r.text)
             else:
                 assert r.status_code == 400, (srv.name, field, r.text)
-                assert r.json()["error"]["param"] == {"leyline": "leyline.edits"}.get(field, field)
-        r = srv.post("/v1/chat/completions", {"model": srv.model, "messages": msgs,
+                want = {"leyline": "leyline.client_edits"}.get(field, field)
+                assert r.json()["error"]["param"] == want, r.text
+        r = srv.post("/v1/chat/completions", {"model": srv.model, "messages": BODY_MSGS,
                                               "max_tokens": 1, "leyline": {"client_edits": "off"}})
         assert r.status_code == 200, (srv.name, r.text)  # asks for nothing: served on both

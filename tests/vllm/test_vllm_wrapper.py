@@ -1,6 +1,7 @@
-"""``wrap_openai`` with the stale-tool policy against ``vllm serve`` + Leyline: its edits
-become AMORTIZE splices (``/leyline/v1/stats``) and the agent's next prompts are served
-from its own spliced blocks; a server with prefix caching off is refused by name."""
+"""``wrap_openai`` with the stale-tool policy against ``vllm serve`` + Leyline: its edits ride
+in the chat requests (no directive request: ``chat_front``) and become AMORTIZE splices
+(``/leyline/v1/stats``), and the agent's next prompts are served from its own spliced
+blocks; a server with prefix caching off is refused by name."""
 
 from __future__ import annotations
 
@@ -33,11 +34,15 @@ def test_wrap_openai_issues_splices_and_the_session_reuses_them(llama):
     plain = openai.OpenAI(base_url=live.srv.base_url, api_key="-", max_retries=0)
     client = wrap_openai(plain, policies=[{"name": "stale-tool", "keep": 2}], session_id="agent-w")
     before = live.stats()
+    assert "body_edits" in before["features"] and "client_edits" not in before["features"]
     for messages in turns:
         _chat(client, live.srv.model, messages)
     after = live.stats()
     session = client.leyline.session("agent-w")
-    assert session.stats.runtime_failures == 0 and session.stats.runtime_calls >= 3
+    stats = session.stats
+    assert stats.runtime_calls == 0 and stats.runtime_failures == 0, stats  # no directive request
+    assert stats.body_edits >= 3, stats
+    assert after["fallbacks"] == before["fallbacks"]
     assert after["splices"]["amortize"] - before["splices"]["amortize"] >= 3
     assert after["directive_errors"] == before["directive_errors"]
     assert after["rotated_tokens"] > before["rotated_tokens"]

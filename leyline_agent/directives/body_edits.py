@@ -1,5 +1,8 @@
 """``{"leyline": {"edits": [...]}}`` on ``/v1/chat/completions``: edits that ride with the turn.
 
+Checked and applied the same way by every Leyline front (``leyline serve``'s chat route, the
+vLLM plugin's ``chat_front``).
+
 A client that edits messages the server has cached (``wrap_openai``'s and
 ``LeylineTransport``'s policies, or the agent's own in-place edits they pass on) sends the
 edits inside the chat request, in the ``MessageEdit`` form::
@@ -32,10 +35,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from leyline_agent.directives import MessageEdit
+from leyline_agent.directives.core import MessageEdit
+from leyline_agent.errors import RequestError
 from leyline_agent.http_errors import field_path
 from leyline_agent.logs import get_logger
-from leyline_agent.server.errors import RequestError
 from leyline_agent.trajectory import apply_edits, call_ids
 
 __all__ = ["RequestEdits", "outcome", "request_edits"]

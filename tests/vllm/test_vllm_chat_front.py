@@ -1,0 +1,130 @@
+"""Edits that ride with a chat request on ``vllm serve`` + Leyline (``vllm_plugin.chat_front``),
+over real HTTP with the real ``openai`` SDK.
+
+- (``wrap_openai`` sending its edits this way: ``test_vllm_wrapper.py``)
+- a chat request's declared edit gives the same next-token log-probs and the same cached
+  rows as the same edit sent as a message-form ``POST /leyline/v1/directives`` before a
+  plain chat request (the route whose exactness ``test_vllm_splice.py`` and the conformance
+  suite check against transformers), and more cached rows than the edited list sent plainly;
+  the answer says what came of the edit (``leyline.edits``), streamed or not;
+- what this front does not do is refused by name, and an edit with no remembered base is
+  served by a re-prefill reported ``fallback: true``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "trajectory_10turn.json"
+HISTORY = json.loads(FIXTURE.read_text())
+STUB = "[stale tool output removed]"
+
+
+def _chat(live, messages, session=None, leyline=None, stream=False) -> httpx.Response:
+    body = {"model": live.srv.model, "messages": messages, "max_tokens": 1, "temperature": 0,
+            "logprobs": True, "top_logprobs": 20, "stream": stream}  # fmt: skip
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if leyline is not None:
+        body["leyline"] = leyline
+    headers = {"X-Leyline-Session": session} if session else {}
+    return live.client.post(live.url + "/v1/chat/completions", json=body, headers=headers)
+
+
+def _answer(r: httpx.Response) -> tuple[int, list[float], dict]:
+    """(cached tokens, the first token's top-20 log-probs sorted, the answer's leyline)."""
+    assert r.status_code == 200, r.text
+    j = r.json()
+    top = j["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    cached = j["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return cached, sorted(t["logprob"] for t in top), j.get("leyline") or {}
+
+
+def _turns() -> tuple[list[dict], list[dict], int]:
+    """The first turn (up to the third tool result), the second turn (two messages more),
+    and the index of the tool result the second turn stubs."""
+    first = HISTORY[:8]
+    second = HISTORY[:10]
+    return first, second, 3
+
+
+def test_a_declared_edit_is_the_directive_routes_splice(llama):
+    live = llama
+    first, second, k = _turns()
+    edited = [dict(m) for m in second]
+    edited[k] = {**edited[k], "content": STUB}
+    edits = {"client_edits": "amortize", "edits": [{"index": k, "content": STUB}]}
+    for s in ("ride-a", "ride-b", "ride-c"):
+        _answer(_chat(live, first, s))
+    # A: the edit rides with the chat request
+    got = _answer(_chat(live, second, "ride-a", leyline=edits))
+    # B: the same edit as a message-form directive, then the edited list plainly
+    d = live.client.post(
+        live.url + "/leyline/v1/directives",
+        json={"old_messages": first, "new_messages": [edited[i] for i in range(len(first))],
+              "mode": "amortize"},
+        headers={"X-Leyline-Session": "ride-b"},
+    )  # fmt: skip
+    assert d.status_code == 200 and d.json()["outcome"] == "applied", d.text
+    want = _answer(_chat(live, edited, "ride-b"))
+    # C: the edited list sent plainly (no splice: the prefix cache up to the edit)
+    plain = _answer(_chat(live, edited, "ride-c"))
+
+    assert got[2]["edits"] == {"declared": [k], "spliced": [k], "fallback": False}
+    assert got[0] == want[0] > plain[0], (got[0], want[0], plain[0])
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) <= 1e-5
+
+
+def test_the_stream_says_what_came_of_the_edits(llama):
+    live = llama
+    first, second, k = _turns()
+    _answer(_chat(live, first, "ride-s"))
+    edits = {"edits": [{"index": k, "content": STUB}]}
+    r = _chat(live, second, "ride-s", leyline=edits, stream=True)
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    assert events[0]["leyline"]["edits"] == {"declared": [k], "spliced": [k], "fallback": False}
+    assert all("leyline" not in e for e in events[1:])
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_an_edit_with_no_remembered_base_is_a_reported_fallback(llama):
+    live = llama
+    _, second, k = _turns()
+    before = live.stats()
+    edits = {"edits": [{"index": k, "content": STUB}]}
+    cached, _, leyline = _answer(_chat(live, second, "ride-new", leyline=edits))
+    assert leyline["edits"] == {"declared": [k], "spliced": [], "fallback": True}
+    assert live.stats()["splices"] == before["splices"]
+
+
+def test_what_this_front_does_not_do_is_refused_by_name(llama):
+    live = llama
+    first, second, k = _turns()
+    edits = {"edits": [{"index": k, "content": STUB}]}
+    cases = [
+        (dict(leyline=edits), "X-Leyline-Session"),  # no session
+        (dict(session="ride-r", leyline={"edits": [{"index": 99, "content": "x"}]}),
+         "leyline.edits[0].index"),
+        (dict(session="ride-r", leyline={"client_edits": "off", **edits}),
+         "leyline.client_edits"),
+        (dict(session="ride-r", leyline={"client_edits": "amortize"}), "leyline.client_edits"),
+        (dict(session="ride-r", leyline={"mode": "x"}), "leyline.mode"),
+    ]  # fmt: skip
+    for kw, field in cases:
+        r = _chat(live, second, **kw)
+        assert r.status_code == 400, (kw, r.text)
+        assert r.json()["error"]["field"] == field, (kw, r.text)
+    body = {"model": live.srv.model, "messages": second, "max_tokens": 1,
+            "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}  # fmt: skip
+    r = live.client.post(live.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "context_management", r.text
+    r = live.client.post(live.url + "/v1/completions", json={
+        "model": live.srv.model, "prompt": "hi", "max_tokens": 1, "leyline": edits})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "leyline.edits", r.text
+    off = _chat(live, first, "ride-r", leyline={"client_edits": "off"})
+    assert off.status_code == 200 and "leyline" not in off.json(), off.text
