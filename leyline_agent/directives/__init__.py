@@ -4,10 +4,13 @@
   to left) and ``splice_tokens`` (the pure ``T' = T[:start] + R + T[end:]``). These are wire
   contracts: ``wire``, ``trajectory`` and the policies build on them.
 - ``compile``: message edits -> token directives (render with the chat template, diff the
-  token ids per message, clip to the cached prefix; text replacements -> token ids). Shared
-  by the embedded engine and the SGLang plugin.
+  token ids per message, clip to the cached prefix; text replacements -> token ids).
 - ``checks``: what a request hands a serving side, checked once: the messages to render
   (roles, content) and token ids.
+- ``pipeline``: a request compiled (either form), then decided from the cached length of its
+  base: a miss, a fallback, a noop or a plan. Every backend answers through it.
+- ``backend``: the Protocols of what a backend provides around the pipeline (lookup, hold,
+  row writes, commit).
 
 Torch-free. This package's own namespace re-exports ``core`` only.
 """

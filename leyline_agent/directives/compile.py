@@ -1,6 +1,6 @@
 """Compile message-level edits into token directives (torch-free: a tokenizer in, ids out).
 
-Shared by the embedded engine and the SGLang plugin, so both render, diff and compile
+Used by ``pipeline`` (which every backend runs), so all of them render, diff and compile
 alike:
 
 - ``render(tokenizer, messages, tools, add_generation_prompt)``: the token ids of a

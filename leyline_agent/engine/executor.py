@@ -1,18 +1,15 @@
-"""Execute a ``DirectivesRequest`` on the engine: validate, compile, plan, then mutate.
+"""Execute a ``DirectivesRequest`` on the engine: compile, decide, plan, then mutate.
 
 Order of work (nothing is mutated until every check has passed):
 
-1. token form: check ``tokens`` and every replacement id; compile text replacements with
-   the tokenizer; ``plan_batch`` (spans in range, no overlaps) -> right-to-left order.
-   message form: render old/new with the chat template and diff them per message
-   (``directives.compile.message_edits``), clip spans to the cached prefix
-   (``directives.compile.clip_to_cached``).
-2. match the base ``T`` in the radix tree (pure). Token form: every span must end inside
-   the cached prefix of ``T``; message form: every edited span must be cached (with
-   ``fallback``, only something of the conversation: the spans are clipped to the cached
-   prefix, and what they leave out the next request prefills).
-   Otherwise ``CacheMissError`` (counted in ``directive_errors``), or with ``fallback`` a
-   counted fallback: nothing is executed and the next request re-prefills.
+1. ``directives.pipeline.compile_request``: token form: ``tokens`` and every replacement id
+   checked, text replacements tokenized, ``plan_batch`` (spans in range, no overlaps) ->
+   right-to-left order; message form: old/new rendered with the chat template and diffed
+   per message.
+2. match the base ``T`` in the radix tree (pure), then ``pipeline.decide``: a miss
+   (``CacheMissError``, counted in ``directive_errors``, or with ``fallback`` a counted
+   fallback: nothing is executed and the next request re-prefills), a ``noop``, or a
+   ``Plan`` (message-form spans clipped to the cached prefix: see ``pipeline``).
 3. ``plan_splice`` (pure), then ``execute_splice`` on fresh slots, insert ``T'`` (the part
    over the cached base) into the tree, free scratch slots, evict to the budget.
 
@@ -30,7 +27,9 @@ cached: the next request prefills them, as it would have anyway. Every answer is
 in the namespace's tenant's ``Counters`` (``count_directive``).
 
 The executor sees the engine through ``SpliceHost`` (its cache, runner, pool, tokenizer,
-counters, step loop), so it never imports the engine module (no import circle).
+counters, step loop), so it never imports the engine module (no import circle). Its
+``_Backend`` is the engine's ``directives.backend.SpliceBackend``: lookup, hold and release
+on the prefix cache, the row writes, and the commit of ``T'``.
 """
 
 from __future__ import annotations
@@ -40,12 +39,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from leyline_agent.directives import Directive, plan_batch, splice_tokens
-from leyline_agent.directives.compile import (
-    clip_to_cached,
-    message_edits,
-    to_directives,
-    token_form,
+from leyline_agent.directives.pipeline import (
+    Plan,
+    applied_answer,
+    compile_request,
+    decide,
 )
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVPool
@@ -81,12 +79,36 @@ class SpliceHost(Protocol):
 
 
 class _Backend:
-    """The splice backend: prefills through the step loop (inline if the caller holds the
-    engine lock), row moves on the pool under the lock. ``held`` is the match whose lock
-    keeps the base rows while the prefills read them."""
+    """The engine's ``SpliceBackend`` in namespace ``ns``: lookup, hold, release and commit
+    on the prefix cache (the caller holds the engine lock for them); prefills through the
+    step loop (inline if the caller holds the engine lock), row moves on the pool under
+    the lock. ``held`` is the match whose lock keeps the base rows while the prefills read
+    them."""
 
-    def __init__(self, host: SpliceHost, held: Match, ns: Namespace) -> None:
-        self.host, self.held, self.ns = host, held, ns
+    def __init__(self, host: SpliceHost, ns: Namespace) -> None:
+        self.host, self.ns = host, ns
+        self.held: Match | None = None
+
+    def lookup(self, tokens: Sequence[int]) -> Match:
+        return self.host.cache.match(tokens, self.ns)
+
+    def hold(self, held: Match) -> None:
+        self.host.cache.hold(held)
+        self.held = held
+
+    def release(self, held: Match) -> None:
+        self.host.cache.release(held)
+        self.held = None
+
+    def commit(
+        self, tokens: Sequence[int], slots: Sequence[int], fresh: Sequence[int], exact_len: int
+    ) -> None:
+        """``T'`` into the tree as ``ns``'s, pinned for the session's next request; then
+        the cache is evicted back to its budget."""
+        cache = self.host.cache
+        cache.insert(tokens, slots, fresh, self.ns, exact_len)
+        cache.pin(self.ns, tokens)
+        self.host.evict()
 
     def prefill_into_slots(
         self, prefix_slots: Sequence[int], token_ids: Sequence[int], prefix_ids: Sequence[int]
@@ -94,6 +116,7 @@ class _Backend:
         stepper = self.host.stepper
         if stepper.holds_lock():
             return self.host.runner.prefill_into_slots(prefix_slots, token_ids)
+        assert self.held is not None, "prefills read a held base"
         prefix = Match(len(prefix_slots), list(prefix_slots), self.held.node)
         return stepper.prefill(prefix, list(prefix_ids), list(token_ids), self.ns)
 
@@ -108,7 +131,9 @@ class _Backend:
             for i in range(0, len(src), MOVE_ROWS):
                 part = delta if isinstance(delta, int) else delta[i : i + MOVE_ROWS]
                 with stepper.exclusive():
-                    self.host.pool.copy_rotated(src[i : i + MOVE_ROWS], dst[i : i + MOVE_ROWS], part)
+                    self.host.pool.copy_rotated(
+                        src[i : i + MOVE_ROWS], dst[i : i + MOVE_ROWS], part
+                    )
         except BaseException:
             with stepper.exclusive():
                 alloc.free(dst)
@@ -124,14 +149,16 @@ def apply_request(
     ``per_directive``: run a batch's steps one by one (``splice.py``; for measurements).
     Takes the engine lock itself where it needs it (module doc)."""
     t0 = time.perf_counter()
+    backend = _Backend(host, ns)
     with host.stepper.exclusive():
-        ready = _prepare(host, req, ns, t0)
+        ready = _prepare(host, backend, req)
         if isinstance(ready, DirectivesResponse):
+            ready = ready.model_copy(update={"elapsed_s": time.perf_counter() - t0})
             host.counters(ns.tenant).count_directive(ready)
             return ready
-        host.cache.hold(ready.match)
-    _execute(host, ready, ns, per_directive)
-    resp = ready.response()
+        backend.hold(ready.match)
+    _execute(host, backend, ready, per_directive)
+    resp = ready.response().model_copy(update={"elapsed_s": time.perf_counter() - t0})
     with host.stepper.exclusive():
         host.counters(ns.tenant).count_directive(resp)
     return resp
@@ -139,112 +166,57 @@ def apply_request(
 
 @dataclass(slots=True)
 class _Ready:
-    """A checked, planned splice: what ``_execute`` runs and what it answers."""
+    """A decided, planned splice: what ``_execute`` runs and what it answers."""
 
-    plan: SplicePlan
+    splice: SplicePlan
     match: Match
-    new_tokens: list[int]
-    order: list[Directive]
-    t0: float
+    plan: Plan
 
     def response(self) -> DirectivesResponse:
-        return _outcome(
-            self.new_tokens, self.order, self.plan, "applied", self.match.length, self.t0
-        )
+        sp = self.splice
+        return applied_answer(
+            self.plan, splices=sp.splices, reused=sp.reused_tokens,
+            prefilled=sp.prefilled_tokens, rotated=sp.rotated_tokens,
+        )  # fmt: skip
 
 
 def _prepare(
-    host: SpliceHost, req: DirectivesRequest, ns: Namespace, t0: float
+    host: SpliceHost, backend: _Backend, req: DirectivesRequest
 ) -> DirectivesResponse | _Ready:
-    """Checks, compile and the pure plan (under the lock; nothing is mutated but the
+    """Compile, look up, decide and plan (under the lock; nothing is mutated but the
     session's pin ending): the answer if there is nothing to execute, else the plan."""
-    cache = host.cache
-    if req.tokens is not None:
-        tokens, compiled = token_form(
-            req.tokens or [], req.directives or [], host.tokenizer, host.vocab_size
-        )
-        order = plan_batch(compiled, seq_len=len(tokens))
-        new_tokens = splice_tokens(tokens, order)
-        m = cache.match(tokens, ns)
-        for i, d in enumerate(compiled):
-            if d.end > m.length or m.length == 0:
-                return _miss(
-                    host, req, ns, new_tokens, order,
-                    f"directives[{i}]: span [{d.start}, {d.end}) of 'tokens' is not cached "
-                    f"(the prefix cache holds its first {m.length} of {len(tokens)} tokens)",
-                )  # fmt: skip
-        base = tokens[: m.length]
-    else:
-        edits = message_edits(
-            host.tokenizer, req.old_messages or [], req.new_messages or [], req.tools,
-            host.message_boundary_id,
-        )  # fmt: skip
-        old, new_tokens, spans = edits.old, edits.new, edits.spans
-        if not spans:
-            return _outcome(new_tokens, [], plan_splice(old, []), "noop", 0, t0)
-        m = cache.match(old, ns)
-        kept = clip_to_cached(spans, m.length)
-        if m.length == 0 or not kept or (kept != spans and not req.fallback):
-            return _miss(
-                host, req, ns, new_tokens, [],
-                f"old_messages: the edits span tokens [{spans[0].start}, {spans[-1].end}) of "
-                f"the rendered conversation but only its first {m.length} tokens are cached "
-                "(without fallback no edit is applied in part)",
-            )  # fmt: skip
-        order = plan_batch(to_directives(kept, req.mode), seq_len=m.length)
-        base = old[: m.length]
-    cache.arrive(ns)
-    plan = plan_splice(base, order, exact_len=m.exact_len)
-    if not order:
-        return _outcome(new_tokens, order, plan, "noop", m.length, t0)
-    return _Ready(plan, m, new_tokens, order, t0)
+    compiled = compile_request(req, host.tokenizer, host.vocab_size, host.message_boundary_id)
+    if not compiled.needs_lookup:
+        return decide(compiled, 0, req)
+    m = backend.lookup(compiled.base)
+    try:
+        decision = decide(compiled, m.length, req)
+    except CacheMissError:
+        host.counters(backend.ns.tenant).directive_errors += 1
+        raise
+    if isinstance(decision, DirectivesResponse) and decision.fallback:
+        return decision
+    host.cache.arrive(backend.ns)  # the session's request: its pin ends
+    if isinstance(decision, DirectivesResponse):
+        return decision
+    splice = plan_splice(decision.base, decision.order, exact_len=m.exact_len)
+    return _Ready(splice, m, decision)
 
 
-def _outcome(
-    new_tokens: list[int], order: list[Directive], plan: SplicePlan, outcome: str,
-    cached_base: int, t0: float,
-) -> DirectivesResponse:  # fmt: skip
-    return DirectivesResponse(
-        outcome=outcome,
-        cached_base_tokens=cached_base,
-        tokens=new_tokens,
-        applied=order,
-        splices=plan.splices,
-        fallback=False,
-        reused_tokens=plan.reused_tokens,
-        prefilled_tokens=plan.prefilled_tokens,
-        rotated_tokens=plan.rotated_tokens,
-        elapsed_s=time.perf_counter() - t0,
-    )
-
-
-def _miss(
-    host: SpliceHost, req: DirectivesRequest, ns: Namespace, new_tokens: list[int],
-    order: list[Directive], msg: str,
-) -> DirectivesResponse:  # fmt: skip
-    if not req.fallback:
-        host.counters(ns.tenant).directive_errors += 1
-        raise CacheMissError(msg)
-    return DirectivesResponse(outcome="fallback", tokens=new_tokens, applied=order, fallback=True)
-
-
-def _execute(host: SpliceHost, ready: _Ready, ns: Namespace, per_directive: bool) -> None:
+def _execute(host: SpliceHost, backend: _Backend, ready: _Ready, per_directive: bool) -> None:
     """Run the plan on fresh slots (``ready.match`` is held), then write ``T'`` into the
     cache under the lock; on failure free every fresh slot and cache nothing."""
-    cache, plan, m = host.cache, ready.plan, ready.match
-    backend = _Backend(host, m, ns)
+    plan, m = ready.splice, ready.match
     try:
         res = execute_splice(plan, m.slots, backend, per_directive=per_directive)
     except BaseException as e:
         with host.stepper.exclusive():
             host.allocator.free(getattr(e, "fresh_slots", []))
-            cache.release(m)
+            backend.release(m)
         raise
     with host.stepper.exclusive():
-        cache.release(m)
+        backend.release(m)
         if len(res.slots) != len(plan.tokens):
             host.allocator.free(res.fresh)
             raise DirectiveError("internal: splice produced the wrong number of slots")
-        cache.insert(plan.tokens, res.slots, res.fresh, ns, plan.exact_len)
-        cache.pin(ns, plan.tokens)
-        host.evict()
+        backend.commit(plan.tokens, res.slots, res.fresh, plan.exact_len)

@@ -24,18 +24,19 @@ directive (``bench_splice --drift``). The leftmost FORGET prefills everything fr
 ``per_directive=True`` runs the steps literally (for the drift measurement).
 
 ``plan_splice`` is pure (token ids and counts, no tensors); ``execute_splice`` drives a
-``SpliceBackend`` (the engine's runner + pool) and only ever writes fresh slots.
+``directives.backend.RowWriter`` (the engine's runner + pool) and only ever writes fresh slots.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 from leyline_agent.directives import Directive, Mode
+from leyline_agent.directives.backend import RowWriter
 
-__all__ = ["Piece", "SpliceBackend", "SplicePlan", "SpliceStep", "execute_splice", "plan_splice"]
+__all__ = ["Piece", "SplicePlan", "SpliceStep", "execute_splice", "plan_splice"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,19 +160,6 @@ def _pieces(n: int, steps: list[SpliceStep], final: list[int]) -> list[Piece] | 
     return out
 
 
-class SpliceBackend(Protocol):
-    def prefill_into_slots(
-        self, prefix_slots: Sequence[int], token_ids: Sequence[int], prefix_ids: Sequence[int]
-    ) -> list[int]:
-        """Forward ``token_ids`` after the prefix (rows ``prefix_slots`` of the tokens
-        ``prefix_ids``); fresh slots holding their KV."""
-        ...
-
-    def rotate_into_fresh(self, src: Sequence[int], delta: int | Sequence[int]) -> list[int]:
-        """Copy rows to fresh slots, rotary band turned by ``delta`` (one, or one per row)."""
-        ...
-
-
 @dataclass(slots=True)
 class SpliceResult:
     slots: list[int]  # slots of plan.tokens
@@ -182,7 +170,7 @@ class SpliceResult:
 def execute_splice(
     plan: SplicePlan,
     base_slots: Sequence[int],
-    backend: SpliceBackend,
+    backend: RowWriter,
     *,
     per_directive: bool = False,
 ) -> SpliceResult:
@@ -221,7 +209,7 @@ def execute_splice(
 
 
 def _execute_pieces(
-    plan: SplicePlan, base_slots: Sequence[int], backend: SpliceBackend
+    plan: SplicePlan, base_slots: Sequence[int], backend: RowWriter
 ) -> SpliceResult:
     base = list(base_slots)
     out: list[int] = []
