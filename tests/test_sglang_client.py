@@ -3,10 +3,10 @@
 Only the two transports that need a GPU server are stood in for, each by what it does:
 ``TokenizerManager.generate_request`` by what the scheduler does with the request (the
 plugin's routing hook picks the radix namespace, then a prefill into the real cache,
-``sglang_pools.prefill``), ``collective_rpc`` / the RPC socket by calling the scheduler
-method and turning a failure into its message (as ``Engine.collective_rpc`` does with
-``assert recv_req.success, recv_req.message``). Expected KV: ``RefState`` (the model's own
-RoPE on hook-captured pre-RoPE keys), chained the same way.
+``sglang_pools.prefill``), the RPC socket by what ``Scheduler.handle_rpc_request`` does
+under the plugin's hook (``LoopbackEngine.handle_rpc``: call the scheduler method, a
+failure becomes its message, an answer rides in the reply). Expected KV: ``RefState`` (the
+model's own RoPE on hook-captured pre-RoPE keys), chained the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from leyline_agent.engine.engine import Engine
 from leyline_agent.errors import CacheMissError
 from leyline_agent.namespaces import Namespace
 from leyline_agent.reference.kv_reference import RefState
-from leyline_agent.sglang_plugin import scheduler_hook as hook
 from leyline_agent.sglang_plugin.client import SGLangRuntime
 from leyline_agent.sglang_plugin.http_route import SGLangRoute, before_http_server
 from leyline_agent.sglang_plugin.routing import route_key
@@ -101,10 +100,15 @@ def test_sglang_runtime_errors_and_fallback(engine: Engine, loop: Loopback) -> N
     never = engine.tokenizer.encode("never sent to this server", add_special_tokens=False)
     req = DirectivesRequest(tokens=never, directives=[Directive(start=1, end=3, replacement=[9])])
     snap = sp.snapshot(loop.cache)
-    with pytest.raises(CacheMissError, match="not in the radix cache"):
+    with pytest.raises(CacheMissError) as miss:
         rt.apply_directives(req)
+    assert str(miss.value) == (  # the pipeline's message, as leyline serve and vLLM word it
+        "directives[0]: span [1, 3) of 'tokens' is not cached "
+        f"(the prefix cache holds its first 0 of {len(never)} tokens)"
+    )
     resp = rt.apply_directives(req.model_copy(update={"fallback": True}))
-    assert resp.fallback and resp.rotated_tokens == 0
+    assert resp.outcome == "fallback" and resp.fallback and resp.rotated_tokens == 0
+    assert resp.tokens == splice_tokens(never, req.directives) and resp.splices == {}
     sp.snapshot(loop.cache).assert_equal(snap)  # refused before the head was prefilled
     assert rt.stats().fallbacks == 1 and rt.stats().directive_errors == 1
 
@@ -121,6 +125,41 @@ def test_sglang_runtime_message_form(engine: Engine, loop: Loopback) -> None:
     assert _served(loop.cache, new).length == len(new) - 1
 
 
+def test_sglang_message_form_decides_as_every_backend(engine: Engine, loop: Loopback) -> None:
+    """The pipeline's decision on SGLang: an edit past the cached prefix is refused whole
+    without ``fallback`` (the same 409 message as ``leyline serve``), its cached part is
+    spliced with it; an unchanged conversation is a noop that asks the cache nothing."""
+    rt = SGLangRuntime(loop)
+    old = engine.render(MESSAGES, add_generation_prompt=False)
+    new_messages = [dict(m) for m in MESSAGES]
+    new_messages[1]["content"] = "Why does test_save fail?"
+    new_messages[3]["content"] = "[stale tool output removed]"
+    new = engine.render(new_messages, add_generation_prompt=False)
+    tool_at = len(engine.render(MESSAGES[:3], add_generation_prompt=False))
+    sp.prefill(loop.cache, engine.model, old[: tool_at + 5])  # the tool result's head only
+    req = DirectivesRequest(old_messages=MESSAGES, new_messages=new_messages)
+    snap = sp.snapshot(loop.cache)
+    with pytest.raises(CacheMissError) as miss:
+        rt.apply_directives(req)
+    assert str(miss.value).startswith("old_messages: the edits span tokens [")
+    assert str(miss.value).endswith(
+        f"but only its first {tool_at + 5} tokens are cached "
+        "(without fallback no edit is applied in part)"
+    )
+    sp.snapshot(loop.cache).assert_equal(snap)  # refused before anything ran
+
+    resp = rt.apply_directives(req.model_copy(update={"fallback": True}))
+    assert resp.outcome == "applied" and resp.tokens == new
+    assert resp.cached_base_tokens == tool_at + 5 and len(resp.applied) == 2
+    user, tool = resp.applied[1], resp.applied[0]  # right to left
+    assert user.end < tool_at < tool.start and tool.end == tool_at + 5  # clipped to the cache
+    assert resp.splices == {"amortize": 2, "forget": 0}
+
+    same = rt.apply_directives(DirectivesRequest(old_messages=MESSAGES, new_messages=MESSAGES))
+    assert (same.outcome, same.tokens, same.applied) == ("noop", old, [])
+    assert rt.stats().directive_errors == 1
+
+
 def test_sglang_http_route_on_sglang_app(engine: Engine, loop: Loopback, monkeypatch) -> None:
     """The BEFORE hook adds the routes to SGLang's real FastAPI app; requests go through it."""
     import sglang.srt.entrypoints.http_server as http_server
@@ -128,14 +167,10 @@ def test_sglang_http_route_on_sglang_app(engine: Engine, loop: Loopback, monkeyp
 
     monkeypatch.setattr(http_server.app.router, "routes", list(http_server.app.router.routes))
 
-    async def rpc(self, method, kwargs):  # the socket round trip: RpcReqOutput(success, message)
-        try:
-            getattr(loop.scheduler, method)(**kwargs)
-        except Exception as e:
-            err = hook.error_from_message(str(e))
-            raise (err if err is not None else e) from None
+    async def round_trip(self, req):  # the socket round trip: RpcReqOutput(success, message)
+        return loop.handle_rpc(req)
 
-    monkeypatch.setattr(SGLangRoute, "rpc", rpc)
+    monkeypatch.setattr(SGLangRoute, "round_trip", round_trip)
     before_http_server(None, loop.tokenizer_manager, None, SimpleNamespace(rpc_ipc_name="ipc://x"))
     client = TestClient(http_server.app)
     tokens = engine.render(MESSAGES, add_generation_prompt=False)
@@ -178,10 +213,10 @@ def test_sglang_http_route_sessions(engine: Engine, loop: Loopback, monkeypatch)
 
     monkeypatch.setattr(http_server.app.router, "routes", list(http_server.app.router.routes))
 
-    async def rpc(self, method, kwargs):
-        getattr(loop.scheduler, method)(**kwargs)
+    async def round_trip(self, req):
+        return loop.handle_rpc(req)
 
-    monkeypatch.setattr(SGLangRoute, "rpc", rpc)
+    monkeypatch.setattr(SGLangRoute, "round_trip", round_trip)
     before_http_server(None, loop.tokenizer_manager, None, SimpleNamespace(rpc_ipc_name="ipc://x"))
     client = TestClient(http_server.app)
     tokens = engine.render(MESSAGES, add_generation_prompt=False)

@@ -7,6 +7,9 @@
   runs ``leyline_splice`` on an object holding the real tree/allocator/MLA pool, with the
   request passed through SGLang's own msgpack IPC encoding; a single-process gloo group
   stands in for the TP group of its barrier;
+- ``leyline_lookup``'s answer (the base's cached length in a namespace) rides back in the
+  successful ``RpcReqOutput``'s message, put there by the plugin's hook on
+  ``handle_rpc_request``;
 - failures come back as ``RpcReqOutput(success=False)`` carrying the Leyline error class;
 - the request hooks, applied by ``HookRegistry`` to the real ``TokenizerManager`` and
   ``Scheduler`` methods: the ``X-Leyline-Session`` header becomes the request's extra key,
@@ -149,6 +152,10 @@ def test_sglang_plugin_loaded_by_sglang_and_rpc_dispatch(
         (t, h) for t, h, _ in HookRegistry._hooks[target]
     ]
     assert "sglang.srt.entrypoints.http_server._setup_and_run_http_server" in HookRegistry._hooks
+    rpc_target = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
+    assert (HookType.AROUND, hook.around_rpc_request) in [
+        (t, h) for t, h, _ in HookRegistry._hooks[rpc_target]
+    ]
     original = Scheduler.__init__
     HookRegistry.apply_hooks()
     assert Scheduler.__init__.__wrapped__ is original
@@ -174,6 +181,20 @@ def test_sglang_plugin_loaded_by_sglang_and_rpc_dispatch(
     assert out.success, out.message
     new_tokens = tokens[:12] + repl + tokens[20:]
     assert peek_prefix(cache.tree, new_tokens, ANON).length == len(new_tokens)
+
+    # leyline_lookup's answer rides back in the successful reply (the AROUND hook); other
+    # RPCs' replies keep SGLang's empty message
+    assert out.message == ""
+    for ns, want in ((ANON, len(new_tokens)), (Namespace(session="b").key, 12 + len(repl))):
+        lookup = RpcReqInput(
+            method=hook.RPC_LOOKUP, parameters=hook.encode_lookup_kwargs(new_tokens, ns)
+        )
+        out = Scheduler.handle_rpc_request(fake, msgpack_decode(msgpack_encode(lookup)))
+        assert out.success and json.loads(out.message) == {"cached_tokens": want}
+        assert getattr(fake, hook.ANSWER_ATTR) is None
+    bad_ns = {**hook.encode_lookup_kwargs(new_tokens), "namespace": 7}
+    out = Scheduler.handle_rpc_request(fake, RpcReqInput(method=hook.RPC_LOOKUP, parameters=bad_ns))
+    assert not out.success and isinstance(hook.error_from_message(out.message), DirectiveError)
 
     bad = {**kw, "end": len(tokens) + 5}
     wire = msgpack_decode(msgpack_encode(RpcReqInput(method=hook.RPC_METHOD, parameters=bad)))

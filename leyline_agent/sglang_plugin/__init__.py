@@ -13,10 +13,13 @@ node), the ``TokenToKVPoolAllocator`` (hands out and takes back slots), the KV p
 - ``splice``: lock, allocate, write, insert ``T'`` into the session's tree, unlock (no
   leaks, no double frees).
 - ``forget``: before a FORGET's prefill, drop the session's rows of ``T'`` from the span on.
-- ``scheduler_hook``: ``Scheduler.leyline_splice(**flat_scalars)`` (and ``leyline_check``,
-  ``leyline_forget``) for ``collective_rpc``.
-- ``batch``: pure, from a ``DirectivesRequest`` to the ``DirectiveCalls`` that execute it.
-- ``executor``: the one check -> prefill -> splice -> fallback loop, over a transport.
+- ``scheduler_hook``: ``Scheduler.leyline_splice(**flat_scalars)`` (and ``leyline_lookup``,
+  ``leyline_check``, ``leyline_forget``) for ``collective_rpc``; answers ride back in the
+  reply's message.
+- ``batch``: pure, from a ``directives.pipeline.Plan`` to the ``DirectiveCalls`` that
+  execute it, and the answer.
+- ``executor``: the request through ``directives.pipeline`` (compile, ``leyline_lookup``,
+  decide), then the one check -> prefill -> splice loop, over a transport.
 - ``client``: ``SGLangRuntime`` (the ``Runtime`` protocol over an embedded ``sglang.Engine``).
 - ``http_route``: ``POST /leyline/v1/directives`` on SGLang's own HTTP server.
 - ``launch``: ``leyline serve --engine sglang``.
@@ -50,7 +53,10 @@ def register() -> None:
         before_generate_request,
         before_scheduler_request,
     )
-    from leyline_agent.sglang_plugin.scheduler_hook import after_scheduler_init
+    from leyline_agent.sglang_plugin.scheduler_hook import (
+        after_scheduler_init,
+        around_rpc_request,
+    )
 
     # --radix-cache-backend leyline: the plain RadixCache the splice works on (SGLang's
     # default chain builds a UnifiedRadixCache). Registered in every process: the main
@@ -59,6 +65,12 @@ def register() -> None:
         register_radix_cache_backend(RADIX_CACHE_BACKEND, radix_cache_factory)
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.__init__", after_scheduler_init, HookType.AFTER
+    )
+    # a Leyline RPC's answer (leyline_lookup's cached length) rides back in its reply
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request",
+        around_rpc_request,
+        HookType.AROUND,
     )
     # every request is routed to its session's tree or the plain one (routing.py)
     HookRegistry.register(

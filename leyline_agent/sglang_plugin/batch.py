@@ -1,9 +1,11 @@
-"""Pure: from a ``DirectivesRequest`` (token form) to the SGLang calls that execute it.
+"""Pure: from a ``directives.pipeline.Plan`` to the SGLang calls that execute it.
 
-Directives run right to left (``plan_batch``), each on the sequence the previous one left:
+The request was compiled and decided by ``directives.pipeline`` (``executor``); the plan's
+directives run right to left, each on the sequence the previous one left:
 
 - AMORTIZE ``(s, e, R)`` on ``T``: (0) ``collective_rpc("leyline_check")``, read-only: is
-  ``T`` cached through ``e``? (a refused directive changes nothing, not even the tree);
+  ``T`` still cached through ``e``? (the lookup said so, but nothing holds the rows between
+  two calls; a refused directive changes nothing, not even the tree);
   (1) a normal SGLang request for ``T[:s] + R`` with one new token: SGLang's own prefill
   (radix hit on ``T[:s]``, chunked prefill, every TP rank) computes R's KV over the prefix
   and caches it; (2) ``collective_rpc("leyline_splice")`` moves the cached tail ``T[e:]``
@@ -30,21 +32,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from leyline_agent.directives import Directive, Mode, plan_batch
-from leyline_agent.directives.compile import (
-    clip_to_cached,
-    encode_replacements,
-    message_edits,
-    to_directives,
-)
+from leyline_agent.directives.pipeline import Plan, applied_answer
 from leyline_agent.errors import DirectiveError
-from leyline_agent.families import chat_format, token_id
 from leyline_agent.namespaces import ANONYMOUS
-from leyline_agent.wire import DirectivesRequest, DirectivesResponse
+from leyline_agent.wire import DirectivesResponse
 
-__all__ = ["PREFILL_PARAMS", "DirectiveCalls", "compile_request", "plan_calls", "response_for"]
+__all__ = ["PREFILL_PARAMS", "DirectiveCalls", "plan_calls", "response_for"]
 
 # one greedy token: the prompt's KV is computed and cached when the request finishes
 PREFILL_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}
@@ -98,42 +93,16 @@ def plan_calls(
     return steps
 
 
-def compile_request(
-    req: DirectivesRequest, tokenizer: Any, model_type: str | None = None
-) -> tuple[list[int], list[Directive]]:
-    """Token form as is (text replacements encoded); message form rendered with the model's
-    chat template and diffed per message at the family's message boundary
-    (``directives.compile``, as the embedded engine does).
-
-    SGLang caches a finished request's prompt and reply but not the reply's last token, so
-    message-form spans are clipped to ``len(old) - 1`` tokens (a span past it is dropped:
-    the next request prefills it anyway).
-    """
-    if req.tokens is not None and req.directives is not None:
-        return list(req.tokens), encode_replacements(req.directives, tokenizer)
-    boundary = token_id(tokenizer, chat_format(model_type).message_boundary)
-    edits = message_edits(
-        tokenizer, req.old_messages or [], req.new_messages or [], req.tools, boundary
-    )
-    spans = clip_to_cached(edits.spans, max(0, len(edits.old) - 1))
-    return edits.old, to_directives(spans, req.mode)
-
-
-def response_for(
-    steps: Sequence[DirectiveCalls], tokens: Sequence[int], *, fallback: bool = False
-) -> DirectivesResponse:
-    """Counts are what the steps asked for; each scheduler rank logs what it did."""
+def response_for(steps: Sequence[DirectiveCalls], plan: Plan) -> DirectivesResponse:
+    """The answer to an executed ``plan``; counts are what the steps asked for (each
+    scheduler rank logs what it did)."""
     splices = {"amortize": 0, "forget": 0}
     for st in steps:
         splices[st.directive.mode.value] += 1
-    final = steps[-1].tokens_after if steps else list(tokens)
-    done = [] if fallback else steps
-    return DirectivesResponse(
-        tokens=final,
-        applied=[st.directive for st in steps],
-        splices={} if fallback else splices,
-        fallback=fallback,
-        reused_tokens=sum(st.directive.start for st in done),
-        prefilled_tokens=sum(st.prefilled for st in done),
-        rotated_tokens=sum(st.rotated for st in done),
+    return applied_answer(
+        plan,
+        splices=splices,
+        reused=sum(st.directive.start for st in steps),
+        prefilled=sum(st.prefilled for st in steps),
+        rotated=sum(st.rotated for st in steps),
     )

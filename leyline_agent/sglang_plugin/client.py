@@ -1,12 +1,14 @@
 """``SGLangRuntime``: the ``Runtime`` protocol over an embedded ``sglang.Engine``.
 
-Each AMORTIZE directive is three calls (``batch.plan_calls``, run by ``executor``): ``collective_rpc`` of the
-read-only ``leyline_check`` (base cached far enough? fails before anything changes), a
-normal generate request for the head (SGLang's own prefill caches ``T[:s] + R``), then
-``collective_rpc`` of ``leyline_splice`` on every scheduler rank. A FORGET is
-``leyline_forget`` then a normal request for ``T'``. ``collective_rpc`` answers only success
-or the failure's message; the plugin's errors travel as ``leyline:<Class>: message`` and
-are raised here as the same class. Needs CUDA and a full SGLang install (``launch``).
+A request's base is looked up first (``leyline_lookup``, run by ``executor``); then each
+AMORTIZE directive is three calls (``batch.plan_calls``): the read-only ``leyline_check``
+(base still cached far enough? fails before anything changes), a normal generate request
+for the head (SGLang's own prefill caches ``T[:s] + R``), then ``leyline_splice`` on every
+scheduler rank. A FORGET is ``leyline_forget`` then a normal request for ``T'``. The RPCs
+go over the engine's RPC socket as ``Engine.collective_rpc`` sends them, but the reply is
+read here: it carries ``leyline_lookup``'s answer (``scheduler_hook.answer_of``), and a
+failure's ``leyline:<Class>: message`` is raised as the same class. Needs CUDA and a full
+SGLang install (``launch``).
 
 Sessions: a directive request's ``session`` names the namespace its splices go to
 (``routing.py``); ``generate(..., session=id)`` sends a request of that session, with its
@@ -19,20 +21,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from leyline_agent.errors import RuntimeUnavailableError
 from leyline_agent.namespaces import Namespace, check_session_id
 from leyline_agent.sglang_plugin.batch import PREFILL_PARAMS
 from leyline_agent.sglang_plugin.executor import DirectiveExecutor
-from leyline_agent.sglang_plugin.scheduler_hook import RPC_METHOD, error_from_message
+from leyline_agent.sglang_plugin.scheduler_hook import RPC_METHOD, answer_of
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
-__all__ = ["SGLangRuntime", "model_type_of"]
+__all__ = ["SGLangRuntime", "model_type_of", "vocab_size_of"]
+
+
+def _hf_config(tokenizer_manager: Any) -> Any:
+    return getattr(getattr(tokenizer_manager, "model_config", None), "hf_config", None)
 
 
 def model_type_of(tokenizer_manager: Any) -> str | None:
     """The served model's ``model_type`` (its family: ``leyline_agent.families``), if known."""
-    config = getattr(getattr(tokenizer_manager, "model_config", None), "hf_config", None)
-    return getattr(config, "model_type", None)
+    return getattr(_hf_config(tokenizer_manager), "model_type", None)
+
+
+def vocab_size_of(tokenizer_manager: Any) -> int:
+    """The served model's vocabulary (token ids are checked against it): its config's, else
+    the tokenizer's."""
+    size = getattr(_hf_config(tokenizer_manager), "vocab_size", None)
+    return int(size) if isinstance(size, int) else len(tokenizer_manager.tokenizer)
 
 
 class SGLangRuntime:
@@ -63,6 +74,10 @@ class SGLangRuntime:
         return model_type_of(self.engine.tokenizer_manager)
 
     @property
+    def vocab_size(self) -> int:
+        return vocab_size_of(self.engine.tokenizer_manager)
+
+    @property
     def counters(self) -> Any:
         return self.executor.counters
 
@@ -91,8 +106,8 @@ class SGLangRuntime:
     async def prefill(self, token_ids: list[int], extra_key: str) -> None:
         await self._request(token_ids, PREFILL_PARAMS, extra_key)
 
-    async def rpc(self, method: str, kwargs: dict[str, Any]) -> None:
-        self.call_rpc(kwargs, method)
+    async def rpc(self, method: str, kwargs: dict[str, Any]) -> str:
+        return self.call_rpc(kwargs, method)
 
     async def _request(self, input_ids: list[int], params: dict[str, Any], extra_key: str) -> Any:
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -102,13 +117,12 @@ class SGLangRuntime:
         )
         return await self.engine.tokenizer_manager.generate_request(obj, None).__anext__()
 
-    def call_rpc(self, kwargs: dict[str, Any], method: str = RPC_METHOD) -> None:
-        """``collective_rpc`` of ``method`` on every scheduler rank; a failure raises the
-        Leyline error it carried."""
-        try:
-            self.engine.collective_rpc(method, **kwargs)
-        except AssertionError as e:  # Engine.collective_rpc asserts success with the message
-            err = error_from_message(str(e))
-            if err is not None:
-                raise err from e
-            raise RuntimeUnavailableError(f"{method} failed in the scheduler: {e}") from e
+    def call_rpc(self, kwargs: dict[str, Any], method: str = RPC_METHOD) -> str:
+        """``method`` on every scheduler rank, sent as ``Engine.collective_rpc`` sends it;
+        its answer (empty if it has none), or the Leyline error its failure carried."""
+        import zmq
+        from sglang.srt.managers.io_struct import RpcReqInput, sock_recv, sock_send
+
+        sock = self.engine.send_to_rpc
+        sock_send(sock, RpcReqInput(method=method, parameters=kwargs))
+        return answer_of(sock_recv(sock, flags=zmq.BLOCKY), method)

@@ -6,8 +6,9 @@ uvicorn starts) adds the two routes to SGLang's FastAPI ``app``. The route speak
 wire models as ``leyline serve`` (``leyline_agent.wire``), so the agent-side
 ``HTTPRuntime`` works against either server.
 
-Execution per directive (``batch.plan_calls``, run by ``executor``):
-``RpcReqInput("leyline_check")`` (read-only),
+Execution (``executor``): ``RpcReqInput("leyline_lookup")`` (how much of the base is
+cached; the answer rides back in the reply's message), then per directive
+(``batch.plan_calls``): ``RpcReqInput("leyline_check")`` (read-only),
 the head through the server's own ``TokenizerManager.generate_request`` (SGLang's
 prefill, caching it), then ``RpcReqInput("leyline_splice")``; a FORGET is
 ``RpcReqInput("leyline_forget")`` then a request for ``T'``. The RPCs go to scheduler rank 0
@@ -31,13 +32,13 @@ import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.errors import LeylineError
 from leyline_agent.http_errors import classify, error_body, validation_answer
 from leyline_agent.namespaces import SESSION_HEADER
 from leyline_agent.sglang_plugin.batch import PREFILL_PARAMS
-from leyline_agent.sglang_plugin.client import model_type_of
+from leyline_agent.sglang_plugin.client import model_type_of, vocab_size_of
 from leyline_agent.sglang_plugin.executor import DirectiveExecutor
-from leyline_agent.sglang_plugin.scheduler_hook import error_from_message
+from leyline_agent.sglang_plugin.scheduler_hook import answer_of
 from leyline_agent.wire import DirectivesRequest
 
 __all__ = ["SGLangRoute", "before_http_server"]
@@ -63,6 +64,10 @@ class SGLangRoute:
     @property
     def model_type(self) -> str | None:
         return model_type_of(self.tm)
+
+    @property
+    def vocab_size(self) -> int:
+        return vocab_size_of(self.tm)
 
     @property
     def counters(self) -> Any:
@@ -94,8 +99,17 @@ class SGLangRoute:
         )
         await self.tm.generate_request(obj, None).__anext__()
 
-    async def rpc(self, method: str, kwargs: dict[str, Any]) -> None:
-        from sglang.srt.managers.io_struct import RpcReqInput, async_sock_recv, async_sock_send
+    async def rpc(self, method: str, kwargs: dict[str, Any]) -> str:
+        """``method`` on every scheduler rank: its answer, or the error it carried."""
+        from sglang.srt.managers.io_struct import RpcReqInput
+
+        return answer_of(
+            await self.round_trip(RpcReqInput(method=method, parameters=kwargs)), method
+        )
+
+    async def round_trip(self, req: Any) -> Any:
+        """One ``RpcReqInput`` to scheduler rank 0 over the RPC socket; its ``RpcReqOutput``."""
+        from sglang.srt.managers.io_struct import async_sock_recv, async_sock_send
 
         if self._sock is None:
             import zmq
@@ -103,11 +117,8 @@ class SGLangRoute:
             from sglang.srt.utils.network import get_zmq_socket
 
             self._sock = get_zmq_socket(zmq.asyncio.Context(1), zmq.DEALER, self.rpc_ipc_name, True)
-        await async_sock_send(self._sock, RpcReqInput(method=method, parameters=kwargs))
-        out = await async_sock_recv(self._sock)
-        if not out.success:
-            err = error_from_message(out.message)
-            raise err if err is not None else RuntimeUnavailableError(out.message)
+        await async_sock_send(self._sock, req)
+        return await async_sock_recv(self._sock)
 
 
 def _error(exc: BaseException) -> tuple[int, dict[str, Any]]:

@@ -6,11 +6,18 @@ on every TP rank (rank 0 receives the request and broadcasts it), then barriers,
 scalars only (``bool | int | float | str | None``), so token lists travel as JSON strings.
 
 Every RPC names the radix namespace of the session it acts for (``namespace``: a
-``Namespace(...).key``, see ``routing.py``): ``leyline_check`` and ``leyline_splice`` for
-AMORTIZE, ``leyline_forget`` (drop the session's rows of ``T'`` from the span on) before a
-FORGET's normal prefill.
+``Namespace(...).key``, see ``routing.py``): ``leyline_lookup`` (how much of the base is
+cached: what ``directives.pipeline.decide`` is given), ``leyline_check`` and
+``leyline_splice`` for AMORTIZE, ``leyline_forget`` (drop the session's rows of ``T'`` from
+the span on) before a FORGET's normal prefill.
 
-``install`` (run by the plugin after ``Scheduler.__init__``) binds the three methods on the
+An answer rides back in ``RpcReqOutput.message``: SGLang answers an RPC with success or the
+failure's message only, so a method that has one leaves it on the scheduler
+(``ANSWER_ATTR``) and ``around_rpc_request`` (an ``AROUND`` hook on
+``Scheduler.handle_rpc_request``) puts it in the successful answer's message, which is
+empty otherwise. ``answer_of`` reads an ``RpcReqOutput`` on the caller's side.
+
+``install`` (run by the plugin after ``Scheduler.__init__``) binds the four methods on the
 scheduler instance. Every TP rank holds its own replica of the tree (the ranks make the same
 decisions in lockstep) and of the MLA latent cache (or its shard of the KV heads for MHA):
 each rank splices its own, with the same slot indices.
@@ -26,21 +33,27 @@ import types
 from typing import Any
 
 from leyline_agent.directives import Directive
-from leyline_agent.errors import DirectiveError, LeylineError
+from leyline_agent.errors import DirectiveError, LeylineError, RuntimeUnavailableError
 from leyline_agent.namespaces import ANONYMOUS
 
 _ANONYMOUS_KEY = ANONYMOUS.key
 
 __all__ = [
+    "ANSWER_ATTR",
     "RPC_CHECK",
     "RPC_FORGET",
+    "RPC_LOOKUP",
     "RPC_METHOD",
     "SpliceRpcError",
+    "answer_of",
+    "around_rpc_request",
     "decode_splice_kwargs",
+    "encode_lookup_kwargs",
     "encode_splice_kwargs",
     "install",
     "leyline_check",
     "leyline_forget",
+    "leyline_lookup",
     "leyline_splice",
     "target_of",
 ]
@@ -48,6 +61,8 @@ __all__ = [
 RPC_METHOD = "leyline_splice"
 RPC_CHECK = "leyline_check"
 RPC_FORGET = "leyline_forget"
+RPC_LOOKUP = "leyline_lookup"
+ANSWER_ATTR = "leyline_rpc_answer"  # where a method leaves its answer for the RPC's reply
 _ERROR_PREFIX = "leyline:"
 
 
@@ -67,6 +82,14 @@ def encode_splice_kwargs(
         "end": int(directive.end),
         "replacement_json": json.dumps(directive.replacement, separators=(",", ":")),
         "mode": directive.mode.value,
+        "namespace": namespace,
+    }
+
+
+def encode_lookup_kwargs(tokens: list[int], namespace: str = _ANONYMOUS_KEY) -> dict[str, str]:
+    """``leyline_lookup``'s flat scalars: the base as a compact JSON string, the namespace."""
+    return {
+        "tokens_json": json.dumps([int(t) for t in tokens], separators=(",", ":")),
         "namespace": namespace,
     }
 
@@ -141,6 +164,50 @@ def leyline_splice(scheduler: Any, **kwargs: Any) -> None:
     _run_rpc(scheduler, op, kwargs)
 
 
+def leyline_lookup(scheduler: Any, *, tokens_json: Any, namespace: Any = _ANONYMOUS_KEY) -> None:
+    """The RPC method: how many leading tokens of the base a directive of ``namespace``
+    finds cached (``splice.cached_length``), read-only; answered as
+    ``{"cached_tokens": n}`` (``around_rpc_request``)."""
+    from leyline_agent.sglang_plugin.routing import check_namespace
+    from leyline_agent.sglang_plugin.splice import cached_length
+    from leyline_agent.sglang_plugin.treeview import check_tree
+
+    try:
+        tokens = _token_list(tokens_json, "tokens_json")
+        ns = check_namespace(namespace)
+        check_tree(scheduler.tree_cache)
+        n = cached_length(scheduler.tree_cache, tokens, ns)
+    except LeylineError as e:
+        raise SpliceRpcError(f"{_ERROR_PREFIX}{type(e).__name__}: {e}") from e
+    setattr(scheduler, ANSWER_ATTR, json.dumps({"cached_tokens": n}))
+
+
+def around_rpc_request(original: Any, scheduler: Any, recv_req: Any, *args: Any) -> Any:
+    """``HookType.AROUND`` on ``Scheduler.handle_rpc_request``: SGLang runs the method (and
+    its barrier) as always; an answer the method left on the scheduler goes into the
+    successful reply's message, and never outlives its RPC."""
+    setattr(scheduler, ANSWER_ATTR, None)
+    try:
+        out = original(scheduler, recv_req, *args)
+        answer = getattr(scheduler, ANSWER_ATTR, None)
+    finally:
+        setattr(scheduler, ANSWER_ATTR, None)
+    if answer is not None and out.success:
+        out.message = answer
+    return out
+
+
+def answer_of(out: Any, method: str) -> str:
+    """The caller's side of an ``RpcReqOutput``: the method's answer (empty if it has none),
+    or the Leyline error its failure carried (else ``RuntimeUnavailableError``)."""
+    if out.success:
+        return str(out.message or "")
+    err = error_from_message(out.message)
+    if err is not None:
+        raise err
+    raise RuntimeUnavailableError(f"{method} failed in the scheduler: {out.message}")
+
+
 def leyline_check(scheduler: Any, **kwargs: Any) -> None:
     """The read-only RPC sent before the head's prefill: fail early, change nothing."""
     from leyline_agent.sglang_plugin.splice import check_splice_base
@@ -174,6 +241,7 @@ def install(scheduler: Any) -> None:
     scheduler.leyline_splice = types.MethodType(leyline_splice, scheduler)
     scheduler.leyline_check = types.MethodType(leyline_check, scheduler)
     scheduler.leyline_forget = types.MethodType(leyline_forget, scheduler)
+    scheduler.leyline_lookup = types.MethodType(leyline_lookup, scheduler)
 
 
 def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

@@ -60,6 +60,7 @@ __all__ = [
     "TreeSpliceResult",
     "SpliceTarget",
     "base_of",
+    "cached_length",
     "check_splice_base",
     "plan_tree_splice",
     "splice_amortize",
@@ -113,6 +114,14 @@ def base_of(tree: Any, tokens: Sequence[int], end: int, namespace: str) -> Prefi
         return own
     plain = peek_prefix(tree, tokens, None)
     return plain if plain.length >= own.length else own
+
+
+def cached_length(tree: Any, tokens: Sequence[int], namespace: str) -> int:
+    """How much of ``tokens`` a directive of ``namespace`` finds cached: the longer of its
+    own tree's prefix and the plain tree's. A span ends inside it exactly when ``base_of``
+    finds the base cached through the span (the own tree if it holds it, else the plain)."""
+    own = peek_prefix(tree, tokens, namespace).length
+    return max(own, peek_prefix(tree, tokens, None).length)
 
 
 @dataclass(slots=True, frozen=True)
@@ -207,7 +216,9 @@ def _alloc(tree: Any, allocator: Any, n: int) -> torch.Tensor:
     return slots
 
 
-def _insert(tree: Any, allocator: Any, plan: TreeSplicePlan, dst: torch.Tensor, namespace: str) -> None:
+def _insert(
+    tree: Any, allocator: Any, plan: TreeSplicePlan, dst: torch.Tensor, namespace: str
+) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
     value = torch.cat([plan.reuse_slots.to(dst.device), dst]).to(torch.int64)

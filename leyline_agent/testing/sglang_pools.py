@@ -17,9 +17,11 @@ transformers' DeepseekV2, and Llama/Qwen keys half-split like transformers.
 
 ``LoopbackEngine`` stands in for ``sglang.Engine`` under ``SGLangRuntime``: its requests do
 what the scheduler does with one (the plugin's routing hook picks the radix namespace, then
-``prefill``), its ``collective_rpc`` calls the scheduler methods the plugin installs on a
-stand-in scheduler holding the real cache, and turns a failure into its message (as
-``Engine.collective_rpc`` does with ``assert recv_req.success, recv_req.message``).
+``prefill``), and its RPC socket (``send_to_rpc``, SGLang's own IPC encoding) reaches
+``handle_rpc``: what ``Scheduler.handle_rpc_request`` does (call the method the plugin
+installs on a stand-in scheduler holding the real cache; a failure becomes
+``RpcReqOutput(success=False, message)``), wrapped in the plugin's hook on it, as SGLang
+applies it.
 """
 
 from __future__ import annotations
@@ -245,6 +247,30 @@ def _node_order(node: Any) -> tuple:
     return (node.key.extra_key or "", tuple(node.key.token_ids))
 
 
+class _RpcSocket:
+    """``Engine.send_to_rpc``: what is sent is decoded as the scheduler decodes it (SGLang's
+    ``sock_send`` / ``sock_recv`` encodings), answered by ``handle``, and the reply is what
+    the next receive returns."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.replies: list[Any] = []
+
+    def send(self, data: bytes, flags: int = 0) -> None:
+        from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
+
+        self.replies.append(msgpack_encode(self.handle(msgpack_decode(data))))
+
+    def recv(self, flags: int = 0) -> bytes:
+        return self.replies.pop(0)
+
+    def send_pyobj(self, obj: Any, flags: int = 0, protocol: int = -1) -> None:
+        self.replies.append(self.handle(obj))
+
+    def recv_pyobj(self, flags: int = 0) -> Any:
+        return self.replies.pop(0)
+
+
 class LoopbackEngine:
     """``sglang.Engine``'s calls (``tokenizer_manager.generate_request`` on ``loop``, and
     ``collective_rpc``), landing on the real cache of one scheduler rank."""
@@ -264,6 +290,7 @@ class LoopbackEngine:
         self.tokenizer_manager = SimpleNamespace(
             tokenizer=tokenizer, generate_request=self._generate_request
         )
+        self.send_to_rpc = _RpcSocket(self.handle_rpc)
 
     def generate(self, input_ids: Sequence[int], sampling_params: dict, extra_key=None) -> dict:
         """The scheduler's part: route the request (the plugin's hook), prefill it there.
@@ -280,11 +307,21 @@ class LoopbackEngine:
     async def _generate_request(self, obj: Any, request: Any = None):
         yield self.generate(obj.input_ids, obj.sampling_params, obj.extra_key)
 
-    def collective_rpc(self, method: str, **kwargs: Any) -> None:
-        try:
-            getattr(self.scheduler, method)(**kwargs)
-        except Exception as e:
-            raise AssertionError(str(e)) from e
+    def handle_rpc(self, req: Any) -> Any:
+        """``Scheduler.handle_rpc_request`` of one rank (no barrier), under the plugin's
+        ``AROUND`` hook: an ``RpcReqOutput``."""
+        from sglang.srt.managers.io_struct import RpcReqOutput
+
+        from leyline_agent.sglang_plugin.scheduler_hook import around_rpc_request
+
+        def handle(scheduler: Any, recv_req: Any) -> Any:
+            try:
+                getattr(scheduler, recv_req.method)(**(recv_req.parameters or {}))
+            except Exception as e:
+                return RpcReqOutput(success=False, message=str(e))
+            return RpcReqOutput(success=True, message="")
+
+        return around_rpc_request(handle, self.scheduler, req)
 
     def close(self) -> None:
         self.loop.close()
