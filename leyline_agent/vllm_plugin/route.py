@@ -1,11 +1,15 @@
 """API-server side: ``POST /leyline/v1/directives``, ``GET /leyline/v1/stats`` and the
 ``X-Leyline-Session`` middleware, as a ``vllm.endpoint_plugins`` plugin.
 
-Execution of one AMORTIZE ``(s, e, R)`` on ``T`` (directives run right to left, each on the
-sequence the previous one left), all calls in the directive's namespace (its salt):
+A request goes through ``directives.pipeline`` as on every backend: compiled, the cached
+length of its base asked of the EngineCore (``cached_prefix``: a ``lock`` released at once),
+then decided: a miss (``CacheMissError``, 409, or the ``fallback`` answer), a noop, or a plan
+on the cached prefix, nothing held or changed until then.
 
-1. ``lock`` (EngineCore): ``T``'s cached full blocks, held; a span past them is a
-   ``CacheMissError`` (409, or ``fallback``) and nothing was held or changed;
+Execution of one AMORTIZE ``(s, e, R)`` of the plan (directives run right to left, each on
+the sequence the previous one left), all calls in the directive's namespace (its salt):
+
+1. ``lock`` (EngineCore): the working sequence's cached full blocks, held;
 2. the head ``T[:s] + R`` as an ordinary vLLM request (one greedy token) through
    ``engine_client.generate``: vLLM's own prefill computes ``R`` over the cached prefix; its
    blocks are held when it finishes (``scheduler.HOLD_KEY``);
@@ -34,15 +38,16 @@ import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from leyline_agent.directives import Directive, Mode, http_guards, plan_batch, splice_tokens
-from leyline_agent.directives.compile import (
-    clip_to_cached,
-    message_edits,
-    to_directives,
-    token_form,
-)
+from leyline_agent.directives import Mode, http_guards
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
+from leyline_agent.directives.pipeline import (
+    Plan,
+    TokenForm,
+    applied_answer,
+    compile_request,
+    decide,
+)
 from leyline_agent.directives.validate import (
     RequestLimits,
     check_served,
@@ -50,11 +55,7 @@ from leyline_agent.directives.validate import (
     longest_token_bytes,
     parse_directives,
 )
-from leyline_agent.errors import (
-    CacheMissError,
-    DirectiveError,
-    RuntimeUnavailableError,
-)
+from leyline_agent.errors import CacheMissError, DirectiveError, RuntimeUnavailableError
 from leyline_agent.families import chat_format, token_id
 from leyline_agent.namespaces import SESSION_HEADER, named_namespace
 from leyline_agent.vllm_plugin.errors import error_content
@@ -194,71 +195,37 @@ class VLLMRoute:
         return self._locks.setdefault(key, asyncio.Lock())
 
     async def _run(self, req: DirectivesRequest, session_header: str | None) -> DirectivesResponse:
-        ns = named_namespace(req.session, session_header)
-        salt = salt_for(ns)
+        """``req`` through ``directives.pipeline``: compiled, the base looked up in the
+        namespace's cache (``cached_prefix``), decided, and the plan executed."""
+        salt = salt_for(named_namespace(req.session, session_header))
         info = await self.info()
         if info.get("problem"):
             raise RuntimeUnavailableError(f"{info['problem']} (Leyline directives are off)")
         tok = self.engine.get_tokenizer() if hasattr(self.engine, "get_tokenizer") else None
-        limit = int(info["max_model_len"])
-        if req.tokens is not None and req.directives is not None:
-            tokens, directives = token_form(
-                req.tokens, req.directives, tok, int(info["vocab_size"])
-            )
-            if len(tokens) > limit:
-                raise DirectiveError(f"tokens: {len(tokens)} tokens exceed max_model_len {limit}")
-            order = plan_batch(directives, seq_len=len(tokens))
-            new_tokens = splice_tokens(tokens, order)
-            if len(new_tokens) > limit:
-                raise DirectiveError(f"directives: T' has {len(new_tokens)} tokens > {limit}")
-            lock = await self.rpc("lock", tokens=tokens, salt=salt)
-            cached = lock["cached_tokens"]
-            await self.rpc("release", ids=[lock["lock_id"]])
-            for i, d in enumerate(directives):
-                if d.end > cached or cached == 0:
-                    return self._miss(
-                        req, new_tokens, order, cached,
-                        f"directives[{i}]: span [{d.start}, {d.end}) of 'tokens' is not cached "
-                        f"(the prefix cache holds its first {cached} of {len(tokens)} tokens)",
-                    )  # fmt: skip
-        else:
-            boundary = token_id(tok, chat_format(info.get("model_type")).message_boundary)
-            edits = message_edits(
-                tok, list(req.old_messages or []), list(req.new_messages or []), req.tools, boundary
-            )
-            old, new_tokens, spans = edits.old, edits.new, edits.spans
-            if not spans:
-                return DirectivesResponse(outcome="noop", tokens=new_tokens, applied=[])
-            lock = await self.rpc("lock", tokens=old, salt=salt)
-            cached = lock["cached_tokens"]
-            await self.rpc("release", ids=[lock["lock_id"]])
-            kept = clip_to_cached(spans, cached)
-            if cached == 0 or not kept:
-                return self._miss(
-                    req, new_tokens, [], cached,
-                    f"old_messages: the edits start at token {spans[0].start} but only the "
-                    f"first {cached} tokens of the rendered conversation are cached",
-                )  # fmt: skip
-            order = plan_batch(to_directives(kept, req.mode), seq_len=cached)
-            tokens = old[:cached]
-        return await self._execute(tokens, order, salt, new_tokens, cached)
+        marker = chat_format(info.get("model_type")).message_boundary
+        boundary = token_id(tok, marker) if tok is not None else None
+        compiled = compile_request(req, tok, int(info["vocab_size"]), boundary)
+        if isinstance(compiled, TokenForm):
+            _check_length(compiled, int(info["max_model_len"]))
+        cached = await self.cached_prefix(compiled.base, salt) if compiled.needs_lookup else 0
+        decision = decide(compiled, cached, req)
+        if isinstance(decision, DirectivesResponse):
+            return decision
+        return await self._execute(decision, salt)
 
-    def _miss(self, req, new_tokens, order, cached, message) -> DirectivesResponse:  # noqa: ANN001
-        if not req.fallback:
-            raise CacheMissError(message)
-        return DirectivesResponse(
-            outcome="fallback", tokens=new_tokens, applied=order, splices={}, fallback=True,
-            cached_base_tokens=cached,
-        )  # fmt: skip
+    async def cached_prefix(self, tokens: list[int], namespace: str) -> int:
+        """``directives.backend.PrefixLookup``: the cached length of ``tokens`` under the
+        salt ``namespace`` (full blocks and the rows the plugin holds), held by nothing."""
+        lock = await self.rpc("lock", tokens=tokens, salt=namespace)
+        await self.rpc("release", ids=[lock["lock_id"]])
+        return int(lock["cached_tokens"])
 
-    async def _execute(
-        self, tokens: list[int], order: list[Directive], salt: str, final: list[int], cached: int
-    ) -> DirectivesResponse:
-        cur = list(tokens)
+    async def _execute(self, plan: Plan, salt: str) -> DirectivesResponse:
+        cur = list(plan.base)
         splices = {"amortize": 0, "forget": 0}
         reused = prefilled = rotated = 0
-        for d in order:  # right to left
-            assert isinstance(d.replacement, list)  # compiled above
+        for d in plan.order:  # right to left
+            assert isinstance(d.replacement, list)  # compiled by the pipeline
             after = cur[: d.start] + d.replacement + cur[d.end :]
             if d.mode is Mode.AMORTIZE:
                 # stage: T's rows inside the block holding ``start`` go to the head
@@ -296,11 +263,9 @@ class VLLMRoute:
                 prefilled += len(after) - d.start
             splices[d.mode.value] += 1
             cur = after
-        return DirectivesResponse(
-            outcome="applied" if order else "noop", tokens=final, applied=order, splices=splices,
-            cached_base_tokens=cached, reused_tokens=reused, prefilled_tokens=prefilled,
-            rotated_tokens=rotated,
-        )  # fmt: skip
+        return applied_answer(
+            plan, splices=splices, reused=reused, prefilled=prefilled, rotated=rotated
+        )
 
     async def flush(self) -> dict[str, Any]:
         """Every cached block no request holds is freed (``/leyline/v1/flush``, as on
@@ -330,6 +295,15 @@ class VLLMRoute:
             cache_capacity_tokens=s["cache_capacity_tokens"],
             features=(BODY_EDITS,),  # chat_front applies them
         ).model_dump(mode="json")
+
+
+def _check_length(compiled: TokenForm, limit: int) -> None:
+    """A token-form ``T`` and ``T'`` within ``max_model_len`` (text replacements are only
+    counted once tokenized)."""
+    if len(compiled.base) > limit:
+        raise DirectiveError(f"tokens: {len(compiled.base)} tokens exceed max_model_len {limit}")
+    if len(compiled.new_tokens) > limit:
+        raise DirectiveError(f"directives: T' has {len(compiled.new_tokens)} tokens > {limit}")
 
 
 def add_routes(app: Any) -> None:
