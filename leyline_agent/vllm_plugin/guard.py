@@ -41,7 +41,7 @@ from leyline_agent.directives.answers import error_content
 from leyline_agent.directives.http_guards import GuardError
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 from leyline_agent.namespaces import SESSION_HEADER, Namespace, check_session_id
-from leyline_agent.vllm_plugin.chat_front import ChatFront, annotate
+from leyline_agent.vllm_plugin.chat_front import MODES, ChatFront, annotate
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, salt_for
 
 __all__ = ["BODY_KEY", "FRONT_STATE", "KEYS_STATE", "LeylineGuard", "api_keys", "max_body_bytes"]
@@ -61,9 +61,8 @@ _NOT_HERE = (
     "/leyline/v1/directives (wrap_openai and LeylineTransport do)"
 )
 _UNDECLARED = (
-    "this server (vLLM + the Leyline plugin) splices only the edits a chat request declares "
-    "in leyline.edits (it keeps no conversations to find others); send them there, or "
-    "client_edits 'off'"
+    "this server (vLLM + the Leyline plugin) finds edits only in a named session's chat "
+    "requests (X-Leyline-Session); declare them in leyline.edits, or send client_edits 'off'"
 )
 
 
@@ -130,7 +129,9 @@ class LeylineGuard:
         if http_guards.content_length_over(scope.get("headers", ()), self.limit):
             raise http_guards.PayloadTooLargeError(self.limit)
         raw = await http_guards.read_body(receive, self.limit)
-        scope[BODY_KEY] = http_guards.parse_json(raw) if raw.strip() else None
+        body = scope[BODY_KEY] = http_guards.parse_json(raw) if raw.strip() else None
+        if isinstance(body, dict) and scope.get("path", "").endswith("/directives"):
+            _directive_seen(scope, body)
         await self.app(scope, _replay(raw, receive), send)
 
     async def _other(self, scope: Any, receive: Any, send: Any, path: str) -> None:
@@ -151,7 +152,7 @@ class LeylineGuard:
         if data is None or (sid is None and not _for_leyline(data)):
             await self.app(scope, _replay(raw, receive), send)  # nothing to do here
             return
-        _front_checks(data, edits_here=path == CHAT_PATH)
+        _front_checks(data, chat=path == CHAT_PATH, session=sid is not None)
         _salt(data, sid)  # checked before anything is spliced
         leyline = None
         if path == CHAT_PATH and (sid is not None or "leyline" in data):
@@ -214,6 +215,20 @@ def _salt(data: dict[str, Any], sid: str | None) -> None:
     data["cache_salt"] = salt
 
 
+def _directive_seen(scope: Any, body: dict[str, Any]) -> None:
+    """A directive of a session changes its cache outside the chat front: the front forgets
+    what it sent there, and marks the session exact if it forgets content (a FORGET's edit
+    is not amortized back by the next turn's drift)."""
+    front = getattr(getattr(scope.get("app"), "state", None), FRONT_STATE, None)
+    header = _header(scope, SESSION_HEADER.lower().encode())
+    session = header.decode("utf-8", "replace") if header is not None else body.get("session")
+    if front is None or not isinstance(session, str):
+        return
+    items = body.get("directives") if isinstance(body.get("directives"), list) else []
+    modes = [body.get("mode")] + [d.get("mode") for d in items if isinstance(d, dict)]
+    front.memory.forget(session, exact="forget" in modes)
+
+
 def _front(scope: Any) -> ChatFront:
     front = getattr(getattr(scope.get("app"), "state", None), FRONT_STATE, None)
     if front is None:
@@ -221,12 +236,12 @@ def _front(scope: Any) -> ChatFront:
     return front
 
 
-def _front_checks(data: dict[str, Any], edits_here: bool) -> None:
+def _front_checks(data: dict[str, Any], chat: bool, session: bool) -> None:
     """Refuse (``GuardError`` naming the field) the body fields that ask for work this
-    front does not do: ``context_management``; client edits turned on without ``edits``
-    (finding undeclared edits takes ``leyline serve``'s conversation tracking); ``edits``
-    anywhere but in a chat request (``edits_here``). ``{"leyline": {"client_edits":
-    "off"}}`` asks for nothing (the caller drops it)."""
+    front does not do: ``context_management``; ``edits`` anywhere but in a chat request;
+    client edits turned on outside a named session's chat request (the chat front finds a
+    session's drift and edits against what that session sent; it tracks no anonymous
+    conversations). ``{"leyline": {"client_edits": "off"}}`` asks for nothing."""
     if "context_management" in data:
         raise GuardError(_NOT_HERE, "context_management")
     if "leyline" not in data:
@@ -234,14 +249,17 @@ def _front_checks(data: dict[str, Any], edits_here: bool) -> None:
     opts = data["leyline"]
     if not isinstance(opts, dict):
         raise GuardError("must be an object", "leyline")
-    if "edits" in opts:
-        if not edits_here:
-            raise GuardError("edits ride with a chat request only", "leyline.edits")
-        return  # checked with the messages (``body_edits.request_edits``)
-    unknown = sorted(set(opts) - {"client_edits"})
+    unknown = sorted(set(opts) - {"client_edits", "edits"})
     if unknown:
         raise GuardError(f"unknown option {unknown[0]!r}", f"leyline.{unknown[0]}")
-    if opts.get("client_edits", "off") != "off":
+    mode = opts.get("client_edits", "off")
+    if mode not in MODES:
+        raise GuardError(f"must be one of {list(MODES)}", "leyline.client_edits")
+    if "edits" in opts:
+        if not chat:
+            raise GuardError("edits ride with a chat request only", "leyline.edits")
+        return  # checked with the messages (``body_edits.request_edits``)
+    if mode != "off" and not (chat and session):
         raise GuardError(_UNDECLARED, "leyline.client_edits")
 
 

@@ -84,6 +84,8 @@ class VLLMRoute:
         self.prefilled_tokens = 0
         self.fallbacks = 0
         self.directive_errors = 0
+        self.drift_splices = 0  # chat turns whose token drift was spliced (chat_front)
+        self.drift_unspliced: dict[str, int] = {}  # ... found but not spliced, by reason
         self._locks: dict[str, asyncio.Lock] = {}  # one per namespace (salt)
         self._info: dict[str, Any] | None = None
         self._limits: RequestLimits | None = None
@@ -102,6 +104,10 @@ class VLLMRoute:
                 raise RuntimeError(f"{err['type']}: {err['message']}")
             raise cls(err["message"])
         return answer["ok"]
+
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer (the one vLLM's chat route renders with)."""
+        return self.engine.get_tokenizer()
 
     async def info(self) -> dict[str, Any]:
         if self._info is None:
@@ -293,6 +299,8 @@ class VLLMRoute:
             directive_errors=self.directive_errors,
             cache_tokens=s["cache_tokens"],
             cache_capacity_tokens=s["cache_capacity_tokens"],
+            drift_splices=self.drift_splices,
+            drift_unspliced=dict(self.drift_unspliced),
             features=(BODY_EDITS,),  # chat_front applies them
         ).model_dump(mode="json")
 

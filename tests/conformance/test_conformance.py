@@ -381,11 +381,15 @@ def _body_chat(srv, messages, session, **extra):
     return r.json()
 
 
-def _chat_truth(oracle, held: list[int], span, new_prompt: list[int]) -> tuple[int, list[float]]:
+def _chat_truth(
+    oracle, held: list[int], span, new_prompt: list[int], reused: int | None = None
+) -> tuple[int, list[float]]:
     """(rows of ``T'`` the next prompt reuses, its next-token top log-probs) for AMORTIZE of
-    ``span`` over the rows ``held`` (transformers' modules and rotary function)."""
+    ``span`` over the rows ``held`` (transformers' modules and rotary function); ``reused``:
+    at most that many rows of ``T'`` (what a server says it reused)."""
     st = RefState.prefill(oracle, held).amortize(span.start, span.end, span.replacement)
     c = next(c for c in range(len(st.tokens), -1, -1) if st.tokens[:c] == new_prompt[:c])
+    c = c if reused is None else min(c, reused)
     head = RefState(oracle, st.tokens[:c], [p[:, :, :c] for p in st.plain],
                     [p[:, :, :c] for p in st.pre])  # fmt: skip
     lp = torch.log_softmax(logits_from_kv(oracle, head.kv(), new_prompt[c:]).double(), -1)
@@ -428,6 +432,47 @@ def test_edits_riding_in_a_chat_body_are_exact_splices(both, ckpt, oracle):
         assert cached == c, (srv.name, cached, c)
         assert _err(got, want) <= TOL, (srv.name, _err(got, want))
         # the check can tell: the edited turn prefilled afresh differs
+        with torch.inference_mode():
+            logits = oracle(input_ids=torch.tensor([new_prompt])).logits[0, -1]
+        fresh = sorted(torch.log_softmax(logits.double(), -1).tolist(), reverse=True)[:TOP]
+        assert _err(got, fresh) > 100 * TOL, srv.name
+
+
+def test_a_drifted_head_line_is_an_exact_splice(both, ckpt, oracle):
+    """The system prompt's first line changes between two turns of a session (a reasoning
+    effort): both servers find the drift in the rendered prompt and splice it, and each
+    turn's next-token log-probs equal AMORTIZE of the drift span over the rows that server
+    held (transformers), not the fresh prefill."""
+    from transformers import AutoTokenizer
+
+    from leyline_agent.directives import Mode
+    from leyline_agent.directives.compile import render
+    from leyline_agent.directives.drift_plan import plan_drift
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    rules = " ".join(f"rule {k}: keep the tests green." for k in range(40))
+    first = [{"role": "system", "content": f"Reasoning effort: high\n{rules}"},
+             {"role": "user", "content": "fix the bug"}]  # fmt: skip
+    for srv in both:
+        session = f"drift-head-{both[1].block}"  # leyline serve is shared by the vLLM configs
+        reply = _body_chat(srv, first, session)["choices"][0]["message"]["content"] or ""
+        turn = [{"role": "system", "content": f"Reasoning effort: low\n{rules}"}, first[1],
+                {"role": "assistant", "content": reply}, {"role": "user", "content": "go on"}]  # fmt: skip
+        j = _body_chat(srv, turn, session)
+        assert j["leyline"]["drift"]["spliced"] is True, (srv.name, j["leyline"])
+        got = sorted((t["logprob"] for t in j["choices"][0]["logprobs"]["content"][0]["top_logprobs"]),
+                     reverse=True)  # fmt: skip
+        cached = j["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        held = render(tok, first, None, add_generation_prompt=True)
+        if srv.name == "leyline":  # the reply's rows too (vLLM: see the body-edit test)
+            held = held + tok.encode(reply, add_special_tokens=False)
+        new_prompt = render(tok, turn, None, add_generation_prompt=True)
+        _, req = plan_drift(held, new_prompt, Mode.AMORTIZE)
+        (d,) = req.directives
+        c, want = _chat_truth(oracle, req.tokens, d, new_prompt, reused=cached)
+        assert c == cached >= 0.9 * len(new_prompt), (srv.name, cached, c, len(new_prompt))
+        assert _err(got, want) <= TOL, (srv.name, _err(got, want))
         with torch.inference_mode():
             logits = oracle(input_ids=torch.tensor([new_prompt])).logits[0, -1]
         fresh = sorted(torch.log_softmax(logits.double(), -1).tolist(), reverse=True)[:TOP]

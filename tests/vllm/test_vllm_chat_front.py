@@ -62,16 +62,16 @@ def test_a_declared_edit_is_the_directive_routes_splice(llama):
     # A: the edit rides with the chat request
     got = _answer(_chat(live, second, "ride-a", leyline=edits))
     # B: the same edit as a message-form directive, then the edited list plainly
+    # (the conversation the cache holds: the first list, then what this turn sends after it)
     d = live.client.post(
         live.url + "/leyline/v1/directives",
-        json={"old_messages": first, "new_messages": [edited[i] for i in range(len(first))],
-              "mode": "amortize"},
+        json={"old_messages": second, "new_messages": edited, "mode": "amortize"},
         headers={"X-Leyline-Session": "ride-b"},
     )  # fmt: skip
     assert d.status_code == 200 and d.json()["outcome"] == "applied", d.text
-    want = _answer(_chat(live, edited, "ride-b"))
+    want = _answer(_chat(live, edited, "ride-b", leyline={"client_edits": "off"}))
     # C: the edited list sent plainly (no splice: the prefix cache up to the edit)
-    plain = _answer(_chat(live, edited, "ride-c"))
+    plain = _answer(_chat(live, edited, "ride-c", leyline={"client_edits": "off"}))
 
     assert got[2]["edits"] == {"declared": [k], "spliced": [k], "fallback": False}
     assert got[0] == want[0] > plain[0], (got[0], want[0], plain[0])
@@ -112,7 +112,8 @@ def test_what_this_front_does_not_do_is_refused_by_name(llama):
          "leyline.edits[0].index"),
         (dict(session="ride-r", leyline={"client_edits": "off", **edits}),
          "leyline.client_edits"),
-        (dict(session="ride-r", leyline={"client_edits": "amortize"}), "leyline.client_edits"),
+        (dict(leyline={"client_edits": "amortize"}), "leyline.client_edits"),  # no session
+        (dict(session="ride-r", leyline={"client_edits": "sometimes"}), "leyline.client_edits"),
         (dict(session="ride-r", leyline={"mode": "x"}), "leyline.mode"),
     ]  # fmt: skip
     for kw, field in cases:
@@ -128,3 +129,28 @@ def test_what_this_front_does_not_do_is_refused_by_name(llama):
     assert r.status_code == 400 and r.json()["error"]["field"] == "leyline.edits", r.text
     off = _chat(live, first, "ride-r", leyline={"client_edits": "off"})
     assert off.status_code == 200 and "leyline" not in off.json(), off.text
+
+
+def test_a_changed_head_line_is_one_drift_splice(llama):
+    """The first line of a long system prompt changes between two turns of a session: the
+    front finds the drift in the rendered prompt and splices it (``leyline.drift``), so the
+    turn reuses nearly all its rows; with ``client_edits`` off the same turn does not."""
+    live = llama
+    body = " ".join(f"rule {k}: keep the tests green." for k in range(120))
+    runs = {}
+    for session, opts in (("drift-on", None), ("drift-off", {"client_edits": "off"})):
+        first = [{"role": "system", "content": f"Reasoning effort: high\n{body}"},
+                 {"role": "user", "content": "fix the bug"}]  # fmt: skip
+        _answer(_chat(live, first, session, leyline=opts))
+        turn = [{"role": "system", "content": f"Reasoning effort: low\n{body}"},
+                first[1], {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "go on"}]  # fmt: skip
+        r = _chat(live, turn, session, leyline=opts)
+        runs[session] = (_answer(r), r.json()["usage"]["prompt_tokens"])
+    (cached, _, leyline), prompt = runs["drift-on"]
+    assert leyline["drift"]["spliced"] is True, leyline
+    assert [s["kind"] for s in leyline["drift"]["spans"]] == ["replacement"], leyline
+    assert cached >= 0.9 * prompt, (cached, prompt)
+    (off, _, none), _ = runs["drift-off"]
+    assert "leyline" not in none and off < prompt // 10, (off, none)
+    assert live.stats()["drift_splices"] >= 1

@@ -101,7 +101,7 @@ def test_bad_directives_leave_the_cache_unchanged(llama):
     r = live.directive(
         {"tokens": t, "directives": [d]}, session="x" * 300
     )  # longer than a session id may be
-    assert r.status_code == 400 and r.json()["error"]["leyline_type"] == "DirectiveError"
+    assert r.status_code == 400 and r.json()["error"]["leyline_type"] == "RequestError"
     assert live.stats()["directive_errors"] == errors0 + len(bad) + 1
     after = live.complete(t + x)
     assert after[0] == before[0]
