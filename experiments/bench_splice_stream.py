@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "gaps", "main", "stream_until"]
 
 START, END, STREAM_TOKENS = 2000, 2100, 400
 
@@ -50,8 +50,9 @@ def random_ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 5990) for _ in range(n)]
 
 
-def _stream(c, name: str, stop: threading.Event, stamps: list[list[float]]) -> None:
-    """Session A: greedy streams back to back until ``stop``; each event's arrival time."""
+def stream_until(c, name: str, stop: threading.Event, stamps: list[list[float]]) -> None:
+    """Session A: greedy streams back to back until ``stop``; each token's arrival time,
+    per stream (a gap is only ever taken inside one stream)."""
     k = 0
     while not stop.is_set():
         k += 1
@@ -68,7 +69,8 @@ def _stream(c, name: str, stop: threading.Event, stamps: list[list[float]]) -> N
                     break
 
 
-def _gaps(stamps: list[list[float]], lo: float, hi: float) -> list[float]:
+def gaps(stamps: list[list[float]], lo: float, hi: float) -> list[float]:
+    """Gaps between two tokens of one stream that overlap ``[lo, hi]``."""
     return [b - a for s in stamps for a, b in zip(s, s[1:], strict=False) if b > lo and a < hi]
 
 
@@ -96,7 +98,7 @@ def _with_stream(c, name: str, seconds: float | None, splice=None) -> tuple[list
     """A streams for ``seconds`` (or through ``splice()``); its gaps over that window, and
     the splice's own time (0 without one)."""
     stop, stamps = threading.Event(), []
-    th = threading.Thread(target=_stream, args=(c, name, stop, stamps))
+    th = threading.Thread(target=stream_until, args=(c, name, stop, stamps))
     th.start()
     time.sleep(0.5)
     t0 = time.monotonic()
@@ -104,7 +106,7 @@ def _with_stream(c, name: str, seconds: float | None, splice=None) -> tuple[list
     t1 = time.monotonic()
     stop.set()
     th.join()
-    return _gaps(stamps, t0, t1), took
+    return gaps(stamps, t0, t1), took
 
 
 def _pct(xs: list[float], q: float) -> float:

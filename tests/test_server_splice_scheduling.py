@@ -16,7 +16,6 @@ The spliced result is then compared with an independent AMORTIZE
 
 from __future__ import annotations
 
-import json
 import statistics
 import threading
 import time
@@ -25,6 +24,7 @@ import httpx
 import pytest
 import torch
 
+from leyline_agent.experiments.bench_splice_stream import gaps, stream_until
 from leyline_agent.reference.kv_reference import RefState, logits_from_kv
 from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.testing.token_ids import random_ids
@@ -66,31 +66,6 @@ def served(deep_dir):
         torch.set_num_threads(old)
 
 
-def _stream_until(c: httpx.Client, name: str, stop: threading.Event, stamps: list) -> None:
-    """Session A: greedy streams back to back until ``stop``; each token's arrival time,
-    per stream (a gap is only ever taken inside one stream)."""
-    k = 0
-    while not stop.is_set():
-        k += 1
-        body = {"model": name, "prompt": random_ids(100 + k, 30), "max_tokens": 400,
-                "temperature": 0, "stream": True}  # fmt: skip
-        times: list[float] = []
-        stamps.append(times)
-        headers = {"X-Leyline-Session": "A"}
-        with c.stream("POST", "/v1/completions", json=body, headers=headers) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                    times.append(time.monotonic())
-                if stop.is_set():
-                    break
-
-
-def _gaps(stamps: list[list[float]], lo: float, hi: float) -> list[float]:
-    """Gaps between two tokens of one stream that overlap ``[lo, hi]``."""
-    return [b - a for s in stamps for a, b in zip(s, s[1:], strict=False) if b > lo and a < hi]
-
-
 def _p90(xs: list[float]) -> float:
     return sorted(xs)[int(0.9 * (len(xs) - 1))] if xs else float("inf")
 
@@ -106,17 +81,17 @@ def _measure(c: httpx.Client, name: str, T: list[int], R: list[int]) -> str:
     """Solo gaps of A's stream, then its gaps while B splices ``R`` into ``T``."""
     _complete(c, name, T, "B")
     stop, solo = threading.Event(), []
-    th = threading.Thread(target=_stream_until, args=(c, name, stop, solo))
+    th = threading.Thread(target=stream_until, args=(c, name, stop, solo))
     t0 = time.monotonic()
     th.start()
     time.sleep(2.0)
     stop.set()
     th.join()
-    solo_gaps = _gaps(solo, t0, time.monotonic())
+    solo_gaps = gaps(solo, t0, time.monotonic())
     assert len(solo_gaps) > 50, len(solo_gaps)
 
     stop, during = threading.Event(), []
-    th = threading.Thread(target=_stream_until, args=(c, name, stop, during))
+    th = threading.Thread(target=stream_until, args=(c, name, stop, during))
     th.start()
     time.sleep(0.5)
     d = {"start": START, "end": END, "replacement": R, "mode": "amortize"}
@@ -129,15 +104,15 @@ def _measure(c: httpx.Client, name: str, T: list[int], R: list[int]) -> str:
     th.join()
     assert resp.status_code == 200, resp.text
     assert resp.json()["prefilled_tokens"] == R_LEN
-    gaps = _gaps(during, s0, s1)
+    spliced = gaps(during, s0, s1)
     solo_p50, solo_max = statistics.median(solo_gaps), max(solo_gaps)
-    p50 = statistics.median(gaps) if gaps else float("inf")
-    solo_p90, p90 = _p90(solo_gaps), _p90(gaps)
+    p50 = statistics.median(spliced) if spliced else float("inf")
+    solo_p90, p90 = _p90(solo_gaps), _p90(spliced)
     report = (
         f"splice {s1 - s0:.2f}s; solo gap p50 {solo_p50 * 1e3:.1f} ms p90 {solo_p90 * 1e3:.1f} "
-        f"ms max {solo_max * 1e3:.1f} ms; during the splice {len(gaps)} gaps, p50 "
+        f"ms max {solo_max * 1e3:.1f} ms; during the splice {len(spliced)} gaps, p50 "
         f"{p50 * 1e3:.1f} ms p90 {p90 * 1e3:.1f} ms max "
-        f"{max(gaps, default=float('inf')) * 1e3:.1f} ms"
+        f"{max(spliced, default=float('inf')) * 1e3:.1f} ms"
     )
     # the typical gap while the splice runs stays near the solo one (measured 1.5-1.9x, p90
     # 1.5-2.2x, on a loaded 2-core machine; an exclusive splice gives no gaps, so inf)
@@ -145,7 +120,7 @@ def _measure(c: httpx.Client, name: str, T: list[int], R: list[int]) -> str:
     assert p90 < 3 * solo_p90, report
     # the stream kept going all through the splice: at least an eighth of the tokens it
     # would have produced alone (a splice that stops the engine lets through none)
-    assert len(gaps) >= (s1 - s0) / solo_p50 / 8, report
+    assert len(spliced) >= (s1 - s0) / solo_p50 / 8, report
     return report
 
 

@@ -165,15 +165,19 @@ class ChatFront:
             )
         if session is None:
             return Spliced(rest, None)
-        mode = (edits.options or {}).get("client_edits") or self.mode
+        mode = (edits.options or {}).get("client_edits") or self.mode  # set beside edits
         tools = body.get("tools") if isinstance(body.get("tools"), list) else None
         new = canonical_messages(edits.messages)
-        tokens = await asyncio.to_thread(self._render, new, tools)
+        # the rendered prompt is what a later turn's drift is diffed against: not rendered
+        # for a request that asks for no splicing at all
+        off = mode == "off" and not edits.edits
+        tokens = array("i") if off else await asyncio.to_thread(self._render, new, tools)
+        splice = Mode.FORGET if mode == "forget" or self.memory.exact(session) else Mode.AMORTIZE
         leyline: dict[str, Any] | None = None
         if edits.edits:
-            leyline = {"edits": await self._declared(edits, new, tools, session)}
-        elif mode != "off":
-            drift = await self._drift(tokens, session, mode)
+            leyline = {"edits": await self._declared(edits, new, tools, session, splice)}
+        elif not off:
+            drift = await self._drift(tokens, session, splice)
             leyline = {"drift": drift.wire()} if drift is not None else None
         self.memory.remember(session, Sent(new, tokens))
         return Spliced({**rest, "messages": edits.messages}, leyline)
@@ -183,19 +187,18 @@ class ChatFront:
         return array("i", render(tok, messages, canonical_tools(tools), add_generation_prompt=True))
 
     async def _declared(
-        self, edits: RequestEdits, new: list[dict[str, Any]], tools: Any, session: str
+        self, edits: RequestEdits, new: list[dict[str, Any]], tools: Any, session: str, mode: Mode
     ) -> dict[str, Any]:
         old = self.memory.base_for(session, new, edits.declared)
         spliced: list[int] | None = None
         if old is not None:
-            mode = Mode(edits.options.get("client_edits", "amortize"))
             # the cache holds the earlier list and what followed it (the reply, as this request
             # echoes it): the same conversation, the edited messages as they were
             req = DirectivesRequest(
                 old_messages=old + new[len(old) :],
                 new_messages=new,
                 tools=tools,
-                mode=Mode.FORGET if self.memory.exact(session) else mode,
+                mode=mode,
                 fallback=True,
                 session=session,
             )
@@ -205,12 +208,11 @@ class ChatFront:
             spliced = sorted(edits.declared)[: len(resp.applied)] if resp.applied else None
         return outcome(edits, spliced, session)
 
-    async def _drift(self, tokens: array, session: str, mode: str) -> DriftOutcome | None:
+    async def _drift(self, tokens: array, session: str, mode: Mode) -> DriftOutcome | None:
         last = self.memory.last(session)
         if last is None:
             return None
-        splice = Mode.FORGET if mode == "forget" or self.memory.exact(session) else Mode.AMORTIZE
-        planned = await asyncio.to_thread(plan_drift, last.tokens, tokens, splice)
+        planned = await asyncio.to_thread(plan_drift, last.tokens, tokens, mode)
         if planned is None:
             return None
         out, req = planned
