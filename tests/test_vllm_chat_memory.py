@@ -35,11 +35,14 @@ def test_bounded_and_forgotten_by_a_directive():
     assert mem.exact("b")
 
 
-def test_annotate_adds_leyline_to_an_answer_or_a_streams_first_event():
-    extra = {"edits": {"declared": [1], "spliced": [1], "fallback": False}}
+def test_annotate_adds_fields_to_an_answer_or_a_streams_first_event():
+    extra = {"leyline": {"edits": {"declared": [1], "spliced": [1], "fallback": False}}}
     assert annotate(b'{"id": 1}', extra, False) == b'{"id":1,"leyline":' + (
         b'{"edits":{"declared":[1],"spliced":[1],"fallback":false}}}'
     )
+    # objects merge key by key: what the answer has stays
+    both = annotate(b'{"usage": {"prompt_tokens": 3}}', {"usage": {"leyline": {"x": 1}}}, False)
+    assert both == b'{"usage":{"prompt_tokens":3,"leyline":{"x":1}}}'
     out = annotate(b'data: {"id": 1}\n\ndata: {"id": 2}\n\n', extra, True)
     first, rest = out.split(b"\n\n", 1)
     assert b'"leyline"' in first and rest == b'data: {"id": 2}\n\n'

@@ -135,10 +135,11 @@ class ChatMemory:
 
 @dataclass(frozen=True, slots=True)
 class Spliced:
-    """What ``ChatFront.splice`` did: the body to hand vLLM, and ``leyline`` of the answer."""
+    """What ``ChatFront.splice`` did: the body to hand vLLM, and the fields its answer gets
+    (``leyline``, ``context_management``; ``annotate``), None for none."""
 
     body: dict[str, Any]
-    leyline: dict[str, Any] | None
+    fields: dict[str, Any] | None
 
 
 class ChatFront:
@@ -180,7 +181,8 @@ class ChatFront:
             drift = await self._drift(tokens, session, splice)
             leyline = {"drift": drift.wire()} if drift is not None else None
         self.memory.remember(session, Sent(new, tokens))
-        return Spliced({**rest, "messages": edits.messages}, leyline)
+        fields = {"leyline": leyline} if leyline is not None else None
+        return Spliced({**rest, "messages": edits.messages}, fields)
 
     def _render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> array:
         tok = self.runner.tokenizer()
@@ -231,19 +233,27 @@ class ChatFront:
         return out
 
 
-def annotate(chunk: bytes, leyline: dict[str, Any], stream: bool) -> bytes:
-    """``chunk`` (a whole JSON answer, or a stream's first event) with ``leyline`` added at
-    its top level; unchanged if it is not a JSON object."""
+def annotate(chunk: bytes, fields: dict[str, Any], stream: bool) -> bytes:
+    """``chunk`` (a whole JSON answer, or a stream's first event) with ``fields`` merged into
+    its top level (an object into an object key by key, at every depth); unchanged if it is
+    not a JSON object."""
     if stream:
         head, sep, tail = chunk.partition(b"\n\n")
         if not head.startswith(b"data: {"):
             return chunk
-        return b"data: " + annotate(head[6:], leyline, False) + sep + tail
+        return b"data: " + annotate(head[6:], fields, False) + sep + tail
     try:
         data = json.loads(chunk)
     except ValueError:
         return chunk
     if not isinstance(data, dict):
         return chunk
-    data["leyline"] = {**(data.get("leyline") or {}), **leyline}
-    return json.dumps(data, separators=(",", ":")).encode()
+    return json.dumps(_merged(data, fields), separators=(",", ":")).encode()
+
+
+def _merged(data: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    out = dict(data)
+    for k, v in fields.items():
+        old = out.get(k)
+        out[k] = _merged(old, v) if isinstance(old, dict) and isinstance(v, dict) else v
+    return out

@@ -55,10 +55,11 @@ VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationM
 _FORMS = (b"multipart/form-data", b"application/x-www-form-urlencoded")
 # Body fields only ``leyline serve``'s front applies: vLLM would ignore them (a 200 that
 # applied nothing), so they are refused by name (``_front_checks``).
-_NOT_HERE = (
-    "this server (vLLM + the Leyline plugin) does not apply context_management; send the "
-    "edits as leyline.edits of the chat request, or as a message-form POST "
-    "/leyline/v1/directives (wrap_openai and LeylineTransport do)"
+_CM_CHAT = "context_management rides with a chat request only"
+_CM_SESSION = (
+    "this server (vLLM + the Leyline plugin) applies context_management in a named "
+    f"session's chat requests only ({SESSION_HEADER}): the conversation it edits, and the "
+    "rows it splices, are the session's own"
 )
 _UNDECLARED = (
     "this server (vLLM + the Leyline plugin) finds edits only in a named session's chat "
@@ -154,16 +155,16 @@ class LeylineGuard:
             return
         _front_checks(data, chat=path == CHAT_PATH, session=sid is not None)
         _salt(data, sid)  # checked before anything is spliced
-        leyline = None
+        fields = None
         if path == CHAT_PATH and (sid is not None or "leyline" in data):
             done = await _front(scope).splice(data, sid)  # edits riding with the turn
-            data, leyline = done.body, done.leyline
+            data, fields = done.body, done.fields
         else:
             data = {k: v for k, v in data.items() if k != "leyline"}
         body = json.dumps(data).encode()
         headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
-        out = send if leyline is None else _annotating(send, leyline)
+        out = send if fields is None else _annotating(send, fields)
         await self.app({**scope, "headers": headers}, _replay(body, receive), out)
 
 
@@ -238,12 +239,14 @@ def _front(scope: Any) -> ChatFront:
 
 def _front_checks(data: dict[str, Any], chat: bool, session: bool) -> None:
     """Refuse (``GuardError`` naming the field) the body fields that ask for work this
-    front does not do: ``context_management``; ``edits`` anywhere but in a chat request;
-    client edits turned on outside a named session's chat request (the chat front finds a
-    session's drift and edits against what that session sent; it tracks no anonymous
-    conversations). ``{"leyline": {"client_edits": "off"}}`` asks for nothing."""
-    if "context_management" in data:
-        raise GuardError(_NOT_HERE, "context_management")
+    front does not do: ``context_management`` and ``edits`` anywhere but in a chat request;
+    ``context_management`` and client edits turned on outside a named session's chat request
+    (the chat front finds a session's drift and edits against what that session sent; it
+    tracks no anonymous conversations). ``{"leyline": {"client_edits": "off"}}`` asks for nothing."""
+    if "context_management" in data and not chat:
+        raise GuardError(_CM_CHAT, "context_management")
+    if "context_management" in data and not session:
+        raise GuardError(_CM_SESSION, "context_management")
     if "leyline" not in data:
         return
     opts = data["leyline"]
@@ -263,8 +266,8 @@ def _front_checks(data: dict[str, Any], chat: bool, session: bool) -> None:
         raise GuardError(_UNDECLARED, "leyline.client_edits")
 
 
-def _annotating(send: Any, leyline: dict[str, Any]) -> Any:
-    """An ASGI ``send`` that adds ``leyline`` to a 200 answer: to the JSON object, or to the
+def _annotating(send: Any, fields: dict[str, Any]) -> Any:
+    """An ASGI ``send`` that adds ``fields`` to a 200 answer: to the JSON object, or to the
     first event of a stream (``chat_front.annotate``); any other answer passes unchanged."""
     held: dict[str, Any] = {}
     done = False
@@ -291,7 +294,7 @@ def _annotating(send: Any, leyline: dict[str, Any]) -> Any:
         more = message.get("more_body", False)
         if more and (not stream or b"\n\n" not in held["buf"]):
             return  # the whole answer, or a stream's whole first event
-        body = annotate(held["buf"], leyline, stream)
+        body = annotate(held["buf"], fields, stream)
         headers = [(k, v) for k, v in start.get("headers", ()) if k.lower() != b"content-length"]
         if not stream:
             headers.append((b"content-length", str(len(body)).encode()))
