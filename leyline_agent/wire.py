@@ -169,7 +169,7 @@ class Counters:
     directive_errors: int = 0
     evicted_tokens: int = 0  # this tenant's rows evicted (whoever's request pushed them out)
     pin_evictions: int = 0  # this tenant's splice results lost before their session came back
-    drift_splices: int = 0  # chat turns whose token drift was spliced (server/drift_turn.py)
+    drift_splices: int = 0  # chat turns whose token drift was spliced (front/chat_turn.py)
     drift_unspliced: dict[str, int] = field(default_factory=dict)  # found, not spliced: why
 
     def count_generation(self, prompt_tokens: int, cached_tokens: int, generated: int) -> None:

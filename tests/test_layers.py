@@ -4,14 +4,16 @@
 Fails on:
 - an import circle between modules;
 - an import against the direction of the layers (``ALLOWED``): contracts at the bottom,
-  ``directives`` on them, the engine on ``directives`` and the kernels, the server on top;
+  ``directives`` on them, the engine on ``directives`` and the kernels, the Leyline front
+  (``front``: conversations, ``context_management``, turn plans) on ``directives`` and the
+  policies, under both the server and the vLLM plugin, the server on top;
   a contract that needs ``Directive`` or ``MessageEdit`` imports ``directives.core``, never
   the ``directives`` package, whose other modules build on the contracts (the package's
   namespace counts as a contract for the layers above, as it re-exports ``core`` only);
   the SGLang (and vLLM) plugin beside the engine, importing neither it nor the server;
   policies and the agent side on the contracts only (never the engine or the server);
 - torch (or triton, transformers) imported by the contracts, ``directives``, the
-  policies or the agent side (a user who only wraps an agent loop installs no torch);
+  policies, the front or the agent side (a user who only wraps an agent loop installs no torch);
 - ``leyline_agent.testing`` imported from outside ``testing`` (tests use it, shipped code
   never does);
 - a module importing another module's underscore names (``from m import _x`` or
@@ -60,23 +62,26 @@ ALLOWED: dict[str, set[str]] = {
     "directives": {"contracts"},
     "policies": {"contracts"},
     "agent": {"contracts", "policies"},
+    "front": {"contracts", "directives", "policies"},
     "integrations": {"contracts", "policies", "agent"},
     "kernels": {"contracts"},
     "reference": {"contracts"},
     "engine": {"contracts", "directives", "kernels"},
     "sglang_plugin": {"contracts", "directives", "kernels"},
-    "vllm_plugin": {"contracts", "directives", "kernels"},
-    "server": {"contracts", "directives", "kernels", "engine", "policies", "sglang_plugin"},
+    "vllm_plugin": {"contracts", "directives", "kernels", "front"},
+    "server": {
+        "contracts", "directives", "kernels", "engine", "policies", "front", "sglang_plugin",
+    },  # fmt: skip
     "api": {"contracts", "directives", "policies", "agent"},
     "cli": {"contracts", "policies", "engine", "server", "experiments"},
     "experiments": {
-        "contracts", "directives", "policies", "agent", "integrations", "kernels",
+        "contracts", "directives", "policies", "front", "agent", "integrations", "kernels",
         "reference", "engine", "server", "sglang_plugin", "vllm_plugin",
     },  # fmt: skip
     "testing": set(),  # anything: fixtures and doubles
 }
 DIRECTIVES_PACKAGE = "leyline_agent.directives"
-TORCH_FREE = {"contracts", "directives", "policies", "agent"}
+TORCH_FREE = {"contracts", "directives", "policies", "front", "agent"}
 TORCH = ("torch", "triton", "transformers")
 
 

@@ -7,7 +7,7 @@ A text-only echo proves nothing about who edited a user message.
 
 from __future__ import annotations
 
-from leyline_agent.server.conversations import ConversationStore
+from leyline_agent.front.conversations import ConversationStore
 
 CALL = "call_0123456789abcdef01234567"
 REPLY_CALLS = {

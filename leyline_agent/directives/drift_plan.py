@@ -13,9 +13,8 @@ hits it. ``settle`` records what the backend made of it.
 Nothing silent: a drift found but not spliced says why in ``DriftOutcome.unspliced``
 (``unproven``: the front would not believe the request; ``not_cached``; ``error``; or the
 diff's bound, ``max_gap`` / ``max_spans``), counted by ``count`` in
-``Counters.drift_unspliced``; a spliced one in ``drift_splices``. ``leyline serve``
-(``server/drift_turn.py``) and the vLLM plugin's chat front (``vllm_plugin/chat_front.py``)
-both run it.
+``Counters.drift_unspliced``; a spliced one in ``drift_splices``. Every front runs it
+through ``front.chat_turn.drift_turn``.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
+from leyline_agent.front.context_management import CLIENT_EDIT_MODES
 from leyline_agent.server import errors
 from leyline_agent.server.completions import CHAT_DEFAULT_MAX_TOKENS, ModelLimits, ServedModel
-from leyline_agent.server.context_management import CLIENT_EDIT_MODES
 from leyline_agent.server.directive_memory import DEFAULT_REMEMBERED, DirectiveMemory
 from leyline_agent.server.inputs import DEFAULT_MAX_MESSAGES, InputLimits, check_json_body
 from leyline_agent.server.leyline_routes import router as leyline_router

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from leyline_agent.directives import Mode
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.idempotence import check_request_id
 from leyline_agent.directives.validate import checked, parse_directives
@@ -63,16 +62,7 @@ async def directives(request: Request) -> DirectivesResponse:
 
     def job(engine: ServedEngine) -> DirectivesResponse:  # on the worker: lookup + execute, atomic
         out = memory.run(req, ns, lambda: engine.apply_directives(ready, namespace=ns))
-        if ready.mode == Mode.FORGET and ready.old_messages is not None:
-            # the conversation takes the edited messages: its next chat request continues
-            # it as it is, so no client edit amortizes the forgotten span back
-            assert ready.new_messages is not None
-            st.conversations.forgotten(
-                ns.tenant, ns.session, ready.old_messages, ready.new_messages
-            )
-        forgets = any(d.mode == Mode.FORGET for d in ready.directives or [])
-        if forgets and ns.session is not None:  # token form: the session's edits stay exact
-            st.conversations.mark_exact(ns.tenant, ns.session)
+        st.conversations.directive_ran(ns, ready)  # what it forgot stays forgotten
         return out
 
     return await run_connected(request, st.worker, job, key=session_key(ns))

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from leyline_agent.front.conversations import ConversationStore
 from leyline_agent.server.completions import ServedModel
-from leyline_agent.server.conversations import ConversationStore
 from leyline_agent.server.directive_memory import DirectiveMemory
 from leyline_agent.server.inputs import InputLimits
 from leyline_agent.server.worker import Worker

@@ -91,8 +91,9 @@ class ServedEngine(Protocol):
     true ``thread_safe`` attribute (``Engine.thread_safe``); without it (doubles, wrappers
     of engines that are not) the worker runs one job at a time (``concurrency_for``).
 
-    ``counters`` is read by a chat turn whose token drift is spliced (``drift_turn``) and
-    ``cache`` by ``POST /leyline/v1/flush``; doubles that serve neither may leave them out."""
+    ``counters`` is read by a chat turn whose token drift is spliced
+    (``front.chat_turn.drift_turn``) and ``cache`` by ``POST /leyline/v1/flush``; doubles
+    that serve neither may leave them out."""
 
     model_name: str
     cache: PrefixCache

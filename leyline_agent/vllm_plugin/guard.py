@@ -17,15 +17,16 @@ vLLM checks ``--api-key`` only on its own path prefixes (``/v1``, ``/v2``, ...),
   (``namespace.route_salt``); a client's salt there would be moved to the shared unsalted
   pool and served other clients' rows. With ``X-Leyline-Session: id`` the request gets that
   session's salt (a bad id, or a ``cache_salt`` of its own next to the header: 400).
-- **Chat requests** (``/v1/chat/completions``) go through ``chat_front``: a named session's
-  messages are remembered, and the edits the request declares (``leyline.edits``) are
-  spliced before vLLM sees it; the answer says what came of them (``leyline.edits``).
-  Body fields this front does not act on are a 400 naming the field: ``context_management``,
-  client edits turned on without ``edits`` (finding undeclared edits takes ``leyline
-  serve``'s conversation tracking), ``leyline.edits`` outside a chat request;
-  ``{"leyline": {"client_edits": "off"}}`` asks for nothing and is removed. A body that is
-  not JSON is passed on unchanged (vLLM answers it). A request without a valid key
-  on a path vLLM guards is passed on unread: vLLM answers its 401.
+- **Chat requests** (``/v1/chat/completions``) go through ``chat_front``, the Leyline front
+  ``leyline serve`` runs (``front.chat_turn``): the request's conversation is found, its
+  ``context_management``, declared ``leyline.edits``, client edits and drift are spliced
+  before vLLM sees it, the answer says what came of them, and its reply is read as it passes
+  (``replies``) to record the conversation. ``leyline`` and ``context_management`` outside a
+  chat request are a 400 naming the field, and so is a request that asks for them beside a
+  ``cache_salt`` of the client's own (its rows are the client's private namespace; without
+  such a field that request is served untracked). A body that is not JSON is passed on
+  unchanged (vLLM answers it). A request without a valid key on a path vLLM guards is
+  passed on unread: vLLM answers its 401.
 
 The limit is ``LEYLINE_MAX_BODY_BYTES`` (bytes; default 16 MiB, ``leyline serve``'s).
 """
@@ -43,6 +44,7 @@ from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 from leyline_agent.namespaces import SESSION_HEADER, Namespace, check_session_id
 from leyline_agent.vllm_plugin.chat_front import MODES, ChatFront, annotate
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, salt_for
+from leyline_agent.vllm_plugin.replies import ReplyReader
 
 __all__ = ["BODY_KEY", "FRONT_STATE", "KEYS_STATE", "LeylineGuard", "api_keys", "max_body_bytes"]
 
@@ -53,17 +55,12 @@ CHAT_PATH = "/v1/chat/completions"
 LEYLINE_PREFIX = "/leyline"
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware
 _FORMS = (b"multipart/form-data", b"application/x-www-form-urlencoded")
-# Body fields only ``leyline serve``'s front applies: vLLM would ignore them (a 200 that
-# applied nothing), so they are refused by name (``_front_checks``).
-_CM_CHAT = "context_management rides with a chat request only"
-_CM_SESSION = (
-    "this server (vLLM + the Leyline plugin) applies context_management in a named "
-    f"session's chat requests only ({SESSION_HEADER}): the conversation it edits, and the "
-    "rows it splices, are the session's own"
-)
-_UNDECLARED = (
-    "this server (vLLM + the Leyline plugin) finds edits only in a named session's chat "
-    "requests (X-Leyline-Session); declare them in leyline.edits, or send client_edits 'off'"
+# Body fields the front refuses by name where it cannot act on them (``_front_checks``):
+# vLLM would ignore them (a 200 that applied nothing).
+_CHAT_ONLY = "rides with a chat request only"
+_OWN_SALT = (
+    "a request with a cache_salt of its own is served in that private namespace, which "
+    "Leyline does not splice; drop the salt, or name a session with " + SESSION_HEADER
 )
 
 
@@ -130,9 +127,7 @@ class LeylineGuard:
         if http_guards.content_length_over(scope.get("headers", ()), self.limit):
             raise http_guards.PayloadTooLargeError(self.limit)
         raw = await http_guards.read_body(receive, self.limit)
-        body = scope[BODY_KEY] = http_guards.parse_json(raw) if raw.strip() else None
-        if isinstance(body, dict) and scope.get("path", "").endswith("/directives"):
-            _directive_seen(scope, body)
+        scope[BODY_KEY] = http_guards.parse_json(raw) if raw.strip() else None
         await self.app(scope, _replay(raw, receive), send)
 
     async def _other(self, scope: Any, receive: Any, send: Any, path: str) -> None:
@@ -150,21 +145,28 @@ class LeylineGuard:
         raw = await http_guards.read_body(receive, self.limit)
         data = _json_object(raw)
         sid = _session(_header(scope, SESSION_HEADER.lower().encode()))
-        if data is None or (sid is None and not _for_leyline(data)):
+        chat = path == CHAT_PATH
+        front = _front_of(scope) if chat else None
+        own_salt = data is not None and _own_salt(data.get("cache_salt"))
+        # an anonymous chat request is tracked when the front's mode is on, as on leyline
+        # serve; one with a salt of its own stays in its private namespace, untracked
+        tracked = front is not None and front.mode != "off" and not own_salt
+        if data is None or (sid is None and not _for_leyline(data) and not tracked):
             await self.app(scope, _replay(raw, receive), send)  # nothing to do here
             return
-        _front_checks(data, chat=path == CHAT_PATH, session=sid is not None)
+        _front_checks(data, chat=chat, own_salt=own_salt)
         _salt(data, sid)  # checked before anything is spliced
-        fields = None
-        if path == CHAT_PATH and (sid is not None or "leyline" in data):
-            done = await _front(scope).splice(data, sid)  # edits riding with the turn
-            data, fields = done.body, done.fields
+        fields = commit = None
+        if chat:
+            done = await _front(scope).splice(data, sid)  # the turn's edits and drift
+            data, fields, commit = done.body, done.fields, done.commit
         else:
             data = {k: v for k, v in data.items() if k != "leyline"}
         body = json.dumps(data).encode()
         headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         out = send if fields is None else _annotating(send, fields)
+        out = out if commit is None else _reading(out, commit)
         await self.app({**scope, "headers": headers}, _replay(body, receive), out)
 
 
@@ -216,37 +218,32 @@ def _salt(data: dict[str, Any], sid: str | None) -> None:
     data["cache_salt"] = salt
 
 
-def _directive_seen(scope: Any, body: dict[str, Any]) -> None:
-    """A directive of a session changes its cache outside the chat front: the front forgets
-    what it sent there, and marks the session exact if it forgets content (a FORGET's edit
-    is not amortized back by the next turn's drift)."""
-    front = getattr(getattr(scope.get("app"), "state", None), FRONT_STATE, None)
-    header = _header(scope, SESSION_HEADER.lower().encode())
-    session = header.decode("utf-8", "replace") if header is not None else body.get("session")
-    if front is None or not isinstance(session, str):
-        return
-    items = body.get("directives") if isinstance(body.get("directives"), list) else []
-    modes = [body.get("mode")] + [d.get("mode") for d in items if isinstance(d, dict)]
-    front.memory.forget(session, exact="forget" in modes)
+def _front_of(scope: Any) -> ChatFront | None:
+    return getattr(getattr(scope.get("app"), "state", None), FRONT_STATE, None)
+
+
+def _own_salt(salt: object) -> bool:
+    """A ``cache_salt`` the client chose (not Leyline's)."""
+    return salt is not None and not is_leyline_salt(salt)
 
 
 def _front(scope: Any) -> ChatFront:
-    front = getattr(getattr(scope.get("app"), "state", None), FRONT_STATE, None)
+    front = _front_of(scope)
     if front is None:
         raise RuntimeUnavailableError("the Leyline chat front has no engine")
     return front
 
 
-def _front_checks(data: dict[str, Any], chat: bool, session: bool) -> None:
+def _front_checks(data: dict[str, Any], chat: bool, own_salt: bool) -> None:
     """Refuse (``GuardError`` naming the field) the body fields that ask for work this
-    front does not do: ``context_management`` and ``edits`` anywhere but in a chat request;
-    ``context_management`` and client edits turned on outside a named session's chat request
-    (the chat front finds a session's drift and edits against what that session sent; it
-    tracks no anonymous conversations). ``{"leyline": {"client_edits": "off"}}`` asks for nothing."""
-    if "context_management" in data and not chat:
-        raise GuardError(_CM_CHAT, "context_management")
-    if "context_management" in data and not session:
-        raise GuardError(_CM_SESSION, "context_management")
+    front cannot do: ``context_management``, ``leyline.edits`` or client edits turned on
+    anywhere but in a chat request, or beside a ``cache_salt`` of the client's own.
+    ``{"leyline": {"client_edits": "off"}}`` asks for nothing."""
+    if "context_management" in data:
+        if not chat:
+            raise GuardError("context_management " + _CHAT_ONLY, "context_management")
+        if own_salt:
+            raise GuardError(_OWN_SALT, "cache_salt")
     if "leyline" not in data:
         return
     opts = data["leyline"]
@@ -258,12 +255,36 @@ def _front_checks(data: dict[str, Any], chat: bool, session: bool) -> None:
     mode = opts.get("client_edits", "off")
     if mode not in MODES:
         raise GuardError(f"must be one of {list(MODES)}", "leyline.client_edits")
+    if "edits" in opts and not chat:
+        raise GuardError("edits " + _CHAT_ONLY, "leyline.edits")
     if "edits" in opts:
-        if not chat:
-            raise GuardError("edits ride with a chat request only", "leyline.edits")
         return  # checked with the messages (``body_edits.request_edits``)
-    if mode != "off" and not (chat and session):
-        raise GuardError(_UNDECLARED, "leyline.client_edits")
+    if mode != "off" and not chat:
+        raise GuardError("client edits " + _CHAT_ONLY, "leyline.client_edits")
+    if mode != "off" and own_salt:
+        raise GuardError(_OWN_SALT, "cache_salt")
+
+
+def _reading(send: Any, commit: Any) -> Any:
+    """An ASGI ``send`` that reads a 200 chat answer's reply as it passes (``replies``) and
+    calls ``commit(reply)`` once it is complete; an answer that failed commits nothing."""
+    reader: ReplyReader | None = None
+
+    async def reading(message: dict[str, Any]) -> None:
+        nonlocal reader
+        if message["type"] == "http.response.start" and message.get("status") == 200:
+            ctype = dict((k.lower(), v) for k, v in message.get("headers", ()))
+            stream = ctype.get(b"content-type", b"").startswith(b"text/event-stream")
+            reader = ReplyReader(stream)
+        elif message["type"] == "http.response.body" and reader is not None:
+            reader.feed(message.get("body", b""))
+            if not message.get("more_body", False):
+                reply = reader.reply()
+                if reply is not None:
+                    commit(reply)
+        await send(message)
+
+    return reading
 
 
 def _annotating(send: Any, fields: dict[str, Any]) -> Any:

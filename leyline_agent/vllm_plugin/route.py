@@ -57,12 +57,19 @@ from leyline_agent.directives.validate import (
 )
 from leyline_agent.errors import CacheMissError, DirectiveError, RuntimeUnavailableError
 from leyline_agent.families import chat_format, token_id
-from leyline_agent.namespaces import SESSION_HEADER, named_namespace
+from leyline_agent.front.conversations import ConversationStore
+from leyline_agent.namespaces import DEFAULT_TENANT, SESSION_HEADER, named_namespace
 from leyline_agent.vllm_plugin.errors import error_content
 from leyline_agent.vllm_plugin.guard import BODY_KEY
 from leyline_agent.vllm_plugin.namespace import salt_for
 from leyline_agent.vllm_plugin.scheduler import HOLD_KEY
-from leyline_agent.wire import BODY_EDITS, DirectivesRequest, DirectivesResponse, StatsResponse
+from leyline_agent.wire import (
+    BODY_EDITS,
+    CLIENT_EDITS,
+    DirectivesRequest,
+    DirectivesResponse,
+    StatsResponse,
+)
 
 __all__ = ["VLLMRoute", "add_routes"]
 
@@ -90,6 +97,7 @@ class VLLMRoute:
         self._info: dict[str, Any] | None = None
         self._limits: RequestLimits | None = None
         self.memory: RequestMemory[dict[str, Any]] = RequestMemory(_MEMORY)
+        self.conversations = ConversationStore()  # the chat front's (``chat_front``)
 
     # -- engine calls --------------------------------------------------------------------
     async def rpc(self, op: str, **kwargs: Any) -> dict[str, Any]:
@@ -144,7 +152,8 @@ class VLLMRoute:
         t0 = time.perf_counter()
         try:  # the checks every Leyline front runs, in the same order (``leyline_routes``)
             req = parse_directives(body)
-            key = salt_for(named_namespace(req.session, session_header))
+            ns = named_namespace(req.session, session_header)
+            key = salt_for(ns)
             check_request_id(req.request_id)
             check_served(req.model, self.model_names[0], self.model_names[1:])
             req = checked(req, await self.limits())
@@ -166,6 +175,7 @@ class VLLMRoute:
                 return status, content
             resp = resp.model_copy(update={"elapsed_s": time.perf_counter() - t0})
             self._count(resp)
+            self.conversations.directive_ran(ns, req)  # what it forgot stays forgotten
             content = resp.model_dump(mode="json")
             self.memory.remember(key, req.request_id, digest, content)
         return 200, content
@@ -275,15 +285,17 @@ class VLLMRoute:
 
     async def flush(self) -> dict[str, Any]:
         """Every cached block no request holds is freed (``/leyline/v1/flush``, as on
-        ``leyline serve``); vLLM keeps no pins or conversations. Counters are untouched."""
+        ``leyline serve``), and the chat front's conversations are forgotten. Counters are
+        untouched."""
         info = await self.info()
         if info.get("problem"):
             raise RuntimeUnavailableError(f"{info['problem']} (Leyline directives are off)")
         done = await self.rpc("flush")
         return FlushResponse(
             tenant="", flushed_tokens=done["flushed_tokens"], kept_tokens=done["kept_tokens"],
-            dropped_pins=0, dropped_conversations=0,
-        ).model_dump(mode="json")  # fmt: skip
+            dropped_pins=0,
+            dropped_conversations=self.conversations.forget_tenant(DEFAULT_TENANT),
+        ).model_dump(mode="json")
 
     async def stats(self) -> dict[str, Any]:
         s = await self.rpc("stats")
@@ -301,7 +313,7 @@ class VLLMRoute:
             cache_capacity_tokens=s["cache_capacity_tokens"],
             drift_splices=self.drift_splices,
             drift_unspliced=dict(self.drift_unspliced),
-            features=(BODY_EDITS,),  # chat_front applies them
+            features=(BODY_EDITS, CLIENT_EDITS),  # chat_front applies them
         ).model_dump(mode="json")
 
 

@@ -7,8 +7,12 @@ over real HTTP with the real ``openai`` SDK.
   plain chat request (the route whose exactness ``test_vllm_splice.py`` and the conformance
   suite check against transformers), and more cached rows than the edited list sent plainly;
   the answer says what came of the edit (``leyline.edits``), streamed or not;
-- what this front does not do is refused by name, and an edit with no remembered base is
-  served by a re-prefill reported ``fallback: true``.
+- what this front cannot do is refused by name, and an edit with no remembered base is
+  served by a re-prefill reported ``fallback: true``;
+- a changed head line is one drift splice; ``context_management`` stubs stale tool results
+  by a splice, and they stay stubbed (sticky) with no second splice;
+- anonymous clients with the same opening get conversations of their own, and an in-place
+  edit is believed only from the client that echoes the reply.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def test_an_edit_with_no_remembered_base_is_a_reported_fallback(llama):
     assert live.stats()["splices"] == before["splices"]
 
 
-def test_what_this_front_does_not_do_is_refused_by_name(llama):
+def test_what_this_front_cannot_do_is_refused_by_name(llama):
     live = llama
     first, second, k = _turns()
     edits = {"edits": [{"index": k, "content": STUB}]}
@@ -112,7 +116,6 @@ def test_what_this_front_does_not_do_is_refused_by_name(llama):
          "leyline.edits[0].index"),
         (dict(session="ride-r", leyline={"client_edits": "off", **edits}),
          "leyline.client_edits"),
-        (dict(leyline={"client_edits": "amortize"}), "leyline.client_edits"),  # no session
         (dict(session="ride-r", leyline={"client_edits": "sometimes"}), "leyline.client_edits"),
         (dict(session="ride-r", leyline={"mode": "x"}), "leyline.mode"),
     ]  # fmt: skip
@@ -120,13 +123,21 @@ def test_what_this_front_does_not_do_is_refused_by_name(llama):
         r = _chat(live, second, **kw)
         assert r.status_code == 400, (kw, r.text)
         assert r.json()["error"]["field"] == field, (kw, r.text)
+    cm = {"edits": [{"type": "clear_tool_uses_20250919"}]}
     body = {"model": live.srv.model, "messages": second, "max_tokens": 1,
-            "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}  # fmt: skip
+            "context_management": cm, "cache_salt": "mine"}  # fmt: skip
     r = live.client.post(live.url + "/v1/chat/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["field"] == "context_management", r.text
-    r = live.client.post(live.url + "/v1/completions", json={
-        "model": live.srv.model, "prompt": "hi", "max_tokens": 1, "leyline": edits})
-    assert r.status_code == 400 and r.json()["error"]["field"] == "leyline.edits", r.text
+    assert r.status_code == 400 and r.json()["error"]["field"] == "cache_salt", r.text
+    bad = {**body, "context_management": {"edits": [{"type": "clear_everything"}]}}
+    del bad["cache_salt"]
+    r = live.client.post(live.url + "/v1/chat/completions", json=bad)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["field"] == "context_management.edits[0].type", r.text
+    for field, value in (("leyline", edits), ("context_management", cm)):
+        r = live.client.post(live.url + "/v1/completions", json={
+            "model": live.srv.model, "prompt": "hi", "max_tokens": 1, field: value})  # fmt: skip
+        want = "leyline.edits" if field == "leyline" else field
+        assert r.status_code == 400 and r.json()["error"]["field"] == want, r.text
     off = _chat(live, first, "ride-r", leyline={"client_edits": "off"})
     assert off.status_code == 200 and "leyline" not in off.json(), off.text
 
@@ -141,9 +152,9 @@ def test_a_changed_head_line_is_one_drift_splice(llama):
     for session, opts in (("drift-on", None), ("drift-off", {"client_edits": "off"})):
         first = [{"role": "system", "content": f"Reasoning effort: high\n{body}"},
                  {"role": "user", "content": "fix the bug"}]  # fmt: skip
-        _answer(_chat(live, first, session, leyline=opts))
+        reply = _chat(live, first, session, leyline=opts).json()["choices"][0]["message"]
         turn = [{"role": "system", "content": f"Reasoning effort: low\n{body}"},
-                first[1], {"role": "assistant", "content": "ok"},
+                first[1], {"role": "assistant", "content": reply["content"]},
                 {"role": "user", "content": "go on"}]  # fmt: skip
         r = _chat(live, turn, session, leyline=opts)
         runs[session] = (_answer(r), r.json()["usage"]["prompt_tokens"])

@@ -36,10 +36,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from leyline_agent.errors import RequestError
+from leyline_agent.front.clear_thinking import ClearThinking
 from leyline_agent.http_errors import field_path
 from leyline_agent.policies import FailedCallDetector, Policy, StaleToolTruncation
-from leyline_agent.server.clear_thinking import ClearThinking
-from leyline_agent.server.errors import RequestError
 
 __all__ = [
     "CLIENT_EDIT_MODES",

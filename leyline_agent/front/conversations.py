@@ -52,7 +52,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from leyline_agent.directives import Mode
+from leyline_agent.namespaces import Namespace
 from leyline_agent.trajectory import call_ids, edited_in_place, message_text
+from leyline_agent.wire import DirectivesRequest
 
 __all__ = [
     "CONVERSATION_PREFIX",
@@ -273,6 +276,19 @@ class ConversationStore:
             for c in mine:
                 c.exact = True
             return len(mine)
+
+    def directive_ran(self, ns: Namespace, req: DirectivesRequest) -> None:
+        """A directive request ``req`` has run in ``ns``: what its FORGETs forgot stays
+        forgotten. A message-form FORGET gives the conversations it edited its new messages
+        (``forgotten``), so the chat request that sends the edited history continues them
+        with nothing left to splice (a client edit there would be AMORTIZE by default,
+        undoing the FORGET); a token-form FORGET marks the session exact (``mark_exact``)."""
+        if req.mode == Mode.FORGET and req.old_messages is not None:
+            assert req.new_messages is not None  # a message-form request has both
+            self.forgotten(ns.tenant, ns.session, req.old_messages, req.new_messages)
+        forgets = any(d.mode == Mode.FORGET for d in req.directives or [])
+        if forgets and ns.session is not None:
+            self.mark_exact(ns.tenant, ns.session)
 
     def forget_tenant(self, tenant: str) -> int:
         """Drop every conversation of ``tenant`` (a cache flush); how many there were."""

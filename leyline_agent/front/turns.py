@@ -12,7 +12,7 @@ none), the checked ``context_management`` edits and the splice mode, and returns
   FORGET of its session); with ``off`` there are none and the next prefill is exact.
 - for a conversation found by its echo alone (``Match.drift``: earlier messages changed in
   ways that are not in-place edits), the messages as sent and no message-form directive:
-  the token diff of ``drift_turn`` splices whatever differs, policy edits included.
+  the token diff of ``chat_turn.drift_turn`` splices whatever differs, policy edits included.
 - ``labels``: which ``context_management`` edit stubbed each served message (for
   ``applied_edits``, counted over the whole prompt, as Anthropic reports them).
 
@@ -25,20 +25,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from leyline_agent.directives import Mode
+from leyline_agent.directives.drift_plan import DriftCounts
+from leyline_agent.front.context_management import EditSpec
+from leyline_agent.front.conversations import Match
 from leyline_agent.namespaces import Namespace
 from leyline_agent.policies import PolicyPipeline
-from leyline_agent.server.context_management import EditSpec
-from leyline_agent.server.conversations import Match
 from leyline_agent.trajectory import message_text
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
-if TYPE_CHECKING:
-    from leyline_agent.server.worker import ServedEngine
+__all__ = ["TurnEngine", "TurnPlan", "TurnResult", "applied_edits", "execute_turn", "plan_turn"]
 
-__all__ = ["TurnPlan", "TurnResult", "applied_edits", "execute_turn", "plan_turn"]
+
+class TurnEngine(Protocol):
+    """What a chat turn's job asks of the engine it runs on (``leyline serve``'s
+    ``ServedEngine``; the vLLM chat front's bridge to its directive route)."""
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]: ...
+
+    def apply_directives(
+        self, request: DirectivesRequest, *, namespace: Namespace | None = None
+    ) -> DirectivesResponse: ...
+
+    def counters(self, tenant: str) -> DriftCounts: ...
 
 
 @dataclass(slots=True)
@@ -110,7 +126,7 @@ def plan_turn(
     return plan
 
 
-def execute_turn(engine: ServedEngine, plan: TurnPlan, ns: Namespace) -> list[TurnResult]:
+def execute_turn(engine: TurnEngine, plan: TurnPlan, ns: Namespace) -> list[TurnResult]:
     """Run the plan's directives in order (worker thread). A directive that fails changed
     nothing (the engine's guarantee): the rest are skipped and the turn is served exactly."""
     out = []

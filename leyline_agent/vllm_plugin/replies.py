@@ -1,0 +1,97 @@
+"""The assistant message of a chat answer, read as vLLM sends it (a JSON body or a stream).
+
+The chat front records a conversation's reply once its answer is complete
+(``front.chat_turn``'s ``commit``): the reply's call ids or text are what a later request
+echoes to prove it continues this conversation. ``ReplyReader`` is fed the answer's body
+chunks as they pass the middleware and returns the first choice's message once the answer
+has finished (a ``finish_reason``), or None for an answer that failed or was cut short.
+A stream's deltas are joined: ``content``, ``reasoning_content`` (or vLLM's ``reasoning``),
+and ``tool_calls`` by their ``index`` (id, name, arguments concatenated).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["ReplyReader"]
+
+
+class ReplyReader:
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self._buf = b""
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._calls: dict[int, dict[str, Any]] = {}
+        self._message: dict[str, Any] | None = None
+        self._finished = False
+
+    def feed(self, chunk: bytes) -> None:
+        self._buf += chunk
+        if not self.stream:
+            return
+        *events, self._buf = self._buf.split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+                    self._delta(_json(line[6:]))
+
+    def reply(self) -> dict[str, Any] | None:
+        """The finished answer's assistant message, or None."""
+        if not self.stream:
+            choice = _first_choice(_json(self._buf))
+            message = choice.get("message") if choice.get("finish_reason") else None
+            return message if isinstance(message, dict) else None
+        if not self._finished:
+            return None
+        out: dict[str, Any] = {"role": "assistant", "content": "".join(self._content)}
+        if self._reasoning:
+            out["reasoning_content"] = "".join(self._reasoning)
+        if self._calls:
+            out["tool_calls"] = [self._calls[i] for i in sorted(self._calls)]
+        return out
+
+    def _delta(self, event: Any) -> None:
+        choice = _first_choice(event)
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if isinstance(delta.get("content"), str):
+                self._content.append(delta["content"])
+            for key in ("reasoning_content", "reasoning"):
+                if isinstance(delta.get(key), str):
+                    self._reasoning.append(delta[key])
+                    break
+            for call in delta.get("tool_calls") or []:
+                if isinstance(call, dict):
+                    self._call(call)
+        if choice.get("finish_reason"):
+            self._finished = True
+
+    def _call(self, part: dict[str, Any]) -> None:
+        index = part.get("index", len(self._calls))
+        call = self._calls.setdefault(
+            index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        if isinstance(part.get("id"), str):
+            call["id"] = part["id"]
+        fn = part.get("function") or {}
+        for key in ("name", "arguments"):
+            if isinstance(fn.get(key), str):
+                call["function"][key] += fn[key]
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _first_choice(answer: Any) -> dict[str, Any]:
+    """Choice 0 of an answer or stream event (``{}`` if it has none)."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    for choice in choices or []:
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            return choice
+    return {}
