@@ -15,6 +15,8 @@ scheduler that hands blocks to requests, and the workers' KV tensors.
   ``leyline_agent.kernels``), the CPU cache layout probed with the backend's write op.
 - ``route``, ``errors``, ``guard``, ``chat_front``: the HTTP side, same wire contract as
   ``leyline serve`` (directives, edits riding with a chat request).
+- ``pins`` / ``pin_report``: a splice result pinned for its namespace's next request (the
+  table, run by the scheduler), and the answer that says when one was lost.
 
 Entry points (``pyproject.toml``): ``vllm.general_plugins: leyline = register`` (loaded by
 vLLM in the API server, the EngineCore and the workers) and ``vllm.endpoint_plugins:
@@ -100,9 +102,11 @@ class LeylineEndpoints:
 
     def attach_router(self, app: Any) -> None:
         from leyline_agent.vllm_plugin.guard import LeylineGuard
+        from leyline_agent.vllm_plugin.pin_report import PinReport
         from leyline_agent.vllm_plugin.route import add_routes
 
         add_routes(app)
+        app.add_middleware(PinReport)  # inside the guard: it sees the body the guard hands on
         app.add_middleware(LeylineGuard)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:

@@ -16,14 +16,20 @@ while an op does. The general plugin adds this one method to ``EngineCore``. Ops
   ``collective_rpc("leyline_copy_rows")`` on every worker, ``T'``'s full blocks registered
   under its hash chain in the session's namespace (a block already registered there under
   the same hash is dropped: the latest directive wins), the rows past them held for the
-  session's next request, references released.
+  session's next request, references released; ``T'`` is the namespace's pinned result
+  (``scheduler``: pins), replacing its last one.
 - ``forget``: drop the session's cached blocks and held rows of ``T'`` past ``start``, so
   that the FORGET's normal request computes them again (its rows before ``start`` come
-  from the cache and from the rows ``lock`` staged).
+  from the cache and from the rows ``lock`` staged); that request's ``T'`` is pinned when it
+  ends (``scheduler``).
 - ``release``: give back a lock or a hold (a failed directive).
-- ``stats``: counters and cache occupancy.
-- ``flush``: every cached block no request holds leaves the prefix cache (its rows are
-  free for reuse); a block a request in flight (or a directive's hold) holds stays cached.
+- ``arrive``: a request of namespace ``salt`` is about to be served: ``lost`` (said once)
+  if its last splice result's rows were lost (``pins.PinTable.arrive``), and whether the
+  namespace is still ``watched`` (if not, the route stops asking).
+- ``stats``: counters, cache occupancy, pinned rows and pins lost.
+- ``flush``: every pin and watch is dropped, then every cached block no request holds
+  leaves the prefix cache (its rows are free for reuse); a block a request in flight (or a
+  directive's hold) holds stays cached.
 
 Errors travel back as ``{"error": {"type", "message", "field"}}`` with the Leyline class
 name, never as an exception through vLLM's utility machinery.
@@ -200,6 +206,8 @@ def _splice(
                 have = pool.blocks[src.reuse].block_hash
                 if have != make_block_hash_with_group_id(hashes[j], 0):
                     raise RuntimeUnavailableError(f"block {j}: reused block has another hash")
+        while plan.num_new_blocks > pool.get_num_free_blocks() and sched.leyline_break_pin():
+            pass  # the pool is short: the oldest pins give way, as for any allocation
         if plan.num_new_blocks > pool.get_num_free_blocks():
             raise RuntimeUnavailableError(
                 f"kv_cache: {plan.num_new_blocks} free blocks needed, "
@@ -232,9 +240,11 @@ def _splice(
         )
         fresh = [b.reuse is None for b in plan.blocks[:n_full]]  # reused ones hold their hash
         pool.cache_full_blocks(owner, blocks[:n_full], 0, n_full, bs, 0, block_mask=fresh)
+        partial = None
         if plan.partial_rows:  # the fresh last block's reference passes to the held rows
             sched.leyline_keep_rows(salt, plan.tokens, blocks[-1], salt, touch=False)
-            new = new[:-1]
+            new, partial = new[:-1], blocks[-1]
+        sched.leyline_pin(salt, plan.tokens, blocks[:n_full], salt, partial)  # before the free
         pool.free_blocks(reversed(new))
         head_cached = head.num_cached_tokens
     finally:
@@ -263,9 +273,16 @@ def _forget(engine: Any, tokens: list[int], start: int, salt: str | None) -> dic
     return {"dropped_blocks": dropped, "salt": routed}
 
 
+def _arrive(engine: Any, salt: str) -> dict[str, Any]:
+    sched = _scheduler(engine)
+    arrival = sched.leyline_arrive(salt)
+    return {"lost": arrival.lost, "watched": arrival.watched}
+
+
 def _stats(engine: Any) -> dict[str, Any]:
     sched = _scheduler(engine)
     pool, c = sched.block_pool, sched.leyline_served
+    sched.leyline_pins.count_lost()
     return {
         "requests": c.requests,
         "prompt_tokens": c.prompt_tokens,
@@ -275,12 +292,15 @@ def _stats(engine: Any) -> dict[str, Any]:
         "cache_capacity_tokens": (pool.num_gpu_blocks - 1) * sched.block_size,
         "held": len(sched.leyline_held),
         "held_rows": len(sched.leyline_rows),
+        "pinned_tokens": sched.leyline_pins.pinned_blocks * sched.block_size,
+        "pin_evictions": sched.leyline_pins.pin_evictions,
     }
 
 
 def _flush(engine: Any) -> dict[str, Any]:
     sched = _scheduler(engine)
     pool, bs = sched.block_pool, sched.block_size
+    dropped_pins = sched.leyline_unpin_all()  # pins and watches go first, then their blocks
     sched.leyline_rows.clear()  # held rows are no request's: they go too
     free, kept = set(), 0
     for blk in pool.blocks:
@@ -291,7 +311,11 @@ def _flush(engine: Any) -> dict[str, Any]:
         else:
             kept += 1
     pool.evict_blocks(free)
-    return {"flushed_tokens": len(free) * bs, "kept_tokens": kept * bs}
+    return {
+        "flushed_tokens": len(free) * bs,
+        "kept_tokens": kept * bs,
+        "dropped_pins": dropped_pins,
+    }
 
 
 _OPS = {
@@ -300,6 +324,7 @@ _OPS = {
     "release": _release,
     "splice": _splice,
     "forget": _forget,
+    "arrive": _arrive,
     "stats": _stats,
     "flush": _flush,
 }

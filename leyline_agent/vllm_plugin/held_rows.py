@@ -7,7 +7,9 @@ is one block kept with one reference whose first ``num_rows`` rows are the rows 
 ``tokens[base:]`` (``base`` a multiple of the block size) as some request or splice of a
 namespace computed them, over that namespace's cached full blocks of ``tokens[:base]``.
 
-``HeldRowsTable`` keeps a few of them per namespace, least recently used first out, and
+``HeldRowsTable`` keeps a few of them per namespace, least recently used first out (a
+namespace whose splice result is pinned, ``pins``, is passed over while it is, up to twice
+the bound), and
 answers one question (``match``): for a request of namespace ``ns`` served under salt
 ``salt`` whose full blocks hit the cache through ``num_local`` tokens, how many rows past
 them a held block can give (the longest common prefix of ``tokens`` and the prompt inside
@@ -64,9 +66,15 @@ def _common(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
 
 
 class HeldRowsTable:
-    def __init__(self, release: Callable[[Any], None], max_entries: int) -> None:
+    def __init__(
+        self,
+        release: Callable[[Any], None],
+        max_entries: int,
+        protect: Callable[[str], bool] = lambda ns: False,
+    ) -> None:
         self._release = release
         self._max = max(1, max_entries)
+        self._protect = protect  # namespaces whose rows the bound never drops (pinned)
         self._by_ns: OrderedDict[str, list[HeldRows]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -87,8 +95,12 @@ class HeldRowsTable:
             self._release(rows.pop().block)
         self._by_ns[ns] = rows
         while len(self) > self._max:
-            _, oldest = self._by_ns.popitem(last=False)
-            for h in oldest:
+            victim = next((k for k in self._by_ns if k != ns and not self._protect(k)), None)
+            if victim is None:  # protected namespaces get up to twice the bound, no more
+                if len(self) <= 2 * self._max:
+                    break
+                victim = next(iter(self._by_ns))
+            for h in self._by_ns.pop(victim):
                 self._release(h.block)
 
     def match(

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +70,10 @@ def serve_vllm(
     max_model_len: int = 4096,
     tensor_parallel_size: int = 1,
     startup_timeout_s: float = 300.0,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[VLLMServer]:
+    """``vllm serve`` on a free loopback port, up and healthy; stopped on exit. ``env``:
+    variables set for the server over this process's (e.g. ``LEYLINE_PIN_TTL_S``)."""
     exe = Path(vllm) if vllm else default_vllm()
     if not exe.exists():
         raise RuntimeUnavailableError(f"vllm: {exe} not found (run scripts/setup_vllm.sh)")
@@ -85,7 +88,7 @@ def serve_vllm(
     if tensor_parallel_size != 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     args += list(extra_args)
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     binds = {1: "0-1", 2: "0|1"}
     if "VLLM_CPU_OMP_THREADS_BIND" not in env and tensor_parallel_size not in binds:
         raise RuntimeUnavailableError(

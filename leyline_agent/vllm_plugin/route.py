@@ -21,7 +21,10 @@ request (``held_rows``, ``connector``): ``lock`` counts them as cached and, with
 hands ``T[block_start(s):s]`` to the head, so ``R`` is prefilled over the rows the session
 holds. FORGET ``(s, e, R)``: ``T[:s]``'s rows are staged the same way, ``forget`` drops the
 namespace's cached blocks and held rows of ``T'`` past ``s``, then ``T'`` is an ordinary
-request that computes from ``s`` on. Everything that can be checked
+request that computes from ``s`` on. The EngineCore pins each splice's ``T'`` for the
+namespace's next request (``pins``); the route remembers which namespaces it spliced in
+(``watched``) so that only their requests ask the EngineCore (``arrive``) whether the result
+was lost, which the answer then says (``pin_report``). Everything that can be checked
 without the cache (the body, the model name, token ids, spans, the setup the plugin
 supports) is checked before any of these calls. Directives of one namespace are serialized (one lock per salt); namespaces run side by side.
 """
@@ -32,6 +35,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import structlog
@@ -62,6 +66,7 @@ from leyline_agent.namespaces import DEFAULT_TENANT, SESSION_HEADER, named_names
 from leyline_agent.vllm_plugin.errors import error_content
 from leyline_agent.vllm_plugin.guard import BODY_KEY
 from leyline_agent.vllm_plugin.namespace import salt_for
+from leyline_agent.vllm_plugin.pins import DEFAULT_WATCHED
 from leyline_agent.vllm_plugin.scheduler import HOLD_KEY
 from leyline_agent.wire import (
     BODY_EDITS,
@@ -97,6 +102,7 @@ class VLLMRoute:
         self._info: dict[str, Any] | None = None
         self._limits: RequestLimits | None = None
         self.memory: RequestMemory[dict[str, Any]] = RequestMemory(_MEMORY)
+        self.watched: OrderedDict[str, None] = OrderedDict()  # salts with a pinned result
         self.conversations = ConversationStore()  # the chat front's (``chat_front``)
 
     # -- engine calls --------------------------------------------------------------------
@@ -133,6 +139,23 @@ class VLLMRoute:
         rid = f"leyline-{'head' if hold_id else 'forget'}-{uuid.uuid4().hex}"
         async for _ in self.engine.generate(prompt, params, rid):
             pass
+
+    async def arrive(self, salt: str) -> bool:
+        """A request of namespace ``salt`` is about to be served: True (once) if the
+        namespace's last splice result was lost meanwhile (``engine_ops`` ``arrive``). Only
+        namespaces this route spliced in are asked about; the others answer False at once."""
+        if salt not in self.watched:
+            return False
+        done = await self.rpc("arrive", salt=salt)
+        if not done["watched"]:
+            self.watched.pop(salt, None)
+        return bool(done["lost"])
+
+    def _watch(self, salt: str) -> None:
+        self.watched[salt] = None
+        self.watched.move_to_end(salt)
+        while len(self.watched) > DEFAULT_WATCHED:  # the scheduler's bound too
+            self.watched.popitem(last=False)
 
     async def limits(self) -> RequestLimits:
         """The bounds every directive is checked against, as ``leyline serve`` checks them
@@ -279,23 +302,25 @@ class VLLMRoute:
                 prefilled += len(after) - d.start
             splices[d.mode.value] += 1
             cur = after
+            self._watch(salt)  # the EngineCore pinned T' (engine_ops: splice, forget)
         return applied_answer(
             plan, splices=splices, reused=reused, prefilled=prefilled, rotated=rotated
         )
 
     async def flush(self) -> dict[str, Any]:
-        """Every cached block no request holds is freed (``/leyline/v1/flush``, as on
-        ``leyline serve``), and the chat front's conversations are forgotten. Counters are
-        untouched."""
+        """Every pin is dropped and every cached block no request holds is freed
+        (``/leyline/v1/flush``, as on ``leyline serve``), and the chat front's conversations
+        are forgotten. Counters are untouched."""
         info = await self.info()
         if info.get("problem"):
             raise RuntimeUnavailableError(f"{info['problem']} (Leyline directives are off)")
         done = await self.rpc("flush")
+        self.watched.clear()
         return FlushResponse(
             tenant="", flushed_tokens=done["flushed_tokens"], kept_tokens=done["kept_tokens"],
-            dropped_pins=0,
+            dropped_pins=done["dropped_pins"],
             dropped_conversations=self.conversations.forget_tenant(DEFAULT_TENANT),
-        ).model_dump(mode="json")
+        ).model_dump(mode="json")  # fmt: skip
 
     async def stats(self) -> dict[str, Any]:
         s = await self.rpc("stats")
@@ -313,6 +338,8 @@ class VLLMRoute:
             cache_capacity_tokens=s["cache_capacity_tokens"],
             drift_splices=self.drift_splices,
             drift_unspliced=dict(self.drift_unspliced),
+            pinned_tokens=s["pinned_tokens"],
+            pin_evictions=s["pin_evictions"],
             features=(BODY_EDITS, CLIENT_EDITS),  # chat_front applies them
         ).model_dump(mode="json")
 

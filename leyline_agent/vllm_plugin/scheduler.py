@@ -15,7 +15,15 @@
    them to the namespace's next request whose prompt starts with their tokens
    (``leyline_match``), so vLLM computes only what follows them. A namespace that holds a
    prompt's first rows in a held block is routed as if it held the first block.
-4. **Counters** of the requests it served, for ``/leyline/v1/stats``.
+4. **Pins** (``pins.PinTable``): a splice result's full blocks are held with one extra
+   reference each (its rows past them stay in the held-rows table, which passes over a
+   pinned namespace) until the namespace's next request is scheduled (it holds them
+   itself then), its next directive, ``LEYLINE_PIN_TTL_S`` or a flush; pinned blocks stay
+   within half the pool, and when an allocation finds the pool short
+   (``KVCacheManager.allocate_slots`` answers ``None``) the oldest pin gives way before
+   vLLM preempts or queues anything. ``leyline_arrive`` tells a namespace's arriving
+   request whether its result was lost meanwhile.
+5. **Counters** of the requests it served, for ``/leyline/v1/stats``.
 
 The splice itself (``engine_ops``) runs inside the EngineCore between two steps, as a
 utility call: it reads this scheduler's ``BlockPool`` and asks the workers to copy rows.
@@ -26,6 +34,7 @@ Only ``BlockPool``'s own methods touch blocks: ``touch`` (a reference), ``get_ne
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,13 +47,16 @@ from vllm.v1.request import Request
 from leyline_agent.namespaces import ANONYMOUS
 from leyline_agent.vllm_plugin.held_rows import HeldRows, HeldRowsTable, RowsMatch
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, route_salt, salt_for
+from leyline_agent.vllm_plugin.pins import Arrival, PinTable, Refs, Watch, ttl_from_env
 from leyline_agent.wire import Counters
 
 __all__ = ["HOLD_KEY", "Held", "LeylineScheduler"]
 
 HOLD_KEY = "leyline_hold"
+log = logging.getLogger(__name__)
 ANONYMOUS_SALT = salt_for(ANONYMOUS)
 HOLD_TTL_S = 120.0
+LOSS_SWEEP_S = 1.0  # how often unheld pins are checked for lost rows (pin_evictions)
 
 
 @dataclass(slots=True)
@@ -66,9 +78,23 @@ class LeylineScheduler(Scheduler):
         self._leyline_heads: dict[str, str] = {}  # request id -> hold id
         self._leyline_ns: dict[str, str] = {}  # request id -> its Leyline namespace's salt
         pool_blocks = int(self.block_pool.num_gpu_blocks)
+        self.leyline_pins = PinTable(_BlockRows(self), ttl_from_env(), pool_blocks // 2)
+        self._leyline_swept = time.monotonic()
         self.leyline_rows = HeldRowsTable(
-            lambda blk: self.block_pool.free_blocks([blk]), max_entries=max(1, pool_blocks // 8)
+            lambda blk: self.block_pool.free_blocks([blk]),
+            max_entries=max(1, pool_blocks // 8),
+            protect=self.leyline_pins.holds,
         )
+        allocate = self.kv_cache_manager.allocate_slots
+
+        def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+            """vLLM's allocation; while it finds the pool short, the oldest pin gives way."""
+            while True:
+                out = allocate(*args, **kwargs)
+                if out is not None or not self.leyline_break_pin():
+                    return out
+
+        self.kv_cache_manager.allocate_slots = allocate_slots
         from leyline_agent.vllm_plugin.connector import LeylineConnector
 
         self.leyline_connector = (
@@ -172,6 +198,11 @@ class LeylineScheduler(Scheduler):
         out = super().schedule(*args, **kwargs)
         for new in out.scheduled_new_reqs:
             self._leyline_cached.setdefault(new.req_id, int(new.num_computed_tokens))
+            ns = self._leyline_ns.get(new.req_id)
+            if ns is not None and self.leyline_pins.watches(ns):
+                if not new.req_id.startswith("leyline-"):  # a directive's own requests
+                    prompt = self.requests[new.req_id].prompt_token_ids or []
+                    self._leyline_apply(self.leyline_pins.scheduled(ns, prompt))
         self._leyline_expire()
         return out
 
@@ -182,6 +213,8 @@ class LeylineScheduler(Scheduler):
         ns = self._leyline_ns.pop(rid, None)
         if hold_id is None and ns is not None and self.cache_config.enable_prefix_caching:
             self._leyline_keep_request_rows(request, ns)
+        if rid.startswith("leyline-forget-") and ns is not None:  # T' of a FORGET
+            self._leyline_pin_request(request, ns)
         if hold_id is not None:
             blocks = list(self.kv_cache_manager.get_blocks(rid).blocks[0])
             self.block_pool.touch(blocks)
@@ -217,10 +250,16 @@ class LeylineScheduler(Scheduler):
         return True
 
     def _leyline_expire(self) -> None:
-        """Holds whose directive never came back (client gone, crash) are released."""
+        """Pins past their TTL stop holding; holds whose directive never came back (client
+        gone, crash) are released; once a second, unheld pins are checked for lost rows."""
+        now = time.monotonic()
+        if self.leyline_pins.num_pins:
+            self._leyline_apply(self.leyline_pins.expire())
+            if now - self._leyline_swept > LOSS_SWEEP_S:
+                self._leyline_swept = now
+                self.leyline_pins.count_lost()
         if not self.leyline_held and not len(self.leyline_rows):
             return
-        now = time.monotonic()
         self.leyline_rows.expire(now)
         for hid in [h for h, v in self.leyline_held.items() if now - v.since > HOLD_TTL_S]:
             self.leyline_release(hid)
@@ -236,3 +275,82 @@ class LeylineScheduler(Scheduler):
             if n > 64:  # a hash maps to few blocks; never loop on a bug
                 break
         return n
+
+    # -- pins -----------------------------------------------------------------------------
+    def leyline_pin(
+        self, ns: str, tokens: list[int], blocks: list[Any], salt: str | None, partial: Any
+    ) -> None:
+        """``tokens`` (``T'``, full ``blocks`` cached under ``salt``, rows past them in the
+        held block ``partial`` or none) is ``ns``'s latest splice result: pinned."""
+        n_full = len(tokens) // self.block_size
+        full = []
+        for b in blocks[:n_full]:
+            if b.block_hash is None:
+                break
+            full.append(b)
+        if len(full) < n_full:  # what is not cached cannot be held: the cached head is
+            log.warning("leyline pin: %d of T's %d full blocks cached", len(full), n_full)
+            tokens, partial = tokens[: len(full) * self.block_size], None
+        watch = Watch(
+            tuple(tokens),
+            tuple(b.block_id for b in full),
+            tuple(b.block_hash for b in full),
+            salt,
+            None if partial is None else int(partial.block_id),
+        )
+        self._leyline_apply(self.leyline_pins.pin(ns, watch))
+
+    def leyline_arrive(self, ns: str) -> Arrival:
+        arrival = self.leyline_pins.arrive(ns)
+        self._leyline_apply(arrival.refs)
+        return arrival
+
+    def leyline_break_pin(self) -> bool:
+        """The oldest pin that holds blocks gives them back (False: none holds any)."""
+        refs = self.leyline_pins.break_oldest()
+        self._leyline_apply(refs)
+        return bool(refs.give_back)
+
+    def leyline_unpin_all(self) -> int:
+        """Every pin and watch dropped (a flush); how many pins."""
+        n, refs = self.leyline_pins.clear()
+        self._leyline_apply(refs)
+        return n
+
+    def _leyline_pin_request(self, request: Request, ns: str) -> None:
+        """A FORGET's re-prefill of ``T'`` ends: its full blocks (and the rows past them,
+        which ``_leyline_keep_request_rows`` holds) are the namespace's pinned result."""
+        tokens = list(request.prompt_token_ids or [])
+        blocks = list(self.kv_cache_manager.get_blocks(request.request_id).blocks[0])
+        base = (len(tokens) // self.block_size) * self.block_size
+        held = self.leyline_rows.find(ns, request.cache_salt, tokens, base)
+        partial = held.block if held is not None and len(held.tokens) == len(tokens) else None
+        self.leyline_pin(ns, tokens, blocks, request.cache_salt, partial)
+
+    def _leyline_apply(self, refs: Refs) -> None:
+        """Take, then give back, the block-pool references a pin-table answer names."""
+        if refs.take:
+            self.block_pool.touch([self.block_pool.blocks[i] for i in refs.take])
+        if refs.give_back:
+            self.block_pool.free_blocks(self.block_pool.blocks[i] for i in refs.give_back)
+
+
+class _BlockRows:
+    """``pins.Rows`` over the scheduler's block pool and held-rows table."""
+
+    def __init__(self, sched: LeylineScheduler) -> None:
+        self.sched = sched
+
+    def intact(self, ns: str, watch: Watch, with_partial: bool) -> bool:
+        blocks = self.sched.block_pool.blocks
+        if any(blocks[i].block_hash != k for i, k in zip(watch.block_ids, watch.keys, strict=True)):
+            return False
+        if not with_partial or watch.partial is None:
+            return True
+        base = len(watch.block_ids) * self.sched.block_size
+        held = self.sched.leyline_rows.find(ns, watch.salt, watch.tokens, base)
+        return (
+            held is not None
+            and held.block_id == watch.partial
+            and len(held.tokens) == len(watch.tokens)
+        )
