@@ -1,6 +1,6 @@
-"""Benchmark (not a test): a multi-turn reasoning agent against ``leyline serve``, three arms.
+"""Benchmark (not a test): a multi-turn reasoning agent against one engine, three arms.
 
-    leyline bench drift [--contexts 2000,16000] [--clients 1,4]
+    leyline bench drift [--contexts 2000,16000] [--clients 1,4] [--engine leyline|vllm]
         [--head-drift] [--out runs/drift/results.json]    (--contexts "": the diff's cost only)
 
 Each session is a reasoning agent: ``--user-turns`` user messages, each followed by
@@ -9,14 +9,16 @@ back, the proof the server asks for), and attaches the step's thinking (a few hu
 tokens, as ``reasoning_content``), a tool call and the tool's output. The model is a
 three-layer Qwen3 made by ``leyline make-model`` (random weights: its replies are noise, so
 the thinking is scripted; the template decides what the prompt holds). Arms, each on its own
-``leyline serve`` (a child process):
+server (a child process: ``leyline serve``, or with ``--engine vllm`` ``vllm serve`` from
+``.venv-vllm`` at ``--block-size``):
 
 - ``plain``: the Qwen3-style template (``--template reasoning``: earlier turns' thinking
-  dropped once a user message arrives) and ``--client-edits off``: a plain prefix cache,
-  what every engine does;
-- ``drift``: the same template and ``--client-edits amortize``: the drift is spliced;
-- ``kept``: ``--template reasoning_kept`` (thinking stays in the history, the workaround)
-  and ``--client-edits off``.
+  dropped once a user message arrives) and a plain prefix cache, what every engine does
+  (``--client-edits off``; vanilla ``vllm serve``, no plugin);
+- ``drift``: the same template, its drift spliced (``--client-edits amortize``; ``vllm
+  serve`` + the Leyline plugin, ``LEYLINE_CLIENT_EDITS=amortize``);
+- ``kept``: ``--template reasoning_kept`` (thinking stays in the history, the workaround) on
+  a plain prefix cache, as ``plain``.
 
 Arms are interleaved: turn k of every arm runs before turn k+1 of any (C sessions of one arm
 in flight together), so a change of the machine's load lands on all arms alike. Per arm:
@@ -35,6 +37,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -46,6 +49,8 @@ ARMS = {
     "drift": ("reasoning", "amortize"),
     "kept": ("reasoning_kept", "off"),
 }
+# vLLM answers a request with tools (tool_choice "auto") only with a tool-call parser
+TOOL_PARSER = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 TOOLS = [{"type": "function", "function": {"name": "run", "description": "run a command",
           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]  # fmt: skip
 
@@ -98,10 +103,12 @@ def _stream(url: str, model: str, messages: list[dict], max_tokens: int) -> dict
 def run_session(
     url: str, model: str, plan: list[list], max_tokens: int, system: str, head_drift: bool,
     name: str = "session",
+    thinking_key: str = "reasoning_content",
 ) -> Any:
     """One session, turn by turn (a generator of per-request records, one step at a time).
     ``head_drift``: the system prompt's first line says a reasoning effort that alternates
-    between high and low from one user turn to the next."""
+    between high and low from one user turn to the next. ``thinking_key``: the assistant
+    message's field the server reads thinking from (vLLM 0.32: ``reasoning``)."""
     history: list[dict] = [{"role": "system", "content": system}]
     for u, steps in enumerate(plan):
         if head_drift:
@@ -120,7 +127,7 @@ def run_session(
                    "drift_spliced": bool(drift.get("spliced")),
                    "drift_unspliced": drift.get("unspliced")}  # fmt: skip
             call_id = f"call_{u}_{s}_{len(history)}"
-            history.append({"role": "assistant", "content": r["text"], "reasoning_content": think,
+            history.append({"role": "assistant", "content": r["text"], thinking_key: think,
                             "tool_calls": [{"id": call_id, "type": "function", "function":
                                             {"name": "run", "arguments": json.dumps({"cmd": f"t{s}"})}}]})  # fmt: skip
             history.append({"role": "tool", "tool_call_id": call_id, "content": output})
@@ -131,13 +138,41 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else 0.0
 
 
+def _server(args: argparse.Namespace, arm: str, model: Path, context: int, env: Any) -> Any:
+    """The arm's server, a context manager that yields ``(base URL, served model name)``."""
+    from contextlib import contextmanager
+
+    from leyline_agent.vllm_plugin.local_server import serve_vllm
+
+    from .bench_serve import leyline_serve
+
+    edits = ARMS[arm][1]
+
+    @contextmanager
+    def serve() -> Any:
+        if args.engine == "leyline":
+            flags = ["--client-edits", edits, "--served-model-name", "m"]
+            with leyline_serve(model, flags, env, None) as url:
+                yield url, "m"
+            return
+        with serve_vllm(
+            model,
+            leyline=edits != "off",
+            block_size=args.block_size,
+            max_model_len=max(4096, 2 * context),
+            extra_args=["--enable-prefix-caching", *TOOL_PARSER],
+            env={**(env or {}), "LEYLINE_CLIENT_EDITS": edits},
+        ) as srv:
+            yield srv.url, srv.model
+
+    return serve()
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from leyline_agent.engine.checkpoints.modelgen import make_model
     from leyline_agent.engine.checkpoints.store import tiny_model_dir
-
-    from .bench_serve import leyline_serve
 
     root = Path(tempfile.mkdtemp(prefix="bench-drift-"))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
@@ -148,12 +183,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for context in args.contexts:
         for c in args.clients:
-            servers, urls = {}, {}
+            servers, urls, names = {}, {}, {}
             try:
-                for arm, (template, edits) in ARMS.items():
-                    flags = ["--client-edits", edits, "--served-model-name", "m"]
-                    servers[arm] = leyline_serve(models[template], flags, env, None)
-                    urls[arm] = servers[arm].__enter__()
+                for arm, (template, _) in ARMS.items():
+                    servers[arm] = _server(args, arm, models[template], context, env)
+                    urls[arm], names[arm] = servers[arm].__enter__()
                 system = "You are a careful coding agent.\n" + _words(99, context // 4)
                 plans = [script(k, context, args.user_turns, args.steps, args.think)
                          for k in range(c)]  # fmt: skip
@@ -162,8 +196,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     for p in plans for steps in p for think, _ in steps
                 ) - sum(len(tok.encode(f"<think>\n{p[-1][-1][0]}\n</think>\n\n",
                                        add_special_tokens=False)) for p in plans)  # fmt: skip
-                gens = {arm: [run_session(urls[arm], "m", p, args.max_tokens, system,
-                                          args.head_drift, f"session {k}")
+                key = "reasoning" if args.engine == "vllm" else "reasoning_content"
+                gens = {arm: [run_session(urls[arm], names[arm], p, args.max_tokens, system,
+                                          args.head_drift, f"session {k}", key)
                               for k, p in enumerate(plans)]
                         for arm in ARMS}  # fmt: skip
                 recs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
@@ -205,6 +240,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                              "e2e_s": wall[arm]})  # fmt: skip
             print_rows([x for x in rows if x["context"] == context and x["clients"] == c])
     return {"command": "python -m experiments.bench_drift " + " ".join(args.argv),
+            "engine": args.engine, "block_size": args.block_size if args.engine == "vllm" else None,
             "head_drift": args.head_drift, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "load_after": os.getloadavg(), "rows": rows}  # fmt: skip
 
@@ -262,7 +298,10 @@ def print_rows(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run and write ``--out`` (``leyline bench drift`` records the printed table)."""
-    return _run(_parser().parse_args(argv))
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    args.argv = argv  # the command in the record
+    return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -286,6 +325,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--torch-threads", type=int, default=None)
     ap.add_argument("--head-drift", action="store_true", help="an effort line that alternates")
+    ap.add_argument("--engine", choices=("leyline", "vllm"), default="leyline")
+    ap.add_argument("--block-size", type=int, default=128, help="vLLM's (--engine vllm)")
     ap.add_argument("--out", default="runs/drift/results.json")
     return ap
 

@@ -121,6 +121,7 @@ class LeylineEndpoints:
             return
         names = list(getattr(args, "served_model_name", None) or []) or [str(args.model)]
         route = VLLMRoute(engine_client, names)
+        route.app_state = state  # vLLM's renderer, for the chat front (``render_chat``)
         state.leyline = route
         setattr(state, FRONT_STATE, ChatFront(route))  # leyline.edits of chat requests
         info = await route.info()

@@ -11,9 +11,14 @@ execution (``VLLMRoute.run_edits``: checked, in the namespace's order, counted i
 ``/leyline/v1/stats``), with ``fallback`` (what is no longer cached is prefilled by the
 turn itself).
 
-The request then goes on to vLLM with the served messages (sticky and policy edits
-applied), without the ``leyline`` and ``context_management`` fields, under the
-conversation's salt, and finds the spliced rows in the prefix cache. The answer gets the
+The request then goes on to vLLM with the served messages (``forwarded``: the client's own
+messages, with the fields the turn edited replaced: sticky and policy edits), without the
+``leyline`` and ``context_management`` fields, under the conversation's salt, and finds the
+spliced rows in the prefix cache. Every prompt the turn diffs or splices is rendered by
+vLLM's own renderer (``EditRunner.render_chat``, what its ``/tokenize`` runs), from the
+messages as they are forwarded, so the front's tokens are the ones vLLM's chat route will
+prefill (vLLM reads an assistant message's thinking from ``reasoning``, not
+``reasoning_content``; a system prompt may lose a line: whatever vLLM does, the front sees). The answer gets the
 fields ``leyline serve`` adds (``leyline``: conversation, session, edited messages,
 directives, drift; ``context_management.applied_edits``; ``leyline.edits`` for declared
 edits; ``usage.leyline`` in a JSON answer), and once it is complete the guard reads its
@@ -35,9 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from leyline_agent.chat_input import canonical_tools
 from leyline_agent.directives.body_edits import outcome, request_edits
-from leyline_agent.directives.compile import render
 from leyline_agent.directives.drift_plan import DriftCounts
 from leyline_agent.errors import RequestError
 from leyline_agent.front.chat_turn import begin_turn
@@ -49,6 +52,10 @@ from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 __all__ = ["ChatFront", "EditRunner", "Spliced", "annotate", "default_mode"]
 
 MODES = ("amortize", "forget", "off")
+# the chat body's fields that change what vLLM renders (passed to its renderer as they are)
+_RENDER_KEYS = (
+    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+)
 
 
 def default_mode() -> str:
@@ -68,6 +75,10 @@ class EditRunner(DriftCounts, Protocol):
 
     async def run_edits(self, req: DirectivesRequest, session: str) -> DirectivesResponse: ...
 
+    async def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, kwargs: dict[str, Any]
+    ) -> list[int]: ...
+
     def tokenizer(self) -> Any: ...
 
 
@@ -82,12 +93,47 @@ class Spliced:
     commit: Callable[[dict[str, Any]], None] | None = None
 
 
+def forwarded(
+    raw: list[dict[str, Any]], canon: list[dict[str, Any]], served: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The messages vLLM gets for the served (canonical) list: the client's own message
+    where the turn left it as sent, else the client's message with the fields the turn
+    changed replaced (its thinking in ``reasoning`` too, where the client sent that key)."""
+    out = []
+    for i, m in enumerate(served):
+        if i < len(canon) and i < len(raw) and m == canon[i]:
+            out.append(raw[i])
+            continue
+        msg = dict(raw[i]) if i < len(raw) else {}
+        for key in _EDITABLE:
+            if key in m:
+                msg[key] = m[key]
+            else:
+                msg.pop(key, None)
+        if "reasoning" in msg:
+            msg["reasoning"] = m.get("reasoning_content")
+        out.append(msg)
+    return out
+
+
+_EDITABLE = ("role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content")
+
+
 class _Engine:
     """``front.turns.TurnEngine`` on vLLM, for a turn's job on a worker thread: renders with
-    the served tokenizer, runs directives on the route through the event loop."""
+    vLLM's renderer what would be forwarded, runs directives on the route, both through the
+    event loop."""
 
-    def __init__(self, runner: EditRunner, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        runner: EditRunner,
+        loop: asyncio.AbstractEventLoop,
+        raw: list[dict[str, Any]],
+        canon: list[dict[str, Any]],
+        kwargs: dict[str, Any],
+    ) -> None:
         self.runner, self.loop = runner, loop
+        self.raw, self.canon, self.kwargs = raw, canon, kwargs
 
     def render(
         self,
@@ -95,8 +141,10 @@ class _Engine:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        tok = self.runner.tokenizer()
-        return render(tok, messages, canonical_tools(tools), add_generation_prompt)
+        msgs = forwarded(self.raw, self.canon, messages)
+        kwargs = {"add_generation_prompt": add_generation_prompt, **self.kwargs}
+        run = self.runner.render_chat(msgs, tools, kwargs)
+        return asyncio.run_coroutine_threadsafe(run, self.loop).result()
 
     def apply_directives(
         self, request: DirectivesRequest, *, namespace: Namespace | None = None
@@ -149,7 +197,9 @@ class ChatFront:
         )
         if turn is None:
             return Spliced({**rest, "messages": edits.messages}, None)
-        engine = _Engine(self.runner, asyncio.get_running_loop())
+        kwargs = {k: body[k] for k in _RENDER_KEYS if k in body}
+        loop = asyncio.get_running_loop()
+        engine = _Engine(self.runner, loop, edits.messages, turn.messages, kwargs)
         async with self._lock(turn.namespace):  # one turn of a conversation at a time
             out = await asyncio.to_thread(turn.run, engine)
             ready = turn.prepared(out)
@@ -160,7 +210,7 @@ class ChatFront:
         if edits.edits:
             spliced = ready.body["leyline"]["edited_messages"]
             fields["leyline"]["edits"] = outcome(edits, spliced, session or "")
-        served = edits.messages if ready.messages == turn.messages else ready.messages
+        served = forwarded(edits.messages, turn.messages, ready.messages)
         body = {**rest, "messages": served, "cache_salt": salt_for(ready.namespace)}
         return Spliced(body, fields, lambda reply: ready.commit(reply, tokens))
 

@@ -157,6 +157,10 @@ def _lock(
         if partial is not None:
             blocks = [*blocks, partial.block]
             rows = len(partial.tokens)
+        elif rows < len(tokens):  # rows inside a cached full block that goes on (``sequences``)
+            ext = sched.leyline_extension(ns, tokens, routed, hasher)
+            if ext is not None:
+                blocks, rows = [*blocks, ext[0]], rows + ext[1]
     lock_id = None
     if blocks:
         lock_id = "lock-" + uuid.uuid4().hex
@@ -302,6 +306,7 @@ def _flush(engine: Any) -> dict[str, Any]:
     pool, bs = sched.block_pool, sched.block_size
     dropped_pins = sched.leyline_unpin_all()  # pins and watches go first, then their blocks
     sched.leyline_rows.clear()  # held rows are no request's: they go too
+    sched.leyline_sequences.forget()
     free, kept = set(), 0
     for blk in pool.blocks:
         if blk.is_null or blk.block_hash is None:

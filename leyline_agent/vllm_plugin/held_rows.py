@@ -31,7 +31,8 @@ from typing import Any
 
 __all__ = ["HeldRows", "HeldRowsTable", "RowsMatch"]
 
-PER_NAMESPACE = 4  # a request's own rows, a splice's T', a FORGET's or a head's prefix
+PER_NAMESPACE = 6  # a request's own rows and its prompt's, a splice's T', a FORGET's or a
+# head's prefix
 HELD_TTL_S = 600.0
 
 

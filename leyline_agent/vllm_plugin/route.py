@@ -42,7 +42,9 @@ import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from leyline_agent.chat_input import canonical_messages, canonical_tools
 from leyline_agent.directives import Mode, http_guards
+from leyline_agent.directives.compile import render
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
 from leyline_agent.directives.pipeline import (
@@ -59,7 +61,12 @@ from leyline_agent.directives.validate import (
     longest_token_bytes,
     parse_directives,
 )
-from leyline_agent.errors import CacheMissError, DirectiveError, RuntimeUnavailableError
+from leyline_agent.errors import (
+    CacheMissError,
+    DirectiveError,
+    RequestError,
+    RuntimeUnavailableError,
+)
 from leyline_agent.families import chat_format, token_id
 from leyline_agent.front.conversations import ConversationStore
 from leyline_agent.namespaces import DEFAULT_TENANT, SESSION_HEADER, named_namespace
@@ -104,6 +111,8 @@ class VLLMRoute:
         self.memory: RequestMemory[dict[str, Any]] = RequestMemory(_MEMORY)
         self.watched: OrderedDict[str, None] = OrderedDict()  # salts with a pinned result
         self.conversations = ConversationStore()  # the chat front's (``chat_front``)
+        self.app_state: Any = None  # the app's state (``render_chat``; set by init_state)
+        self._warned_render = False
 
     # -- engine calls --------------------------------------------------------------------
     async def rpc(self, op: str, **kwargs: Any) -> dict[str, Any]:
@@ -122,6 +131,34 @@ class VLLMRoute:
     def tokenizer(self) -> Any:
         """The served model's tokenizer (the one vLLM's chat route renders with)."""
         return self.engine.get_tokenizer()
+
+    async def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, kwargs: dict[str, Any]
+    ) -> list[int]:
+        """The prompt vLLM's chat route renders for ``messages`` and ``tools``: vLLM's own
+        renderer (what its ``/tokenize`` runs, ``app_state.serving_tokenization``), so that
+        the chat front diffs and splices the very tokens vLLM will prefill. Without it (an
+        app that has none), the tokenizer's chat template, said once in the log."""
+        serving = getattr(self.app_state, "serving_tokenization", None)
+        if serving is None:
+            if not self._warned_render:
+                log.warning("leyline renders chats with the tokenizer: vLLM's renderer is absent")
+                self._warned_render = True
+            generation = bool(kwargs.get("add_generation_prompt", True))
+            tools_ = canonical_tools(tools)
+            return render(self.tokenizer(), canonical_messages(messages), tools_, generation)
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
+
+        body = {"model": self.model_names[0], "messages": messages, "tools": tools, **kwargs}
+        try:
+            req = TokenizeChatRequest.model_validate(body)
+        except ValueError as e:
+            raise RequestError(f"vLLM cannot render these messages: {e}", "messages") from e
+        out = await serving.create_tokenize(req, None)
+        tokens = getattr(out, "tokens", None)
+        if tokens is None:  # vLLM's ErrorResponse
+            raise RequestError(f"vLLM cannot render these messages: {out}", "messages")
+        return list(tokens)
 
     async def info(self) -> dict[str, Any]:
         if self._info is None:

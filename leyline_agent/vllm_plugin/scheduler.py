@@ -48,6 +48,7 @@ from leyline_agent.namespaces import ANONYMOUS
 from leyline_agent.vllm_plugin.held_rows import HeldRows, HeldRowsTable, RowsMatch
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, route_salt, salt_for
 from leyline_agent.vllm_plugin.pins import Arrival, PinTable, Refs, Watch, ttl_from_env
+from leyline_agent.vllm_plugin.sequences import SequenceIndex
 from leyline_agent.wire import Counters
 
 __all__ = ["HOLD_KEY", "Held", "LeylineScheduler"]
@@ -80,6 +81,7 @@ class LeylineScheduler(Scheduler):
         pool_blocks = int(self.block_pool.num_gpu_blocks)
         self.leyline_pins = PinTable(_BlockRows(self), ttl_from_env(), pool_blocks // 2)
         self._leyline_swept = time.monotonic()
+        self.leyline_sequences = SequenceIndex()  # rows inside cached full blocks
         self.leyline_rows = HeldRowsTable(
             lambda blk: self.block_pool.free_blocks([blk]),
             max_entries=max(1, pool_blocks // 8),
@@ -123,6 +125,17 @@ class LeylineScheduler(Scheduler):
     def leyline_cached_block(self, block_hash: Any) -> Any:
         found = self.block_pool.get_cached_block(block_hash, [0])
         return found[0] if found else None
+
+    def leyline_extension(
+        self, ns: str, tokens: list[int], salt: str | None, hasher: Any
+    ) -> tuple[Any, int] | None:
+        """A cached full block that continues ``tokens``' cached full blocks under ``salt``
+        and how many of its rows agree with ``tokens`` (``sequences``), or None."""
+        num_full = len(self.leyline_cached_blocks(tokens, salt, hasher))
+        prefix = self.leyline_hashes(tokens[: num_full * self.block_size], salt, hasher)
+        ext = self.leyline_sequences.extension(ns, salt, tokens, prefix, self.block_size)
+        block = self.leyline_cached_block(ext.block_hash) if ext is not None else None
+        return (block, ext.num_rows) if ext is not None and block is not None else None
 
     @property
     def leyline_rows_on(self) -> bool:
@@ -213,6 +226,12 @@ class LeylineScheduler(Scheduler):
         ns = self._leyline_ns.pop(rid, None)
         if hold_id is None and ns is not None and self.cache_config.enable_prefix_caching:
             self._leyline_keep_request_rows(request, ns)
+        if ns is not None and self.cache_config.enable_prefix_caching:
+            n = int(request.num_computed_tokens)
+            hashes = list(request.block_hashes[: n // self.block_size])
+            self.leyline_sequences.record(
+                ns, request.cache_salt, request.all_token_ids[:n], hashes
+            )
         if rid.startswith("leyline-forget-") and ns is not None:  # T' of a FORGET
             self._leyline_pin_request(request, ns)
         if hold_id is not None:
@@ -226,12 +245,22 @@ class LeylineScheduler(Scheduler):
         return super()._free_request(request, delay_free_blocks)
 
     def _leyline_keep_request_rows(self, request: Request, ns: str) -> None:
-        n = int(request.num_computed_tokens)
-        if not self.leyline_rows_on or n % self.block_size == 0:
+        """Hold the request's rows past its last full block and, when its answer filled the
+        block its prompt ended in, that block too, as the prompt's own last rows: a splice
+        whose ``T`` is the prompt (a chat turn's drift) finds them there, where vLLM's hash
+        lookup cannot (the block's hash covers the answer's tokens too)."""
+        if not self.leyline_rows_on:
             return
+        n, bs = int(request.num_computed_tokens), self.block_size
         blocks = self.kv_cache_manager.get_blocks(request.request_id).blocks[0]
-        j = n // self.block_size
-        if j < len(blocks):
+        p = int(request.num_prompt_tokens)
+        j = p // bs
+        if p % bs and (j + 1) * bs <= n and j < len(blocks):
+            tokens = tuple(request.all_token_ids[: (j + 1) * bs])
+            self.block_pool.touch([blocks[j]])
+            self.leyline_rows.add(ns, HeldRows(tokens, j * bs, blocks[j], request.cache_salt))
+        j = n // bs
+        if n % bs and j < len(blocks):
             tokens = list(request.all_token_ids[:n])
             self.leyline_keep_rows(ns, tokens, blocks[j], request.cache_salt, touch=True)
 
