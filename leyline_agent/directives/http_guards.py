@@ -129,6 +129,21 @@ async def read_body(receive: Callable[[], Awaitable[dict[str, Any]]], limit: int
     return b"".join(parts)
 
 
+def replay(body: bytes, receive: Callable[[], Awaitable[dict[str, Any]]]) -> Any:
+    """An ASGI ``receive`` that hands over ``body`` (read by ``read_body``) once, then the
+    real channel's messages (a disconnect)."""
+    sent = False
+
+    async def replayed() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
 # -- API key -----------------------------------------------------------------------------
 def key_digests(keys: Iterable[str]) -> tuple[bytes, ...]:
     """The configured keys as SHA-256 digests (what ``bearer_problem`` compares)."""

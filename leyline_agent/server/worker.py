@@ -52,8 +52,9 @@ import structlog
 
 from leyline_agent.engine.params import GenerationResult, SamplingParams
 from leyline_agent.errors import RuntimeUnavailableError
+from leyline_agent.front.turns import TurnEngine
 from leyline_agent.namespaces import ANONYMOUS, Namespace
-from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse, StatsResponse
+from leyline_agent.wire import Counters, StatsResponse
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -82,9 +83,10 @@ DEFAULT_QUEUE_TIMEOUT_S = 300.0
 DEFAULT_CONCURRENCY = 16
 
 
-class ServedEngine(Protocol):
-    """What the server needs from an inference engine (``leyline_agent.engine.engine.Engine``
-    is one; tests serve doubles). ``generate``'s ``on_token(token_id, text_delta)`` gets the
+class ServedEngine(TurnEngine, Protocol):
+    """What the server needs from an inference engine: a chat turn's ``TurnEngine`` (render,
+    apply directives, counters) and more (``leyline_agent.engine.engine.Engine`` is one;
+    tests serve doubles). ``generate``'s ``on_token(token_id, text_delta)`` gets the
     text each token adds, stop-safe: the deltas add up to the result's ``text``.
 
     An engine whose methods may be called from several threads at once says so with a
@@ -101,13 +103,6 @@ class ServedEngine(Protocol):
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
-    def render(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[int]: ...
-
     def generate(
         self,
         prompt_ids: list[int],
@@ -116,10 +111,6 @@ class ServedEngine(Protocol):
         *,
         namespace: Namespace = ANONYMOUS,
     ) -> GenerationResult: ...
-
-    def apply_directives(
-        self, request: DirectivesRequest, *, namespace: Namespace | None = None
-    ) -> DirectivesResponse: ...
 
     def stats(self, tenant: str | None = None) -> StatsResponse: ...
 

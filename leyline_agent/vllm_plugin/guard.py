@@ -128,7 +128,7 @@ class LeylineGuard:
             raise http_guards.PayloadTooLargeError(self.limit)
         raw = await http_guards.read_body(receive, self.limit)
         scope[BODY_KEY] = http_guards.parse_json(raw) if raw.strip() else None
-        await self.app(scope, _replay(raw, receive), send)
+        await self.app(scope, http_guards.replay(raw, receive), send)
 
     async def _other(self, scope: Any, receive: Any, send: Any, path: str) -> None:
         ctype = (_header(scope, b"content-type") or b"").lower()
@@ -152,7 +152,7 @@ class LeylineGuard:
         # serve; one with a salt of its own stays in its private namespace, untracked
         tracked = front is not None and front.mode != "off" and not own_salt
         if data is None or (sid is None and not _for_leyline(data) and not tracked):
-            await self.app(scope, _replay(raw, receive), send)  # nothing to do here
+            await self.app(scope, http_guards.replay(raw, receive), send)  # nothing to do here
             return
         _front_checks(data, chat=chat, own_salt=own_salt)
         _salt(data, sid)  # checked before anything is spliced
@@ -167,7 +167,7 @@ class LeylineGuard:
         headers.append((b"content-length", str(len(body)).encode()))
         out = send if fields is None else _annotating(send, fields)
         out = out if commit is None else _reading(out, commit)
-        await self.app({**scope, "headers": headers}, _replay(body, receive), out)
+        await self.app({**scope, "headers": headers}, http_guards.replay(body, receive), out)
 
 
 def _for_leyline(data: dict[str, Any]) -> bool:
@@ -333,18 +333,3 @@ async def _send_answer(send: Any, exc: LeylineError) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": raw})
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    """An ASGI ``receive`` that hands over ``body`` once, then the real channel's messages
-    (a disconnect)."""
-    sent = False
-
-    async def replay() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay

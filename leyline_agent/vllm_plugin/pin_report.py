@@ -18,10 +18,12 @@ is absent there rather than ``false``.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import structlog
 
+from leyline_agent.directives import http_guards
 from leyline_agent.namespaces import ANONYMOUS
 from leyline_agent.vllm_plugin.chat_front import annotate
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, salt_for
@@ -50,7 +52,8 @@ class PinReport:
         ):
             await self.app(scope, receive, send)
             return
-        raw, receive = await _read(receive)
+        raw = await http_guards.read_body(receive, sys.maxsize)  # the guard bounded it
+        receive = http_guards.replay(raw, receive)
         salt = _salt(raw)
         lost = False
         if salt is not None and salt in route.watched:
@@ -74,27 +77,6 @@ def _salt(raw: bytes) -> str | None:
     if own is None:
         return _ANONYMOUS_SALT
     return own if is_leyline_salt(own) else None
-
-
-async def _read(receive: Any) -> tuple[bytes, Any]:
-    """The whole request body, and a ``receive`` that hands it over again."""
-    chunks, more = [], True
-    while more:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        more = message.get("more_body", False)
-    body, sent = b"".join(chunks), False
-
-    async def replay() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return body, replay
 
 
 def _reporting(send: Any, fields: dict[str, Any]) -> Any:
