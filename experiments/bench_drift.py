@@ -82,7 +82,8 @@ def _stream(url: str, model: str, messages: list[dict], max_tokens: int) -> dict
     t0 = time.perf_counter()
     ttft, text, usage, drift = None, "", None, None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:500]}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -133,6 +134,13 @@ def run_session(
             history.append({"role": "tool", "tool_call_id": call_id, "content": output})
 
 
+def _step(gen: Any, out: list[dict], errors: list[BaseException]) -> None:
+    try:
+        out.append(next(gen))
+    except BaseException as e:  # noqa: BLE001 - reported by the caller
+        errors.append(e)
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else 0.0
@@ -159,7 +167,8 @@ def _server(args: argparse.Namespace, arm: str, model: Path, context: int, env: 
             model,
             leyline=edits != "off",
             block_size=args.block_size,
-            max_model_len=max(4096, 2 * context),
+            max_model_len=max(8192, 2 * context + 4096),  # the kept arm's prompts are longer
+            startup_timeout_s=900.0,
             extra_args=["--enable-prefix-caching", *TOOL_PARSER],
             env={**(env or {}), "LEYLINE_CLIENT_EDITS": edits},
         ) as srv:
@@ -206,13 +215,16 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(args.user_turns * args.steps):  # interleaved: step k of every arm
                     for arm in ARMS:
                         out: list[dict] = []
+                        errors: list[BaseException] = []
                         t0 = time.perf_counter()
-                        threads = [threading.Thread(target=lambda g=g, o=out: o.append(next(g)))
+                        threads = [threading.Thread(target=_step, args=(g, out, errors))
                                    for g in gens[arm]]  # fmt: skip
                         for t in threads:
                             t.start()
                         for t in threads:
                             t.join()
+                        if errors:  # a failed request fails the run: no row from a part
+                            raise RuntimeError(f"arm {arm}: {errors[0]!r}") from errors[0]
                         wall[arm] += time.perf_counter() - t0
                         recs[arm] += out
             finally:
