@@ -622,3 +622,29 @@ def test_conversations_are_found_by_content_alike(both):
         for j, _ in (named.step(), named.step()):
             assert j["leyline"]["conversation"] not in convs, srv.name
             assert j["leyline"]["session"] == f"named-{both[1].block}", srv.name
+
+
+# -- flush ----------------------------------------------------------------------------------
+def test_a_flush_forgets_alike(both):
+    """``POST /leyline/v1/flush`` on both: the same answer fields, the cached rows freed and
+    the chat front's conversations forgotten, so the same prompt is then a full prefill
+    (``cached_tokens`` 0) and the next turn of a chat starts a new conversation."""
+    t = ids(9100 + both[1].block, 3 * BLOCK + 7)
+    answers = []
+    for srv in both:
+        session = f"flush-{both[1].block}"
+        srv.complete(t, session)
+        assert srv.complete(t, session)[0] > 0, srv.name
+        first = _body_chat(srv, BODY_MSGS, session)
+        reply = first["choices"][0]["message"]["content"] or ""
+        turn = [*BODY_MSGS, {"role": "assistant", "content": reply},
+                {"role": "user", "content": "go on"}]  # fmt: skip
+        r = srv.post("/leyline/v1/flush", session=session)
+        assert r.status_code == 200, (srv.name, r.text)
+        j = r.json()
+        assert j["flushed_tokens"] > 0 and j["dropped_conversations"] >= 1, (srv.name, j)
+        answers.append(j)
+        assert srv.complete(t, session)[0] == 0, srv.name
+        after = _body_chat(srv, turn, session)["leyline"]["conversation"]
+        assert after != first["leyline"]["conversation"], srv.name  # a continuation, forgotten
+    assert set(answers[0]) == set(answers[1])  # tenants: named by leyline serve's key only
