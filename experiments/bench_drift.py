@@ -21,7 +21,8 @@ server (a child process: ``leyline serve``, or with ``--engine vllm`` ``vllm ser
   a plain prefix cache, as ``plain``.
 
 Arms are interleaved: turn k of every arm runs before turn k+1 of any (C sessions of one arm
-in flight together), so a change of the machine's load lands on all arms alike. Per arm:
+in flight together), so a change of the machine's load lands on all arms alike; on vLLM a
+pause (``--settle-s``) separates two arms' steps (``_settle_s``). Per arm:
 prefilled tokens (prompt - cached, plus the tokens a drift splice prefilled), TTFT p50/p90
 (first streamed chunk with text) and e2e of the whole replay, and the TTFT p50 and prefilled
 tokens of the requests right after a new user message (where the drift is). The thinking is scripted
@@ -141,6 +142,16 @@ def _step(gen: Any, out: list[dict], errors: list[BaseException]) -> None:
         errors.append(e)
 
 
+def _settle_s(args: argparse.Namespace) -> float:
+    """Seconds between two arms' steps: on vLLM, ``QUIET_AFTER_REQUEST_S`` (a server just
+    used keeps a core busy for about a second); ``leyline serve`` goes quiet at once (0)."""
+    from leyline_agent.vllm_plugin.local_server import QUIET_AFTER_REQUEST_S
+
+    if args.settle_s is not None:
+        return args.settle_s
+    return QUIET_AFTER_REQUEST_S if args.engine == "vllm" else 0.0
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else 0.0
@@ -167,7 +178,7 @@ def _server(args: argparse.Namespace, arm: str, model: Path, context: int, env: 
             model,
             leyline=edits != "off",
             block_size=args.block_size,
-            max_model_len=max(8192, 2 * context + 4096),  # the kept arm's prompts are longer
+            max_model_len=max(8192, context + 8192),  # the kept arm's prompts are longer
             startup_timeout_s=900.0,
             extra_args=["--enable-prefix-caching", *TOOL_PARSER],
             env={**(env or {}), "LEYLINE_CLIENT_EDITS": edits},
@@ -212,6 +223,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         for arm in ARMS}  # fmt: skip
                 recs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
                 wall = dict.fromkeys(ARMS, 0.0)
+                settle = _settle_s(args)
                 for _ in range(args.user_turns * args.steps):  # interleaved: step k of every arm
                     for arm in ARMS:
                         out: list[dict] = []
@@ -227,6 +239,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                             raise RuntimeError(f"arm {arm}: {errors[0]!r}") from errors[0]
                         wall[arm] += time.perf_counter() - t0
                         recs[arm] += out
+                        time.sleep(settle)  # the server just used is quiet again
             finally:
                 for s in servers.values():
                     s.__exit__(None, None, None)
@@ -339,6 +352,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--head-drift", action="store_true", help="an effort line that alternates")
     ap.add_argument("--engine", choices=("leyline", "vllm"), default="leyline")
     ap.add_argument("--block-size", type=int, default=128, help="vLLM's (--engine vllm)")
+    ap.add_argument("--settle-s", type=float, default=None,
+                    help="pause between two arms' steps (default: 1.5 s on vLLM, 0 on leyline)")
     ap.add_argument("--out", default="runs/drift/results.json")
     return ap
 

@@ -25,7 +25,14 @@ import httpx
 
 from leyline_agent.errors import RuntimeUnavailableError
 
-__all__ = ["VLLMServer", "default_vllm", "free_port", "serve_vllm"]
+__all__ = ["QUIET_AFTER_REQUEST_S", "VLLMServer", "default_vllm", "free_port", "serve_vllm"]
+
+# After a request, ``vllm serve``'s CPU engine keeps about one core busy for about a second
+# (``/proc/stat`` sampled every 100 ms: ~1 core busy up to 1.2 s after a 0.3 s request, ~0
+# after). On a 2-core machine a second server's request made in that time runs beside it:
+# alternating three vanilla servers gave TTFTs of 0.1-1.05 s for steps that take 0.1-0.2 s
+# on one server alone. Benchmarks that interleave servers pause this long between them.
+QUIET_AFTER_REQUEST_S = 1.5
 
 _ROOT = Path(__file__).resolve().parents[2]
 
