@@ -7,14 +7,17 @@ prompt and tools), its next turn sent as soon as its previous reply came back. A
 
 - ``radix``: the policies edit the history and nothing else: every edit costs a re-prefill
   from the edit point (vanilla ``vllm serve``, llama-server, ``leyline serve``);
-- ``splice``: the same edits, forwarded first as AMORTIZE directives (``HTTPRuntime``) to the
-  endpoint's ``/leyline/v1/directives``; the session is named on every call
-  (``X-Leyline-Session``), so its spliced blocks are its own;
+- ``splice``: the same edits spliced as AMORTIZE, the way ``wrap_openai`` sends them: in the
+  chat request's own ``leyline`` body field where the server lists ``body_edits`` in its
+  stats (``leyline serve``, ``vllm serve`` + the plugin: one request per turn), else first
+  as directives to ``/leyline/v1/directives`` (``HTTPRuntime``); the session is named on
+  every call (``X-Leyline-Session``), so its spliced blocks are its own;
 - ``full``: the unedited history (the prefix cache's upper bound).
 
 Per turn: prompt and cached tokens from the response's ``usage`` (a server that does not
-report ``cached_tokens`` counts 0), the tokens a directive prefilled from its answer, TTFT
-(the chat request's time to its first streamed token, not a role-only chunk) and e2e (directive + chat request).
+report ``cached_tokens`` counts 0), the tokens a splice prefilled (from the directive's
+answer, or from the chat answer's ``leyline.directives``), TTFT (the chat request's time to
+its first streamed token, not a role-only chunk) and e2e (directive, if any, + chat request).
 """
 
 from __future__ import annotations
@@ -74,12 +77,36 @@ class HttpResult:
     wall_s: float = 0.0
 
 
+@dataclass(slots=True)
+class _Spliced:
+    """The splices a chat answer reports in its ``leyline`` field."""
+
+    prefilled: int = 0
+    splices: int = 0
+    failures: int = 0
+
+    def read(self, leyline: dict[str, Any]) -> None:
+        done = [*(leyline.get("directives") or [])]
+        drift = leyline.get("drift") or {}
+        if drift.get("spliced"):
+            done.append({"prefilled_tokens": drift.get("prefilled_tokens", 0), "splices": {"d": 1}})
+        for d in done:
+            self.prefilled += d.get("prefilled_tokens", 0)
+            self.splices += sum((d.get("splices") or {}).values())
+            self.failures += d.get("outcome") == "error"
+
+
 def _turns(traj: TrajectoryRecord, max_turns: int | None) -> list[int]:
     idx = [i for i, m in enumerate(traj.messages) if m.get("role") == "assistant"]
     return idx[:max_turns] if max_turns else idx
 
 
-def _chat(client: Any, model: str, messages: list, tools: list, headers: dict, max_tokens: int):
+def _chat(
+    client: Any, model: str, messages: list, tools: list, headers: dict, max_tokens: int,
+    leyline: dict[str, Any] | None = None,
+):  # fmt: skip
+    """One streamed chat request: ``(text, prompt, cached, ttft, e2e, Spliced)``: what the
+    answer's ``leyline`` says its splices did (its directives, and its drift)."""
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model=model,
@@ -90,9 +117,11 @@ def _chat(client: Any, model: str, messages: list, tools: list, headers: dict, m
         stream=True,
         stream_options={"include_usage": True},
         extra_headers=headers,
+        extra_body={"leyline": leyline} if leyline else None,
     )
-    ttft, text, usage = None, [], None
+    ttft, text, usage, spliced = None, [], None, _Spliced()
     for chunk in stream:
+        spliced.read((chunk.model_extra or {}).get("leyline") or {})
         for c in chunk.choices or []:
             # the first token (a server may send the role alone first, before any compute)
             if ttft is None and (c.delta.content or c.delta.tool_calls or c.finish_reason):
@@ -104,7 +133,7 @@ def _chat(client: Any, model: str, messages: list, tools: list, headers: dict, m
     prompt = usage.prompt_tokens if usage else 0
     details = getattr(usage, "prompt_tokens_details", None) if usage else None
     cached = (getattr(details, "cached_tokens", 0) or 0) if details else 0
-    return "".join(text), prompt, cached, ttft if ttft is not None else e2e, e2e
+    return "".join(text), prompt, cached, ttft if ttft is not None else e2e, e2e, spliced
 
 
 def _session(
@@ -115,10 +144,12 @@ def _session(
 
     from leyline_agent.agent.http_runtime import HTTPRuntime
     from leyline_agent.agent.session import ContextSession
+    from leyline_agent.agent.wrappers import rides_in_body
 
     client = openai.OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600)
     name = f"bench-{arm}-{sid}-{time.monotonic_ns()}"
     runtime = _Counting(HTTPRuntime(base_url, timeout=600)) if arm == "splice" else None
+    rides = runtime is not None and runtime.inner.has_leyline() and rides_in_body(runtime.inner)
     session = (
         None
         if arm == "full"
@@ -129,23 +160,29 @@ def _session(
         history = traj.messages[:a]
         t0 = time.perf_counter()
         before = runtime.prefilled if runtime else 0
+        field = None
         if session is None:
             to_send = history
         elif runtime is None:
             to_send = session.plan(history, traj.tools).messages_to_send
+        elif rides:  # one request per turn: the edits ride in the chat body
+            plan = session.plan(history, traj.tools, model)
+            to_send, field = plan.messages_to_send, session.leyline_field(plan)
         else:
             to_send = session.prepare(history, traj.tools, model)
         directive_s = time.perf_counter() - t0
-        text, prompt, cached, ttft, e2e = _chat(
-            client, model, to_send, traj.tools, headers, max_tokens
+        text, prompt, cached, ttft, e2e, spliced = _chat(
+            client, model, to_send, traj.tools, headers, max_tokens, field
         )
         if session is not None:
             session.observe_reply({"role": "assistant", "content": text})
+        prefilled = (runtime.prefilled - before) + spliced.prefilled if runtime else 0
         with lock:
             out.samples.append(HttpSample(
-                sid, turn, prompt, cached, (runtime.prefilled - before) if runtime else 0,
-                ttft, directive_s + e2e, directive_s,
+                sid, turn, prompt, cached, prefilled, ttft, directive_s + e2e, directive_s,
             ))  # fmt: skip
+            out.splices += spliced.splices
+            out.failures += spliced.failures
     with lock:
         if session is not None:
             out.failures += session.stats.runtime_failures

@@ -1,9 +1,11 @@
 """``leyline bench side-by-side``: the HTTP agent replay against several servers, same model,
 same trajectories, same policies, same concurrency levels.
 
-Targets (each started here on 127.0.0.1, one at a time, and stopped after its runs):
+Targets (all started here on 127.0.0.1 before the first run, stopped after the last; the
+runs interleaved run by run, ``main``):
 
 - ``vllm``: vanilla ``vllm serve`` (``.venv-vllm``), the radix arm of a production engine;
+  ``vllm@32``: at block size 32 (the default is vLLM's own, 128 on CPU);
 - ``vllm-leyline``: ``vllm serve`` with the Leyline plugin (``VLLM_PLUGINS=leyline``): splice;
 - ``leyline``: ``leyline serve`` (the embedded engine): splice and radix.
 
@@ -23,7 +25,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,56 +49,65 @@ def _trajs(path: Path | None, quick: bool) -> list[TrajectoryRecord]:
     return trajs
 
 
+def _tagged(trajs: list[TrajectoryRecord], label: str, run: int) -> list[TrajectoryRecord]:
+    """``trajs`` with the run's tag in each first user message: no run is served what an
+    earlier one cached beyond the shared system prompt and tools."""
+    out = []
+    for t in trajs:
+        msgs = [dict(m) for m in t.messages]
+        for m in msgs:
+            if m.get("role") == "user":
+                m["content"] = f"[run {label}/{run}] {m.get('content') or ''}"
+                break
+        out.append(t.model_copy(update={"messages": msgs}))
+    return out
+
+
+def _policies() -> Any:
+    from leyline_agent.policies import load_policies
+
+    return load_policies(POLICIES)
+
+
+def warm_up(label: str, base_url: str, model: str, arm: str, trajs: list[TrajectoryRecord]) -> None:
+    """One untimed session of two turns."""
+    replay_http(base_url, model, arm, _tagged(trajs, label, -1), concurrency=1, sessions=1,
+                policies_factory=_policies, max_turns=2)  # fmt: skip
+
+
+def run_arm(
+    label: str, base_url: str, model: str, arm: str, c: int, run: int,
+    trajs: list[TrajectoryRecord], sessions: int, max_turns: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    """One (target, arm, C) replay of ``sessions`` fresh histories: its table row."""
+    res = replay_http(base_url, model, arm, _tagged(trajs, label, run), concurrency=c,
+                      sessions=sessions, policies_factory=_policies, max_turns=max_turns)  # fmt: skip
+    sm = res.samples
+    prompt = sum(s.prompt_tokens for s in sm)
+    cached = sum(s.cached_tokens for s in sm)
+    ttft, e2e = [s.ttft_s for s in sm], [s.e2e_s for s in sm]
+    row = {
+        "server": label, "arm": arm, "concurrency": c, "sessions": sessions,
+        "requests": len(sm), "prompt_tokens": prompt, "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "prefilled_tokens": prompt - cached + sum(s.directive_prefilled_tokens for s in sm),
+        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p90_s": _pct(ttft, 0.9),
+        "e2e_p50_s": _pct(e2e, 0.5), "e2e_p90_s": _pct(e2e, 0.9),
+        "splices": res.splices, "runtime_failures": res.failures, "wall_s": res.wall_s,
+    }  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def run_target(
     label: str, base_url: str, model: str, arms: list[str], concurrency: list[int],
     trajs: list[TrajectoryRecord], sessions: int | None, max_turns: int | None,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    from leyline_agent.policies import load_policies
-
-    def tagged(run: int) -> list[TrajectoryRecord]:
-        out = []
-        for t in trajs:
-            msgs = [dict(m) for m in t.messages]
-            for m in msgs:
-                if m.get("role") == "user":
-                    m["content"] = f"[run {label}/{run}] {m.get('content') or ''}"
-                    break
-            out.append(t.model_copy(update={"messages": msgs}))
-        return out
-
-    factory = lambda: load_policies(POLICIES)  # noqa: E731
-    replay_http(
-        base_url,
-        model,
-        arms[0],
-        tagged(-1),
-        concurrency=1,
-        sessions=1,
-        policies_factory=factory,
-        max_turns=2,
-    )  # fmt: skip  (warm-up, untimed)
-    rows, run = [], 0
-    for c in concurrency:
-        for arm in arms:
-            n = sessions or max(concurrency)
-            res = replay_http(base_url, model, arm, tagged(run), concurrency=c, sessions=n,
-                              policies_factory=factory, max_turns=max_turns)  # fmt: skip
-            run += 1
-            sm = res.samples
-            prompt = sum(s.prompt_tokens for s in sm)
-            cached = sum(s.cached_tokens for s in sm)
-            ttft, e2e = [s.ttft_s for s in sm], [s.e2e_s for s in sm]
-            rows.append({
-                "server": label, "arm": arm, "concurrency": c, "sessions": n,
-                "requests": len(sm), "prompt_tokens": prompt, "cached_tokens": cached,
-                "hit_rate": cached / prompt if prompt else 0.0,
-                "prefilled_tokens": prompt - cached + sum(s.directive_prefilled_tokens for s in sm),
-                "ttft_p50_s": _pct(ttft, 0.5), "ttft_p90_s": _pct(ttft, 0.9),
-                "e2e_p50_s": _pct(e2e, 0.5), "e2e_p90_s": _pct(e2e, 0.9),
-                "splices": res.splices, "runtime_failures": res.failures, "wall_s": res.wall_s,
-            })  # fmt: skip
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
+    """Every (arm, C) of one endpoint, after one warm-up."""
+    warm_up(label, base_url, model, arms[0], trajs)
+    n = sessions or max(concurrency)
+    return [run_arm(label, base_url, model, arm, c, k, trajs, n, max_turns)
+            for k, (c, arm) in enumerate((c, a) for c in concurrency for a in arms)]  # fmt: skip
 
 
 @contextmanager
@@ -143,15 +154,34 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         for r in sorted(rows, key=lambda r: (r["concurrency"], r["server"], r["arm"]))
     ]
     out = head + "\n".join(lines) + "\n"
-    base = {r["concurrency"]: r for r in rows if r["server"] == "vllm" and r["arm"] == "radix"}
-    ours = {
-        r["concurrency"]: r for r in rows if r["server"] == "vllm-leyline" and r["arm"] == "splice"
-    }
-    both = sorted(set(base) & set(ours))
-    if both:
-        out += "\n| C | prefilled: splice / vanilla vLLM | TTFT p50: splice / vanilla | e2e p50: splice / vanilla |\n|---|---|---|---|\n"
+    for suffix in dict.fromkeys(r["server"].partition("@")[2] for r in rows):
+        at = f"@{suffix}" if suffix else ""
+        base = {r["concurrency"]: r for r in rows if r["server"] == f"vllm{at}"}
+        ours = {r["concurrency"]: r for r in rows if r["server"] == f"vllm-leyline{at}"}
+        both = sorted(set(base) & set(ours))
+        if not both:
+            continue
+        block = suffix or "vLLM's default"
+        out += (
+            f"\nvLLM + Leyline / vanilla vLLM, block size {block}:\n\n"
+            "| C | prefilled: splice / vanilla vLLM | TTFT p50: splice / vanilla | e2e p50: splice / vanilla |\n|---|---|---|---|\n"
+        )
         for c in both:
             b, o = base[c], ours[c]
+            out += (
+                f"| {c} | {o['prefilled_tokens'] / max(1, b['prefilled_tokens']):.2f} "
+                f"| {o['ttft_p50_s'] / max(1e-9, b['ttft_p50_s']):.2f} "
+                f"| {o['e2e_p50_s'] / max(1e-9, b['e2e_p50_s']):.2f} |\n"
+            )
+    ley = {(r["concurrency"], r["arm"]): r for r in rows if r["server"] == "leyline"}
+    cs = sorted(c for c, a in ley if a == "splice" and (c, "radix") in ley)
+    if cs:
+        out += (
+            "\nleyline serve, splice / radix:\n\n"
+            "| C | prefilled | TTFT p50 | e2e p50 |\n|---|---|---|---|\n"
+        )
+        for c in cs:
+            o, b = ley[(c, "splice")], ley[(c, "radix")]
             out += (
                 f"| {c} | {o['prefilled_tokens'] / max(1, b['prefilled_tokens']):.2f} "
                 f"| {o['ttft_p50_s'] / max(1e-9, b['ttft_p50_s']):.2f} "
@@ -195,30 +225,62 @@ def _write(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> None:
     plot(rows, out / "results.png")
 
 
-def main(args: Any) -> int:
+def _target(name: str) -> tuple[str, int | None]:
+    """``vllm``, ``vllm-leyline``, ``leyline``; a vLLM target may name its block size
+    (``vllm@32``; default: vLLM's own, 128 on CPU)."""
+    base, _, block = name.partition("@")
+    if base not in TARGETS or (block and (base == "leyline" or not block.isdigit())):
+        raise LeylineError(
+            f"--targets: unknown {name!r}; known: {', '.join(TARGETS)} (vLLM ones may end "
+            "in @<block size>)"
+        )
+    return base, int(block) if block else None
+
+
+def _start(stack: ExitStack, name: str, model_dir: Path) -> tuple[str, str]:
+    """The target's server, up until ``stack`` closes: ``(base URL, served model)``."""
     from leyline_agent.vllm_plugin.local_server import serve_vllm
+
+    base, block = _target(name)
+    if base == "leyline":
+        return stack.enter_context(_leyline_serve(model_dir)) + "/v1", model_dir.name
+    srv = stack.enter_context(serve_vllm(
+        model_dir, leyline=base == "vllm-leyline", block_size=block, kv_cache_gib=2,
+        max_model_len=8192, extra_args=["--enable-prefix-caching"],
+    ))  # fmt: skip
+    return srv.base_url, srv.model
+
+
+def main(args: Any) -> int:
+    """Every target's server up at once; the runs interleaved run by run: at each C, each
+    target's arms one after another, so a change of the machine's load lands on all alike.
+    Between two runs a pause of ``QUIET_AFTER_REQUEST_S`` (a vLLM server just used keeps a
+    core busy for about a second)."""
+    from leyline_agent.vllm_plugin.local_server import QUIET_AFTER_REQUEST_S
 
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         raise LeylineError(f"--model: no model folder at {model_dir} (leyline make-model)")
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     for t in targets:
-        if t not in TARGETS:
-            raise LeylineError(f"--targets: unknown {t!r}; known: {', '.join(TARGETS)}")
+        _target(t)
     trajs = _trajs(args.trajectories, args.quick)
     max_turns = args.max_turns or (6 if args.quick else None)
+    n = args.sessions or max(args.concurrency)
     rows: list[dict[str, Any]] = []
-    for t in targets:
-        if t == "leyline":
-            with _leyline_serve(model_dir) as url:
-                rows += run_target(t, url + "/v1", model_dir.name, list(TARGETS[t]), args.concurrency,
-                                   trajs, args.sessions, max_turns)  # fmt: skip
-        else:
-            with serve_vllm(model_dir, leyline=t == "vllm-leyline", kv_cache_gib=4,
-                            max_model_len=8192, extra_args=["--enable-prefix-caching"]) as srv:  # fmt: skip
-                rows += run_target(t, srv.base_url, srv.model, list(TARGETS[t]), args.concurrency,
-                                   trajs, args.sessions, max_turns)  # fmt: skip
-        _write(rows, args.out, {"model": str(model_dir), "args": vars(args), "policies": POLICIES})
+    meta = {"model": str(model_dir), "args": vars(args), "policies": POLICIES}
+    with ExitStack() as stack:
+        ends = {t: _start(stack, t, model_dir) for t in targets}
+        for t, (url, model) in ends.items():
+            warm_up(t, url, model, TARGETS[_target(t)[0]][0], trajs)
+        run = 0
+        for c in args.concurrency:
+            for t, (url, model) in ends.items():
+                for arm in TARGETS[_target(t)[0]]:
+                    time.sleep(QUIET_AFTER_REQUEST_S)
+                    rows.append(run_arm(t, url, model, arm, c, run, trajs, n, max_turns))
+                    run += 1
+            _write(rows, args.out, meta)
     print(markdown(rows))
     print(f"results: {args.out / 'results.json'}  plot: {args.out / 'results.png'}")
     return 0
