@@ -123,13 +123,20 @@ class HeldRowsTable:
             self._by_ns.move_to_end(ns)
         return best
 
-    def holds_start(self, ns: str, salt: str, prompt: Sequence[int]) -> bool:
+    def holds_start(
+        self, ns: str, salt: str, prompt: Sequence[int], *, whole: bool = False
+    ) -> bool:
         """A held block of ``ns`` under ``salt`` starts the prompt (base 0, first token
-        equal): the namespace holds the prompt's first rows though not a full block."""
-        return any(
-            h.salt == salt and h.base == 0 and prompt[:1] == list(h.tokens[:1])
-            for h in self._by_ns.get(ns, [])
-        )
+        equal): the namespace holds the prompt's first rows though not a full block.
+        ``whole``: all of its rows must be the prompt's (for a prompt whose first block is
+        full, so that a shared first token alone does not take it from the plain pool)."""
+        for h in self._by_ns.get(ns, []):
+            if h.salt != salt or h.base != 0 or not h.tokens:
+                continue
+            n = len(h.tokens) if whole else 1
+            if len(prompt) >= n and list(prompt[:n]) == list(h.tokens[:n]):
+                return True
+        return False
 
     def find(self, ns: str, salt: str | None, tokens: Sequence[int], base: int) -> HeldRows | None:
         """A held block of ``ns`` under ``salt`` with rows from ``base`` whose tokens agree

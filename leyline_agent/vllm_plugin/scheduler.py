@@ -147,10 +147,14 @@ class LeylineScheduler(Scheduler):
         first = list(tokens[: self.block_size])
 
         def holds(s: str) -> bool:
-            if len(first) < self.block_size:
-                return self.leyline_rows_on and self.leyline_rows.holds_start(s, s, first)
-            hashes = self.leyline_hashes(first, s, hasher)
-            return self.leyline_cached_block(hashes[0]) is not None
+            whole = len(first) == self.block_size
+            if whole:
+                block = self.leyline_cached_block(self.leyline_hashes(first, s, hasher)[0])
+                if block is not None:
+                    return True
+            # the namespace's own rows of the prompt's start, though not a full block: a
+            # short prompt's, or T[:s] staged for a head or a FORGET with s in the first block
+            return self.leyline_rows_on and self.leyline_rows.holds_start(s, s, first, whole=whole)
 
         return route_salt(salt, ANONYMOUS_SALT, holds)
 

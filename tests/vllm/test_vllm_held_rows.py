@@ -85,5 +85,10 @@ def test_holds_start_and_find():
     assert table.holds_start("ns", "s", t[:1] + [0])
     assert not table.holds_start("ns", "s", [0])
     assert not table.holds_start("ns", "x", t)
+    # a prompt whose first block is full: every held row must be the prompt's (T[:s] staged
+    # for a FORGET or a head with s in the first block), a shared first token is not enough
+    assert table.holds_start("ns", "s", t + [1, 2, 3], whole=True)
+    assert not table.holds_start("ns", "s", t[:1] + [0] * 30, whole=True)
+    assert not table.holds_start("ns", "s", t[:-1] + [0] * 30, whole=True)
     found = table.find("ns", "s", t[:12] + [0, 0], 0)
     assert found is not None and list(found.tokens) == t[:12] and found.block_id == 3
