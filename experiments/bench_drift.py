@@ -29,7 +29,8 @@ tokens of the requests right after a new user message (where the drift is). The 
 (sent back by the client), so every arm prefills each step's thinking once, where a real
 reasoning model decodes it: the table also gives the prefilled tokens without it (the same
 count, taken from every arm). ``--head-drift`` adds a head line whose reasoning effort
-alternates from one user turn to the next. JSON to ``--out``.
+alternates from one user turn to the next; ``--clock`` a first line with the current time, a
+new one on every request (a date or time in the system prompt). JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -106,18 +107,23 @@ def run_session(
     url: str, model: str, plan: list[list], max_tokens: int, system: str, head_drift: bool,
     name: str = "session",
     thinking_key: str = "reasoning_content",
+    clock: bool = False,
 ) -> Any:
     """One session, turn by turn (a generator of per-request records, one step at a time).
     ``head_drift``: the system prompt's first line says a reasoning effort that alternates
-    between high and low from one user turn to the next. ``thinking_key``: the assistant
-    message's field the server reads thinking from (vLLM 0.32: ``reasoning``)."""
+    between high and low from one user turn to the next. ``clock``: the system prompt
+    starts with the current time, a new one on every request (the date-line case).
+    ``thinking_key``: the assistant message's field the server reads thinking from (vLLM
+    0.32: ``reasoning``)."""
     history: list[dict] = [{"role": "system", "content": system}]
+    effort = ""
     for u, steps in enumerate(plan):
         if head_drift:
-            effort = "high" if u % 2 == 0 else "low"
-            history[0] = {"role": "system", "content": f"Reasoning effort: {effort}\n{system}"}
+            effort = f"Reasoning effort: {'high' if u % 2 == 0 else 'low'}\n"
         history.append({"role": "user", "content": f"Task {u} of {name}: fix the failing test."})
         for s, (think, output) in enumerate(steps):
+            now = f"Current time: 2026-12-03 09:{u:02d}:{s * 7:02d}\n" if clock else ""
+            history[0] = {"role": "system", "content": f"{now}{effort}{system}"}
             r = _stream(url, model, history, max_tokens)
             usage = r["usage"]
             drift = (usage.get("leyline") or {}).get("drift") or r["drift"] or {}
@@ -218,7 +224,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                                        add_special_tokens=False)) for p in plans)  # fmt: skip
                 key = "reasoning" if args.engine == "vllm" else "reasoning_content"
                 gens = {arm: [run_session(urls[arm], names[arm], p, args.max_tokens, system,
-                                          args.head_drift, f"session {k}", key)
+                                          args.head_drift, f"session {k}", key, args.clock)
                               for k, p in enumerate(plans)]
                         for arm in ARMS}  # fmt: skip
                 recs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
@@ -266,7 +272,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             print_rows([x for x in rows if x["context"] == context and x["clients"] == c])
     return {"command": "python -m experiments.bench_drift " + " ".join(args.argv),
             "engine": args.engine, "block_size": args.block_size if args.engine == "vllm" else None,
-            "head_drift": args.head_drift, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "head_drift": args.head_drift, "clock": args.clock, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "load_after": os.getloadavg(), "rows": rows}  # fmt: skip
 
 
@@ -350,6 +356,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--torch-threads", type=int, default=None)
     ap.add_argument("--head-drift", action="store_true", help="an effort line that alternates")
+    ap.add_argument("--clock", action="store_true", help="a time line, new on every request")
     ap.add_argument("--engine", choices=("leyline", "vllm"), default="leyline")
     ap.add_argument("--block-size", type=int, default=128, help="vLLM's (--engine vllm)")
     ap.add_argument("--settle-s", type=float, default=None,
