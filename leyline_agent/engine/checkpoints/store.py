@@ -4,7 +4,9 @@ Tests, benchmarks and the demo need the same few random-weight models; building 
 seconds (the tokenizer longer), so they are cached. ``model_dir(arch, size, seed)`` /
 ``tiny_model_dir(arch)`` return a checkpoint directory under a cache folder
 (``$LEYLINE_TEST_MODELS`` or ``<tmp>/leyline-test-models``), keyed by the arch, size, seed
-and a fingerprint of the model factory's sources, so a change to the factory rebuilds it.
+and a fingerprint of the model factory's sources and of the tokenizer's training text (it
+includes debug-gym's tasks where debug-gym is installed: the vLLM venv has no debug-gym, so
+it trains another tokenizer and keys its checkpoints apart), so a change rebuilds them.
 Builds are atomic (temp dir + rename) and serialized with a lock file, so parallel pytest
 processes don't race. The tokenizer is trained once and shared by every arch.
 """
@@ -33,9 +35,12 @@ def cache_root() -> Path:
 
 @cache
 def _fingerprint() -> str:
+    from leyline_agent.engine.checkpoints.toy_tokenizer import training_text_key
+
     h = hashlib.sha256()
     for name in _FACTORY_FILES:
         h.update((Path(__file__).parent / name).read_bytes())
+    h.update(training_text_key().encode())
     return h.hexdigest()[:12]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from leyline_agent.families import CHATML_HERMES
 
-__all__ = ["CHAT_TEMPLATE", "EOS", "IM_START", "IM_END", "train_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "EOS", "IM_START", "IM_END", "train_tokenizer", "training_text_key"]
 
 # The ChatML + Hermes row of ``leyline_agent.families``: the template below spells it out.
 IM_START = CHATML_HERMES.message_boundary
@@ -91,6 +91,18 @@ def _training_files(max_bytes: int) -> list[Path]:
             if total >= max_bytes:
                 return files
     return files
+
+
+def training_text_key(max_bytes: int = 2_000_000) -> str:
+    """What ``train_tokenizer`` would read, as a digest of its files' names (from the
+    folder that holds them) and sizes: two environments whose texts differ (debug-gym
+    installed or not, another stdlib) train different tokenizers."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in _training_files(max_bytes):
+        h.update(f"{f.parent.name}/{f.name}:{f.stat().st_size}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def _lines(files: list[Path]) -> Iterator[str]:
