@@ -141,15 +141,19 @@ def serve_in_process(
     timeout: float = 120.0,
     log_path: str | Path | None = None,
     env: dict[str, str] | None = None,
+    python: str | None = None,
+    ready: bool = True,
 ) -> ServerProcess:
     """Run ``leyline serve --model model_dir --port P *args`` in a child process.
 
     ``args`` are passed as given (no ``--host`` is added: the command's default applies).
-    ``connect_host`` is where this helper looks for it.
+    ``connect_host`` is where this helper looks for it. ``python``: the interpreter (this
+    one by default). ``ready=False``: return at once, the caller waits (``wait_ready``), so
+    that the start can overlap another server's.
     """
     port = free_port(connect_host) if port is None else port
     cmd = [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "leyline_agent.cli",
         "serve",
@@ -170,6 +174,8 @@ def serve_in_process(
     handle = ServerProcess(
         host=connect_host, port=port, process=proc, log_path=Path(log_path) if log_path else None
     )
+    if not ready:
+        return handle
     try:
         wait_ready(handle.url, timeout, alive=lambda: proc.poll() is None)
     except BaseException:

@@ -20,7 +20,6 @@ token texts, so the two detokenizers cannot make a difference.
 from __future__ import annotations
 
 import os
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 import vllm  # noqa: F401  (this folder needs the vLLM venv: fail loudly, never skip)
 
 from leyline_agent.engine.checkpoints.store import model_dir
-from leyline_agent.testing.server import free_port, wait_ready
+from leyline_agent.testing.server import ServerProcess, serve_in_process
 from leyline_agent.vllm_plugin.local_server import serve_vllm
 
 KEY = "sk-conformance"
@@ -106,34 +105,32 @@ def oracle(ckpt):
     return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
 
 
-def _client() -> httpx.Client:
+def client() -> httpx.Client:
+    """An HTTP client that sends the key."""
     return httpx.Client(timeout=300, headers={"Authorization": f"Bearer {KEY}"})
+
+
+def leyline_process(ckpt: Path, *extra: str, ready: bool = True) -> ServerProcess:
+    """``leyline serve`` of ``ckpt`` (``.venv``'s Python) behind ``--api-key KEY`` on a free
+    loopback port, with ``extra`` arguments; a context manager that stops it."""
+    py = os.environ.get("LEYLINE_MAIN_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+    log = tempfile.mkstemp(prefix="leyline-conformance-", suffix=".log")[1]
+    return serve_in_process(
+        ckpt, "--api-key", KEY, "--served-model-name", ckpt.name, *extra, python=py,
+        env={"OMP_NUM_THREADS": "1"}, log_path=log, timeout=300, ready=ready,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def start_leyline() -> Any:
+    """``leyline_process`` and ``client``, for modules that start servers of their own."""
+    return leyline_process, client
 
 
 @pytest.fixture(scope="session")
 def leyline_srv(ckpt):
-    py = os.environ.get("LEYLINE_MAIN_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    port = free_port()
-    log = Path(tempfile.mkstemp(prefix="leyline-conformance-", suffix=".log")[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [py, "-m", "leyline_agent.cli", "serve", "--model", str(ckpt), "--port", str(port),
-             "--api-key", KEY, "--served-model-name", ckpt.name],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, 300, alive=lambda: proc.poll() is None)
-        with _client() as c:
-            yield Srv("leyline", url, ckpt.name, None, c)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    with leyline_process(ckpt) as srv, client() as c:
+        yield Srv("leyline", srv.url, ckpt.name, None, c)
 
 
 def _config(name: str) -> tuple[int, int]:
@@ -148,7 +145,7 @@ def vllm_srv(request, ckpt, leyline_srv):  # after leyline serve: one heavy star
     args = ["--api-key", KEY]
     with (
         serve_vllm(ckpt, block_size=b, tensor_parallel_size=tp, extra_args=args) as s,
-        _client() as c,
+        client() as c,
     ):
         yield Srv("vllm" if tp == 1 else f"vllm-tp{tp}", s.url, s.model, b, c)
 

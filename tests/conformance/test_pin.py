@@ -27,23 +27,18 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from leyline_agent.engine.checkpoints.store import model_dir
-from leyline_agent.testing.server import free_port, wait_ready
+from leyline_agent.testing.server import wait_ready
 from leyline_agent.vllm_plugin.local_server import serve_vllm
 
 KEY = "sk-conformance"  # conftest's
-ROOT = Path(__file__).resolve().parents[2]
 TTL = os.environ.get("LEYLINE_CONFORMANCE_PIN_TTL_S", "300")
 BLOCK = 32
 CACHE = 32 * BLOCK  # rows on each server (vLLM: 33 blocks, one of them its null block)
@@ -95,52 +90,26 @@ class Srv:
         return r.json()
 
 
-def _client() -> httpx.Client:
-    return httpx.Client(timeout=300, headers={"Authorization": f"Bearer {KEY}"})
-
-
-@contextmanager
-def _leyline(ckpt: Path, ttl: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``leyline serve`` started (not yet ready: its start overlaps vLLM's), then stopped."""
-    py = os.environ.get("LEYLINE_MAIN_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    port = free_port()
-    log = Path(tempfile.mkstemp(prefix="leyline-conformance-pin-", suffix=".log")[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [py, "-m", "leyline_agent.cli", "serve", "--model", str(ckpt), "--port", str(port),
-             "--api-key", KEY, "--served-model-name", ckpt.name,
-             "--cache-tokens", str(CACHE), "--pin-ttl-s", ttl],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    try:
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 PAIRS = {"pins": TTL, "no-pins": "0"}
 
 
 @pytest.fixture(scope="module")
-def pair(request) -> Iterator[dict[str, Srv]]:
+def pair(request, start_leyline) -> Iterator[dict[str, Srv]]:
     """Both servers with the pin TTL named by the (indirect) parameter. Module scope: the
     tests of one pair run together, and a pair stops before the next starts."""
     ttl, ckpt = PAIRS[request.param], model_dir("llama", "mini")
+    leyline_process, client = start_leyline  # conftest's
     args = ["--api-key", KEY, "--num-gpu-blocks-override", str(CACHE // BLOCK + 1)]
     with (
-        _leyline(ckpt, ttl) as (url, proc),
+        leyline_process(ckpt, "--cache-tokens", str(CACHE), "--pin-ttl-s", ttl,
+                        ready=False) as ley,
         serve_vllm(ckpt, block_size=BLOCK, extra_args=args, max_model_len=CACHE,
                    env={"LEYLINE_PIN_TTL_S": ttl}) as v,
-        _client() as c,
+        client() as c,
     ):  # fmt: skip
-        wait_ready(url, 300, alive=lambda: proc.poll() is None)
-        yield {"leyline": Srv("leyline", url, ckpt.name, c), "vllm": Srv("vllm", v.url, v.model, c)}
+        wait_ready(ley.url, 300, alive=lambda: ley.process.poll() is None)
+        yield {"leyline": Srv("leyline", ley.url, ckpt.name, c),
+               "vllm": Srv("vllm", v.url, v.model, c)}  # fmt: skip
 
 
 SERVERS = pytest.mark.parametrize("name", ["leyline", "vllm"])
