@@ -77,6 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--trajectories", type=Path, default=None, help="JSONL to replay (default: generated)"
     )
+    p.add_argument(
+        "--count", action="store_true",
+        help="print the tokens one run replays and must prefill (no server) and exit",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/side-by-side"), help="output folder")
     p.set_defaults(
         func=recorded("bench side-by-side", _bench_side_by_side, Path("runs/side-by-side"))

@@ -267,6 +267,12 @@ def main(args: Any) -> int:
     trajs = _trajs(args.trajectories, args.quick)
     max_turns = args.max_turns or (6 if args.quick else None)
     n = args.sessions or max(args.concurrency)
+    if args.count:
+        from .replay_counts import count, report
+
+        counts = count(model_dir, trajs, n, max_turns, _policies)
+        print(f"one run ({n} sessions): {report(counts)}")
+        return 0
     rows: list[dict[str, Any]] = []
     meta = {"model": str(model_dir), "args": vars(args), "policies": POLICIES}
     with ExitStack() as stack:
