@@ -5,7 +5,8 @@ turns), every turn's prompt is rendered with the model's own chat template and c
 with the session's previous prompt. With a prefix cache that never evicts:
 
 - ``radix`` prefills, per turn, the prompt after its longest common prefix with the last
-  one: every policy edit costs a re-prefill from the edit point;
+  one (a session's first prompt: with any earlier session's first prompt, which shares the
+  system prompt and tools): every policy edit costs a re-prefill from the edit point;
 - ``new`` prefills only the tokens the unedited history adds per turn. A splice arm also
   prefills each replacement, so ``new`` is the floor of what it can prefill: no engine can
   beat ``new / radix`` in prefilled tokens on this configuration.
@@ -55,6 +56,7 @@ def count(
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     out = {"requests": 0, "prompt_tokens": 0, "longest_prompt": 0, "radix": 0, "new": 0}
+    firsts: list[list[int]] = []
     for sid in range(sessions):
         traj = personalize(trajs[sid % len(trajs)], sid)
         session = ContextSession(policies_factory(), None, mode=Mode.AMORTIZE, session_id=str(sid))
@@ -64,6 +66,10 @@ def count(
             history = traj.messages[:a]
             edited = ids(session.plan(history, traj.tools).messages_to_send, traj.tools)
             plain = ids(history, traj.tools)
+            if not last_edited:  # the session's first prompt
+                shared = max((_common(edited, f) for f in firsts), default=0)
+                firsts.append(edited)
+                last_edited = last_plain = edited[:shared]
             out["radix"] += len(edited) - _common(edited, last_edited)
             out["new"] += len(plain) - _common(plain, last_plain)
             out["requests"] += 1
