@@ -96,10 +96,6 @@ class _Spliced:
             self.failures += d.get("outcome") == "error"
 
 
-def _turns(traj: TrajectoryRecord, max_turns: int | None) -> list[int]:
-    idx = [i for i, m in enumerate(traj.messages) if m.get("role") == "assistant"]
-    return idx[:max_turns] if max_turns else idx
-
 
 def _chat(
     client: Any, model: str, messages: list, tools: list, headers: dict, max_tokens: int,
@@ -156,7 +152,7 @@ def _session(
         else ContextSession(policies, runtime, mode=Mode.AMORTIZE, session_id=name)
     )
     headers = {"X-Leyline-Session": name} if arm == "splice" else {}
-    for turn, a in enumerate(_turns(traj, max_turns)):
+    for turn, a in enumerate(traj.request_points(max_turns)):
         history = traj.messages[:a]
         t0 = time.perf_counter()
         before = runtime.prefilled if runtime else 0

@@ -109,10 +109,6 @@ def personalize(traj: TrajectoryRecord, sid: int) -> TrajectoryRecord:
     return traj.model_copy(update={"messages": msgs})
 
 
-def _requests(traj: TrajectoryRecord, max_turns: int | None) -> list[int]:
-    idx = [i for i, m in enumerate(traj.messages) if m.get("role") == "assistant"]
-    return idx[:max_turns] if max_turns else idx
-
 
 def _session(
     engine: Any,
@@ -137,7 +133,7 @@ def _session(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     # every arm names its session, as a wrapped client does: spliced rows are the session's
     ns = Namespace(session=f"{arm}-s{sid}")
-    for turn, a in enumerate(_requests(traj, max_turns)):
+    for turn, a in enumerate(traj.request_points(max_turns)):
         history = traj.messages[:a]
         done = yield (lambda h=history: _turn(engine, session, h, traj.tools, params, ns))
         res, directive_s, generate_at = done.value

@@ -21,7 +21,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .http_replay import _turns
 from .replay import personalize
 from .trajectories import TrajectoryRecord
 
@@ -62,7 +61,7 @@ def count(
         session = ContextSession(policies_factory(), None, mode=Mode.AMORTIZE, session_id=str(sid))
         last_edited: list[int] = []
         last_plain: list[int] = []
-        for a in _turns(traj, max_turns):
+        for a in traj.request_points(max_turns):
             history = traj.messages[:a]
             edited = ids(session.plan(history, traj.tools).messages_to_send, traj.tools)
             plain = ids(history, traj.tools)

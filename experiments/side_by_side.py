@@ -36,7 +36,7 @@ from .mechanism import POLICIES, cap_messages
 from .mechanism import percentile as _pct
 from .trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
 
-__all__ = ["TARGETS", "main", "main_http", "run_target"]
+__all__ = ["TARGETS", "main", "main_http", "run_target", "start_target"]
 
 TARGETS = {"vllm": ("radix",), "vllm-leyline": ("splice",), "leyline": ("splice", "radix")}
 _ROOT = Path(__file__).resolve().parents[1]
@@ -237,7 +237,7 @@ def _target(name: str) -> tuple[str, int | None]:
     return base, int(block) if block else None
 
 
-def _start(stack: ExitStack, name: str, model_dir: Path) -> tuple[str, str]:
+def start_target(stack: ExitStack, name: str, model_dir: Path) -> tuple[str, str]:
     """The target's server, up until ``stack`` closes: ``(base URL, served model)``."""
     from leyline_agent.vllm_plugin.local_server import serve_vllm
 
@@ -276,7 +276,7 @@ def main(args: Any) -> int:
     rows: list[dict[str, Any]] = []
     meta = {"model": str(model_dir), "args": vars(args), "policies": POLICIES}
     with ExitStack() as stack:
-        ends = {t: _start(stack, t, model_dir) for t in targets}
+        ends = {t: start_target(stack, t, model_dir) for t in targets}
         for t, (url, model) in ends.items():
             warm_up(t, url, model, TARGETS[_target(t)[0]][0], trajs)
         run = 0

@@ -49,6 +49,12 @@ class TrajectoryRecord(BaseModel):
     def turns(self) -> int:
         return sum(1 for m in self.messages if m.get("role") == "assistant")
 
+    def request_points(self, max_turns: int | None = None) -> list[int]:
+        """Where a replay sends a request: the index of each assistant message (the history
+        before it is the prompt), the first ``max_turns`` of them."""
+        idx = [i for i, m in enumerate(self.messages) if m.get("role") == "assistant"]
+        return idx[:max_turns] if max_turns else idx
+
 
 def load_trajectories(path: Path) -> list[TrajectoryRecord]:
     if not Path(path).is_file():
