@@ -1,7 +1,7 @@
 """CLI verbs of the experiments layer.
 
     leyline bench mechanism      replay trajectories against the runtime, arms interleaved
-    leyline bench splice|soak|drift|splice-stream  modules with their own options (-h), recorded
+    leyline bench splice|soak|drift|splice-stream|directive  modules with their own options (-h), recorded
     leyline bench report         every recorded run (runs/**/report.json) into docs/results.md
     leyline check correctness    first-token agreement and bf16 drift of splices
     leyline eval mini-nightmare  debug-gym's froggy through Leyline, per arm
@@ -124,6 +124,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("soak", "soak_rss", "RSS of leyline serve over rounds of streaming clients"),
         ("drift", "bench_drift", "reasoning-agent replay: plain cache, drift splices, kept"),
         ("splice-stream", "bench_splice_stream", "a stream's gaps while another session splices"),
+        ("directive", "bench_directive", "one directive's cost over HTTP, on every server"),
     ):
         p = bench.add_parser(verb, help=help_text, add_help=False)
         p.set_defaults(

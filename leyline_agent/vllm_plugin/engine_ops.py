@@ -11,14 +11,16 @@ while an op does. The general plugin adds this one method to ``EngineCore``. Ops
   no eviction can take them before the splice (a miss holds nothing). ``stage=s``: the
   rows ``T[block_start(s):s]`` are also held for the namespace as the rows of ``T[:s]``,
   so the request that follows (a head ``T[:s] + R``, a FORGET's ``T'``) is handed them
-  instead of prefilling them again.
+  instead of prefilling them again. ``hold=False``: the same, then the hold is given back in
+  the same op (a lookup, or a FORGET's staging: one trip through the busy loop, not two).
 - ``splice``: the plan (``plan.py``) from the locked ``T`` and the held head, fresh blocks,
   ``collective_rpc("leyline_copy_rows")`` on every worker, ``T'``'s full blocks registered
   under its hash chain in the session's namespace (a block already registered there under
   the same hash is dropped: the latest directive wins), the rows past them held for the
   session's next request, references released; ``T'`` is the namespace's pinned result
   (``scheduler``: pins), replacing its last one.
-- ``forget``: drop the session's cached blocks and held rows of ``T'`` past ``start``, so
+- ``forget``: (``stage=T``: first ``lock(T, stage=start, hold=False)``) drop the session's
+  cached blocks and held rows of ``T'`` past ``start``, so
   that the FORGET's normal request computes them again (its rows before ``start`` come
   from the cache and from the rows ``lock`` staged); that request's ``T'`` is pinned when it
   ends (``scheduler``).
@@ -143,8 +145,9 @@ def _describe(engine: Any) -> dict[str, Any]:
 
 
 def _lock(
-    engine: Any, tokens: list[int], salt: str | None, stage: int | None = None
-) -> dict[str, Any]:
+    engine: Any, tokens: list[int], salt: str | None, stage: int | None = None,
+    hold: bool = True,
+) -> dict[str, Any]:  # fmt: skip
     sched = _scheduler(engine)
     hasher = engine.request_block_hasher
     bs = sched.block_size
@@ -167,6 +170,9 @@ def _lock(
         sched.leyline_hold(lock_id, blocks, routed, rows)
         if ns is not None and stage is not None and 0 < stage <= rows and stage % bs:
             sched.leyline_keep_rows(ns, tokens[:stage], blocks[stage // bs], routed, touch=True)
+        if not hold:
+            sched.leyline_release(lock_id)
+            lock_id = None
     return {"lock_id": lock_id, "cached_tokens": rows, "salt": routed}
 
 
@@ -264,7 +270,12 @@ def _splice(
     }
 
 
-def _forget(engine: Any, tokens: list[int], start: int, salt: str | None) -> dict[str, Any]:
+def _forget(
+    engine: Any, tokens: list[int], start: int, salt: str | None,
+    stage: list[int] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    if stage is not None:  # T's rows before ``start`` in its block go to T'
+        _lock(engine, stage, salt, stage=start, hold=False)
     sched = _scheduler(engine)
     hasher = engine.request_block_hasher
     routed = sched.leyline_route(tokens, salt, hasher)

@@ -292,8 +292,7 @@ class VLLMRoute:
     async def cached_prefix(self, tokens: list[int], namespace: str) -> int:
         """``directives.backend.PrefixLookup``: the cached length of ``tokens`` under the
         salt ``namespace`` (full blocks and the rows the plugin holds), held by nothing."""
-        lock = await self.rpc("lock", tokens=tokens, salt=namespace)
-        await self.rpc("release", ids=[lock["lock_id"]])
+        lock = await self.rpc("lock", tokens=tokens, salt=namespace, hold=False)
         return int(lock["cached_tokens"])
 
     async def _execute(self, plan: Plan, salt: str) -> DirectivesResponse:
@@ -331,9 +330,7 @@ class VLLMRoute:
             else:
                 # the rows before ``start`` stay: those inside its block are staged for the
                 # re-prefill, which computes from ``start`` on
-                lock = await self.rpc("lock", tokens=cur, salt=salt, stage=d.start)
-                await self.rpc("release", ids=[lock["lock_id"]])
-                await self.rpc("forget", tokens=after, start=d.start, salt=salt)
+                await self.rpc("forget", tokens=after, start=d.start, salt=salt, stage=cur)
                 await self.prefill(after, salt)
                 reused += d.start
                 prefilled += len(after) - d.start

@@ -1,0 +1,115 @@
+"""Benchmark (not a test): one directive's own cost, over HTTP, on every server.
+
+    leyline bench directive [--model .leyline/models/llama-mini] [--contexts 2000,8000]
+        [--repeats 6] [--targets leyline,vllm-leyline,vllm-leyline@32] [--out FILE]
+
+Each target's server is started here on loopback (``side_by_side.start_target``: ``leyline serve``,
+``vllm serve`` with the plugin at vLLM's default block size or ``@32``), all up at once. For
+each context and repeat, every target in turn (so a change of the machine's load lands on
+all alike, with ``QUIET_AFTER_REQUEST_S`` between two servers' requests) gets the same edit:
+
+1. a named session caches a fresh ``T`` (seeded token ids, one completion token);
+2. ``POST /leyline/v1/directives``, token form: ``T[c/2 : c/2 + c/5]`` replaced by 16 tokens
+   (a stubbed tool output), AMORTIZE on one fresh ``T``, FORGET on another; the time is
+   the client's, from the request to its answer;
+3. the next completion of ``T' + x`` must find ``T'`` cached in full (checked, printed).
+
+Printed per context and mode: each target's p50 / p90 and its p50 over ``leyline serve``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+STUB = 16  # tokens of the replacement
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="leyline bench directive", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=Path(".leyline/models/llama-mini"))
+    ap.add_argument("--contexts", default="2000,8000", help="comma list of |T|")
+    ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--targets", default="leyline,vllm-leyline,vllm-leyline@32")
+    ap.add_argument("--out", type=Path, default=Path("runs/directive/results.json"))
+    return ap.parse_args(argv)
+
+
+def _once(c: Any, root: str, model: str, t: list[int], mode: str, session: str) -> dict[str, Any]:
+    """Cache ``t``, time one directive on it, check that ``T'`` is served from the cache."""
+    from .bench_splice_stream import random_ids
+
+    h = {"X-Leyline-Session": session}
+    body = {"model": model, "prompt": t, "max_tokens": 1, "temperature": 0}
+    r = c.post(root + "/v1/completions", json=body, headers=h)
+    r.raise_for_status()
+    time.sleep(_quiet())
+    s = len(t) // 2
+    e, rep = s + len(t) // 5, random_ids(len(t) + 7, STUB)
+    d = {"start": s, "end": e, "replacement": rep, "mode": mode}
+    t0 = time.perf_counter()
+    r = c.post(root + "/leyline/v1/directives", json={"tokens": t, "directives": [d]}, headers=h)
+    took = time.perf_counter() - t0
+    r.raise_for_status()
+    new = t[:s] + rep + t[e:]
+    time.sleep(_quiet())
+    body = {"model": model, "prompt": new + [5], "max_tokens": 1, "temperature": 0}
+    r = c.post(root + "/v1/completions", json=body, headers=h)
+    r.raise_for_status()
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return {"seconds": took, "kept": cached == len(new)}
+
+
+def _quiet() -> float:
+    from leyline_agent.vllm_plugin.local_server import QUIET_AFTER_REQUEST_S
+
+    return QUIET_AFTER_REQUEST_S
+
+
+def main(argv: list[str] | None = None) -> int:
+    import httpx
+
+    from .bench_splice_stream import random_ids
+    from .side_by_side import start_target
+
+    a = _args(argv)
+    contexts = [int(x) for x in a.contexts.split(",") if x]
+    targets = [t.strip() for t in a.targets.split(",") if t.strip()]
+    rows: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    with ExitStack() as stack, httpx.Client(timeout=600) as c:
+        ends = {t: start_target(stack, t, a.model) for t in targets}
+        for k in range(a.repeats):
+            for ctx in contexts:
+                for mode in ("amortize", "forget"):
+                    t = random_ids(100_000 * k + 10 * ctx + (mode == "forget"), ctx)
+                    for name, (url, model) in ends.items():
+                        root = url.removesuffix("/v1")
+                        got = _once(c, root, model, t, mode, f"bench-{name}-{k}-{ctx}-{mode}")
+                        rows.setdefault((ctx, mode, name), []).append(got)
+                        time.sleep(_quiet())
+    out = []
+    for (ctx, mode, name), rs in sorted(rows.items()):
+        secs = sorted(r["seconds"] for r in rs)
+        base = statistics.median(r["seconds"] for r in rows[(ctx, mode, targets[0])])
+        p50 = statistics.median(secs)
+        p90 = secs[min(len(secs) - 1, int(0.9 * len(secs)))]
+        kept = sum(r["kept"] for r in rs)
+        out.append({"context": ctx, "mode": mode, "target": name, "p50_s": p50, "p90_s": p90,
+                    "over_first": p50 / base, "kept": kept, "repeats": len(rs)})  # fmt: skip
+        print(f"ctx {ctx:6d} {mode:8s} {name:18s} p50 {1000 * p50:7.1f} ms  p90 {1000 * p90:7.1f} "
+              f"ms  {p50 / base:5.2f}x {targets[0]}  T' kept in full {kept}/{len(rs)}")  # fmt: skip
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1))
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
