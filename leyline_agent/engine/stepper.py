@@ -8,7 +8,9 @@ its events, handing them to its ``on_token`` on its own thread while the step th
 already running the next step (so a client's streaming overlaps the forward). When the
 sequence has finished stepping, its owner commits it (cache insert, counters) or, if
 ``on_token`` raised (a client left) or the step failed, aborts it: its rows are freed and
-nothing is cached or counted. So callbacks never run inside a step, and everything else
+nothing is cached or counted. After a step in which sequences finished, the step thread
+waits up to ``HANDOFF_S`` for their owners to take the lock, so an answer is committed and
+returned between two steps instead of after the next one. So callbacks never run inside a step, and everything else
 that touches the engine (directives, stats, render) takes the same lock: it runs between
 steps. One thread drives every step: the owners' threads would otherwise hand the engine
 lock (and the GIL) around between steps (measured: 8 sequences at 1 torch thread took 74-79
@@ -75,6 +77,12 @@ PROBE_STEPS = 32  # paced steps before a size known to be too long is tried agai
 # at 4k context). A share that doubled per step alone would reach 512 tokens within such a
 # pause (measured: 161 ms gaps at 8k). Past the hold the splice runs at the full budget.
 PACE_HOLD_S = 0.25
+# After a step in which sequences stopped stepping, the step thread waits up to this long
+# for their owners to take the lock (``exclusive``) before it starts the next step: the
+# owner commits (cache insert, counters) and answers between the two steps instead of
+# after the next one (a step is 50-300 ms at 2-8k context with others' prefill chunks in
+# it; an owner takes well under a millisecond to get there).
+HANDOFF_S = 0.01
 
 
 class Pace:
@@ -154,12 +162,14 @@ class Stepper:
         self.pace = Pace()
         self.steps = 0
         self._shared_at = float("-inf")  # when a step last ran another session's sequence
+        self._stopped = 0  # sequences that stopped stepping in the last step
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """The engine lock, for work between steps."""
         with self._ops_cond:
             self._ops += 1
+            self._ops_cond.notify_all()  # a step loop handing off (``HANDOFF_S``) goes on
         try:
             with self._lock:
                 self._owner, self._depth = threading.get_ident(), self._depth + 1
@@ -255,8 +265,12 @@ class Stepper:
                     return
             if ran:
                 idle_since = None
+                stopped, self._stopped = self._stopped, 0
                 with self._progress:
                     self._progress.notify_all()
+                if stopped:  # their owners commit before the next step (``HANDOFF_S``)
+                    with self._ops_cond:
+                        self._ops_cond.wait_for(lambda: self._ops > 0, timeout=HANDOFF_S)
                 continue
             idle_since = idle_since if idle_since is not None else time.monotonic()
             with self._work:  # a sequence arriving after this check notifies the wait
@@ -362,6 +376,7 @@ class Stepper:
         self.host.allocator.free(s.reserved)
         s.reserved = []
         s.status = SeqStatus.FINISHED
+        self._stopped += 1
         if s in self.running:
             self.running.remove(s)
 
