@@ -27,6 +27,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from .bench_splice_stream import random_ids
+
 __all__ = ["main"]
 
 STUB = 16  # tokens of the replacement
@@ -42,15 +44,16 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _once(c: Any, root: str, model: str, t: list[int], mode: str, session: str) -> dict[str, Any]:
-    """Cache ``t``, time one directive on it, check that ``T'`` is served from the cache."""
-    from .bench_splice_stream import random_ids
-
+def _once(
+    c: Any, root: str, model: str, t: list[int], mode: str, session: str, quiet: float
+) -> dict[str, Any]:
+    """Cache ``t``, time one directive on it, check that ``T'`` is served from the cache;
+    ``quiet`` seconds between two requests (a vLLM server just used keeps a core busy)."""
     h = {"X-Leyline-Session": session}
     body = {"model": model, "prompt": t, "max_tokens": 1, "temperature": 0}
     r = c.post(root + "/v1/completions", json=body, headers=h)
     r.raise_for_status()
-    time.sleep(_quiet())
+    time.sleep(quiet)
     s = len(t) // 2
     e, rep = s + len(t) // 5, random_ids(len(t) + 7, STUB)
     d = {"start": s, "end": e, "replacement": rep, "mode": mode}
@@ -59,7 +62,7 @@ def _once(c: Any, root: str, model: str, t: list[int], mode: str, session: str) 
     took = time.perf_counter() - t0
     r.raise_for_status()
     new = t[:s] + rep + t[e:]
-    time.sleep(_quiet())
+    time.sleep(quiet)
     body = {"model": model, "prompt": new + [5], "max_tokens": 1, "temperature": 0}
     r = c.post(root + "/v1/completions", json=body, headers=h)
     r.raise_for_status()
@@ -67,16 +70,11 @@ def _once(c: Any, root: str, model: str, t: list[int], mode: str, session: str) 
     return {"seconds": took, "kept": cached == len(new)}
 
 
-def _quiet() -> float:
-    from leyline_agent.vllm_plugin.local_server import QUIET_AFTER_REQUEST_S
-
-    return QUIET_AFTER_REQUEST_S
-
-
 def main(argv: list[str] | None = None) -> int:
     import httpx
 
-    from .bench_splice_stream import random_ids
+    from leyline_agent.vllm_plugin.local_server import QUIET_AFTER_REQUEST_S as quiet
+
     from .side_by_side import start_target
 
     a = _args(argv)
@@ -91,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                     t = random_ids(100_000 * k + 10 * ctx + (mode == "forget"), ctx)
                     for name, (url, model) in ends.items():
                         root = url.removesuffix("/v1")
-                        got = _once(c, root, model, t, mode, f"bench-{name}-{k}-{ctx}-{mode}")
+                        session = f"bench-{name}-{k}-{ctx}-{mode}"
+                        got = _once(c, root, model, t, mode, session, quiet)
                         rows.setdefault((ctx, mode, name), []).append(got)
-                        time.sleep(_quiet())
+                        time.sleep(quiet)
     out = []
     for (ctx, mode, name), rs in sorted(rows.items()):
         secs = sorted(r["seconds"] for r in rs)

@@ -96,7 +96,6 @@ class _Spliced:
             self.failures += d.get("outcome") == "error"
 
 
-
 def _chat(
     client: Any, model: str, messages: list, tools: list, headers: dict, max_tokens: int,
     leyline: dict[str, Any] | None = None,

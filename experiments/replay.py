@@ -109,7 +109,6 @@ def personalize(traj: TrajectoryRecord, sid: int) -> TrajectoryRecord:
     return traj.model_copy(update={"messages": msgs})
 
 
-
 def _session(
     engine: Any,
     arm: str,

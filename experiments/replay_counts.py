@@ -55,20 +55,20 @@ def count(
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     out = {"requests": 0, "prompt_tokens": 0, "longest_prompt": 0, "radix": 0, "new": 0}
-    firsts: list[list[int]] = []
+    firsts: list[list[int]] = []  # every session's first prompt (edited and plain agree)
     for sid in range(sessions):
         traj = personalize(trajs[sid % len(trajs)], sid)
         session = ContextSession(policies_factory(), None, mode=Mode.AMORTIZE, session_id=str(sid))
         last_edited: list[int] = []
         last_plain: list[int] = []
-        for a in traj.request_points(max_turns):
+        for turn, a in enumerate(traj.request_points(max_turns)):
             history = traj.messages[:a]
             edited = ids(session.plan(history, traj.tools).messages_to_send, traj.tools)
             plain = ids(history, traj.tools)
-            if not last_edited:  # the session's first prompt
-                shared = max((_common(edited, f) for f in firsts), default=0)
+            if turn == 0:  # what an earlier session's first prompt shares with this one
+                last_edited = max(firsts, key=lambda f: _common(edited, f), default=[])
+                last_plain = max(firsts, key=lambda f: _common(plain, f), default=[])
                 firsts.append(edited)
-                last_edited = last_plain = edited[:shared]
             out["radix"] += len(edited) - _common(edited, last_edited)
             out["new"] += len(plain) - _common(plain, last_plain)
             out["requests"] += 1

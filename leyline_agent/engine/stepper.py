@@ -10,9 +10,9 @@ sequence has finished stepping, its owner commits it (cache insert, counters) or
 ``on_token`` raised (a client left) or the step failed, aborts it: its rows are freed and
 nothing is cached or counted. After a step in which sequences finished, the step thread
 waits up to ``HANDOFF_S`` for their owners to take the lock, so an answer is committed and
-returned between two steps instead of after the next one. So callbacks never run inside a step, and everything else
-that touches the engine (directives, stats, render) takes the same lock: it runs between
-steps. One thread drives every step: the owners' threads would otherwise hand the engine
+returned between two steps instead of after the next one. So callbacks never run inside a
+step, and everything else that touches the engine (directives, stats, render) takes the
+same lock: it runs between steps. One thread drives every step: the owners' threads would otherwise hand the engine
 lock (and the GIL) around between steps (measured: 8 sequences at 1 torch thread took 74-79
 ms a step that way, against 54 ms for the same batch run alone).
 

@@ -6,8 +6,8 @@ the core cases, marked ``CORE``, also against vLLM with tensor parallelism 2 at 
 - chains: directive chains of every case type (a first splice anywhere in ``T``, its
   partial last block included; a FORGET after an AMORTIZE starting among the rotated rows;
   a second AMORTIZE inside an earlier splice's tail, in the block that holds rotated rows;
-  random mixes; 54 chains per vLLM configuration, 162 in all). After each directive both servers keep every row of ``T'`` (the next
-  request's ``cached_tokens`` is ``len(T')`` on both), each server's next-token top-20
+  random mixes; 54 chains per vLLM configuration, 162 in all). After each directive both
+  servers keep every row of ``T'`` (the next request's ``cached_tokens`` is ``len(T')`` on both), each server's next-token top-20
   log-probs equal an independent oracle (transformers' own modules and rotary function,
   ``RefState``) within 1e-4, and the two servers equal each other within 1e-4;
 - bad input: 60+ bodies, the same 4xx status and the same error body on both, never a 5xx;
