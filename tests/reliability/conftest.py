@@ -87,7 +87,9 @@ def hostile(live: ServerProcess, served_name: str) -> Callable[..., TimedAnswer]
         if answer.error is not None:
             problems.append(f"the hostile request got no answer: {answer.error}")
         elif answer.elapsed_s >= HOSTILE_S:
-            problems.append(f"the hostile request took {answer.elapsed_s:.1f}s (bound {HOSTILE_S}s)")
+            problems.append(
+                f"the hostile request took {answer.elapsed_s:.1f}s (bound {HOSTILE_S}s)"
+            )
         status = answer.status
         if status is not None:
             body = answer.response.text[:500]  # type: ignore[union-attr]
