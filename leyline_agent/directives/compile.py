@@ -38,6 +38,7 @@ from typing import Any
 from leyline_agent.chat_input import canonical_tools
 from leyline_agent.directives.checks import check_token_ids, template_messages
 from leyline_agent.directives.core import Directive, Mode
+from leyline_agent.directives.tool_prompt import prepare
 from leyline_agent.errors import TrajectoryError
 
 __all__ = [
@@ -125,12 +126,15 @@ def render(
     where: str = "messages",
 ) -> list[int]:
     """Token ids of ``messages`` under ``tokenizer``'s chat template (``TrajectoryError``
-    naming ``where`` if they cannot be rendered)."""
-    checked = template_messages(messages, where)
+    naming ``where`` if they cannot be rendered); tools and calls the template cannot render
+    are written by ``tool_prompt.prepare``."""
+    checked, tools_ = prepare(
+        tokenizer, template_messages(messages, where), canonical_tools(tools), where
+    )
     try:
         text = tokenizer.apply_chat_template(
             checked,
-            tools=canonical_tools(tools),
+            tools=tools_,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )

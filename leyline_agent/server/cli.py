@@ -61,6 +61,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "old content), forget (exact re-prefill from the edit), off (plain prefix cache). "
         'Default amortize; a request overrides it with {"leyline": {"client_edits": ...}}',
     )
+    p.add_argument(
+        "--tool-format",
+        choices=["hermes", "template"],
+        default=None,
+        help="a chat template without a tool block (SmolLM2's): hermes writes the tools and "
+        "calls in the Hermes <tool_call> form, template refuses tools with a 400 "
+        "(default: the model folder's leyline_tool_format, else hermes; docs/server.md)",
+    )
     _add_limits_and_keys(p)
 
 
@@ -83,6 +91,7 @@ _EMBEDDED_ONLY = {
     "tenant_cache_share": None,
     "shutdown_timeout_s": 30.0,
     "max_messages": 4096,
+    "tool_format": None,
 }
 
 

@@ -35,6 +35,7 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
             f"--engine {engine_kind}: `leyline serve` runs the embedded engine; for SGLang, "
             "launch SGLang's own server with the Leyline plugin installed"
         )
+    from leyline_agent.directives.tool_prompt import set_setting
     from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
     from leyline_agent.server.inputs import DEFAULT_MAX_MESSAGES
@@ -77,6 +78,8 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     if max_messages < 1:
         raise ArgumentError(f"--max-messages: {max_messages} must be >= 1")
     engine = Engine.from_pretrained(args.model, **kwargs)
+    if getattr(args, "tool_format", None):  # the model folder's setting, overridden
+        set_setting(engine.tokenizer, args.tool_format)
     return create_app(
         engine,
         served_model_name=getattr(args, "served_model_name", None),
