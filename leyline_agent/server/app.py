@@ -1,7 +1,8 @@
 """``create_app(engine_or_worker, ...)``: the FastAPI application of ``leyline serve``.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (``openai_routes``),
-``/v1/responses`` (``responses_routes``, served through the chat route),
+``/v1/responses`` (``responses_routes``) and ``/v1/messages`` (``messages_routes``), both
+served through the chat route,
 ``/leyline/v1/directives``, ``/leyline/v1/stats`` (``leyline_routes``), ``/health``.
 Every engine call goes through one ``Worker``; an app built from an engine owns its
 worker (``concurrency`` threads: by default 16 for a thread-safe engine, 1 for any other;
@@ -31,6 +32,7 @@ from leyline_agent.server.directive_memory import DEFAULT_REMEMBERED, DirectiveM
 from leyline_agent.server.inputs import DEFAULT_MAX_MESSAGES, InputLimits, check_json_body
 from leyline_agent.server.leyline_routes import router as leyline_router
 from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, longest_token_bytes
+from leyline_agent.server.messages_routes import router as messages_router
 from leyline_agent.server.openai_routes import router as openai_router
 from leyline_agent.server.responses_routes import router as responses_router
 from leyline_agent.server.responses_store import ResponseStore
@@ -144,6 +146,7 @@ def create_app(
     checks = [Depends(check_json_body), Depends(session_header)]
     app.include_router(openai_router, dependencies=checks)
     app.include_router(responses_router, dependencies=checks)
+    app.include_router(messages_router, dependencies=checks)
     app.state.leyline_responses = ResponseStore()  # previous_response_id (responses_routes)
     app.include_router(leyline_router, dependencies=checks)
 

@@ -1,0 +1,114 @@
+"""``/v1/messages`` and ``/v1/messages/count_tokens`` on ``leyline serve``: Anthropic's
+Messages API, served through the chat route.
+
+``POST /v1/messages`` checks the body (``front.messages``), calls the chat route's own handler
+with the chat request it becomes, and turns the chat answer (or its stream) into a Message
+(or Anthropic's event stream). So a Messages request is rendered, edited, spliced and
+generated exactly as the chat request with the same messages would be, and its
+``context_management`` edits are spliced by the chat turn (``front.chat_turn``).
+
+``POST /v1/messages/count_tokens`` answers ``input_tokens``: the prompt the request renders
+with the served template; with ``context_management``, the prompt after the edits that would
+trigger on it as a fresh conversation (``front.turns.plan_turn``: pure, nothing spliced), and
+``context_management.original_input_tokens`` the prompt before them, as Anthropic answers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.responses import Response
+
+from leyline_agent.chat_input import canonical_messages
+from leyline_agent.front.context_management import parse_context_management
+from leyline_agent.front.messages import (
+    CountTokensRequest,
+    MessageEvents,
+    MessagesRequest,
+    chat_body,
+    message_answer,
+    parse_request,
+)
+from leyline_agent.front.turns import plan_turn
+from leyline_agent.server.completions import check_messages, messages_for_template
+from leyline_agent.server.disconnect import run_connected
+from leyline_agent.server.inputs import raw_json_body
+from leyline_agent.server.openai_api import ChatCompletionRequest
+from leyline_agent.server.openai_routes import chat_completions
+from leyline_agent.server.state import state
+
+__all__ = ["router"]
+
+router = APIRouter()
+_CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
+
+
+@router.post("/v1/messages", openapi_extra=raw_json_body(MessagesRequest))
+async def create_message(request: Request) -> Response:
+    req = parse_request(MessagesRequest, request.state.json_body)
+    chat = parse_request(ChatCompletionRequest, chat_body(req, _CHAT_FIELDS))
+    model = state(request).model.id
+    answer = await chat_completions(chat, request)
+    if not req.stream:
+        return JSONResponse(message_answer(json.loads(answer.body), model))
+    assert isinstance(answer, StreamingResponse)
+    return StreamingResponse(
+        _events(answer, MessageEvents(model)),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
+
+
+@router.post("/v1/messages/count_tokens", openapi_extra=raw_json_body(CountTokensRequest))
+async def count_tokens(request: Request) -> Response:
+    req = parse_request(CountTokensRequest, request.state.json_body)
+    st = state(request)
+    chat = parse_request(ChatCompletionRequest, chat_body(req, _CHAT_FIELDS))
+    st.model.check(chat.model)
+    tools = check_messages(chat)
+    messages = messages_for_template(chat.messages)
+
+    def counted(engine: Any) -> dict[str, Any]:
+        def n(ms: list[dict[str, Any]]) -> int:
+            return len(engine.render(ms, tools=tools, add_generation_prompt=True))
+
+        def count(text: str) -> int:
+            return len(engine.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+        original = n(messages)
+        specs = parse_context_management(chat.context_management, count)
+        if not specs:
+            return {"input_tokens": original}
+        plan = plan_turn(canonical_messages(chat.messages), None, specs, "off", n, tools)
+        return {
+            "input_tokens": n(plan.served),
+            "context_management": {"original_input_tokens": original},
+        }
+
+    return JSONResponse(await run_connected(request, st.worker, counted))
+
+
+async def _events(answer: StreamingResponse, out: MessageEvents) -> AsyncIterator[str]:
+    """Anthropic's events for the chat route's stream ``answer``."""
+    for item in out.start():
+        yield item
+    async with aclosing(answer.body_iterator) as frames:
+        async for frame in frames:
+            text = frame if isinstance(frame, str) else bytes(frame).decode()
+            for line in text.splitlines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[len("data: ") :])
+                if "error" in payload:
+                    for item in out.failed(payload["error"]):
+                        yield item
+                    return
+                for item in out.chunk(payload):
+                    yield item
+    for item in out.finish():
+        yield item

@@ -1,0 +1,226 @@
+"""``/v1/messages`` and ``/v1/messages/count_tokens`` on a real ``leyline serve``, through the
+real ``anthropic`` SDK.
+
+A tiny random-weight model on loopback. The prompts a request should render are built here
+independently: the chat messages the Anthropic ones stand for, rendered with the tokenizer's
+own chat template. Tool loops are scripted (the model's text echoed, a scripted ``tool_use``
+attached, then a long ``tool_result``), so they do not depend on what the model says.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+
+from leyline_agent.engine.checkpoints.store import tiny_model_dir  # noqa: E402
+from leyline_agent.testing.server import serve_in_thread  # noqa: E402
+
+ARCH = "llama"
+TOOL = {
+    "name": "read_file",
+    "description": "read a file",
+    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+}
+CHAT_TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "read a file", "parameters": TOOL["input_schema"],
+}}]  # fmt: skip
+CLEAR_TOOLS = {"edits": [{"type": "clear_tool_uses_20250919",
+                          "trigger": {"type": "input_tokens", "value": 1},
+                          "keep": {"type": "tool_uses", "value": 2}}]}  # fmt: skip
+BETA = ["context-management-2025-06-27"]
+GREEDY = {"temperature": 0}  # the SDK no longer takes temperature; older clients send it
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_model_dir(ARCH)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    from leyline_agent.engine.engine import Engine
+    from leyline_agent.server.app import create_app
+
+    app = create_app(Engine.from_pretrained(model_dir), client_edits="amortize")
+    with serve_in_thread(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+
+
+def rendered(tok, messages, tools=None) -> int:
+    out = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    return len(out if isinstance(out, list) else out["input_ids"])
+
+
+def stats(srv):
+    return httpx.get(f"{srv.url}/leyline/v1/stats", timeout=60).json()
+
+
+def output(k: int, salt: str) -> str:
+    return " ".join(f"{salt}line{k}_{j} value={j * k}" for j in range(40))
+
+
+def test_create_and_stream_agree_and_count_the_prompt(client, name, tok):
+    kw = {"model": name, "max_tokens": 8, "extra_body": {"temperature": 0}, "system": "Be brief.",
+          "messages": [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]}  # fmt: skip
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    m = client.messages.create(**kw)
+    assert m.type == "message" and m.role == "assistant"
+    assert m.stop_reason in ("end_turn", "max_tokens")
+    u = m.usage
+    assert u.input_tokens + u.cache_read_input_tokens == rendered(tok, chat)
+    assert u.output_tokens <= 8
+    with client.messages.stream(**kw) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "message_delta" in kinds
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    assert final.stop_reason == m.stop_reason
+    assert final.usage.cache_read_input_tokens > 0  # the same prompt, cached by the first
+    count = client.messages.count_tokens(model=name, system="Be brief.", messages=kw["messages"])
+    assert count.input_tokens == rendered(tok, chat)
+
+
+def test_forced_tool_use_then_tool_result(client, name, tok):
+    user = {"role": "user", "content": "Read a.py"}
+    m = client.messages.create(
+        model=name, max_tokens=120, extra_body=GREEDY, messages=[user], tools=[TOOL],
+        tool_choice={"type": "tool", "name": "read_file"},
+    )  # fmt: skip
+    assert m.stop_reason in ("tool_use", "max_tokens")
+    uses = [b for b in m.content if b.type == "tool_use"]
+    if m.stop_reason == "tool_use":
+        assert uses and uses[0].name == "read_file" and isinstance(uses[0].input, dict)
+    call = uses[0] if uses else None
+    call_id = call.id if call else "toolu_1"
+    args = call.input if call else {"path": "a.py"}
+    assistant = {"role": "assistant", "content": [
+        {"type": "tool_use", "id": call_id, "name": "read_file", "input": args}]}  # fmt: skip
+    result = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": call_id, "content": "print('a')"},
+        {"type": "text", "text": "Now summarise."}]}  # fmt: skip
+    msgs = [user, assistant, result]
+    with client.messages.stream(model=name, max_tokens=6, extra_body=GREEDY, messages=msgs,
+                                tools=[TOOL]) as s:  # fmt: skip
+        final = s.get_final_message()
+    chat = [
+        {"role": "user", "content": "Read a.py"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type": "function",
+         "function": {"name": "read_file", "arguments": json.dumps(args)}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "print('a')"},
+        {"role": "user", "content": "Now summarise."},
+    ]  # fmt: skip
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == rendered(
+        tok, chat, CHAT_TOOLS
+    )
+    count = client.messages.count_tokens(model=name, messages=msgs, tools=[TOOL])
+    assert count.input_tokens == rendered(tok, chat, CHAT_TOOLS)
+
+
+def tool_loop(client, name, turns, salt, context_management=None):
+    """The scripted loop; per turn (message, prefilled tokens: the prompt's uncached part
+    plus what its splices prefilled)."""
+    msgs = [{"role": "user", "content": f"Inspect the files {salt} and report."}]
+    out = []
+    for k in range(turns):
+        extra = {"context_management": context_management} if context_management else {}
+        m = client.beta.messages.create(
+            model=name, max_tokens=4, extra_body=GREEDY, system=f"You are a careful agent {salt}.",
+            messages=msgs, tools=[TOOL], betas=BETA, **extra,
+        )  # fmt: skip
+        spliced = sum(d.get("prefilled_tokens", 0) for d in m.model_extra["leyline"]["directives"])
+        out.append((m, m.usage.input_tokens + spliced))
+        text = "".join(b.text for b in m.content if b.type == "text")
+        use = {"type": "tool_use", "id": f"toolu_{salt}{k}", "name": "read_file",
+               "input": {"path": f"f{k}.py"}}  # fmt: skip
+        result = {"type": "tool_result", "tool_use_id": use["id"], "content": output(k, salt)}
+        msgs = [*msgs, {"role": "assistant", "content": [{"type": "text", "text": text}, use]},
+                {"role": "user", "content": [result]}]  # fmt: skip
+    return out
+
+
+def test_clear_tool_uses_is_spliced_and_reported(client, server, name):
+    before = stats(server)
+    edited = tool_loop(client, name, 6, "e", CLEAR_TOOLS)
+    after = stats(server)
+    plain = tool_loop(client, name, 6, "p")
+    for k, (m, _) in enumerate(edited):
+        (edit,) = m.context_management.applied_edits
+        assert edit.type == "clear_tool_uses_20250919"
+        assert edit.cleared_tool_uses == max(0, k - 2)  # turn k holds k tool uses, keeps 2
+        assert (edit.cleared_input_tokens > 0) == (k > 2)
+    assert after["splices"]["amortize"] - before["splices"]["amortize"] >= 3
+    total_edited = sum(p for _, p in edited)
+    total_plain = sum(p for _, p in plain)
+    assert total_edited <= 1.10 * total_plain, (total_edited, total_plain)
+
+
+def test_clear_thinking_is_spliced_and_reported(client, server, name, tok):
+    def turn(think: str, text: str) -> dict:
+        return {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": think, "signature": ""},
+            {"type": "text", "text": text}]}  # fmt: skip
+
+    head = [{"role": "user", "content": "Pick an option."}]
+    a = turn("First I weigh options one, two and three carefully.", "Option one.")
+    b = turn("Now option two looks best.", "Option two.")
+    cm = {"edits": [{"type": "clear_thinking_20251015",
+                     "keep": {"type": "thinking_turns", "value": 1}}]}  # fmt: skip
+    first = [*head, a, {"role": "user", "content": "Sure?"}]
+    client.beta.messages.create(model=name, max_tokens=3, extra_body=GREEDY, messages=first,
+                                betas=BETA)  # fmt: skip
+    before = stats(server)
+    msgs = [*first, b, {"role": "user", "content": "Why?"}]
+    m = client.beta.messages.create(model=name, max_tokens=3, extra_body=GREEDY, messages=msgs,
+                                    context_management=cm, betas=BETA)  # fmt: skip
+    (edit,) = m.context_management.applied_edits
+    assert edit.type == "clear_thinking_20251015" and edit.cleared_thinking_turns == 1
+    expected = [
+        {"role": "user", "content": "Pick an option."},
+        {"role": "assistant", "content": "Option one."},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": "<think>Now option two looks best.</think>\nOption two."},
+        {"role": "user", "content": "Why?"},
+    ]
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == rendered(tok, expected)
+    assert stats(server)["splices"]["amortize"] - before["splices"]["amortize"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+         "messages[0].content[0].type"),
+        ({"stop_sequences": ["x"]}, "stop_sequences"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.type"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+        ({"bogus": 1}, "bogus"),
+        ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919",
+                                            "keep": {"type": "tool_uses", "value": 0}}]}},
+         "context_management.edits[0].keep.value"),
+    ],
+)  # fmt: skip
+def test_bad_fields_are_400_naming_them(server, name, body, field):
+    base = {"model": name, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{server.url}/v1/messages", json={**base, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert field in r.text
