@@ -142,7 +142,7 @@ class ChatTurn:
             done.append(entry)
         leyline: dict[str, Any] = {
             "conversation": conv.id,
-            "session": conv.session,
+            "session": None if conv.anonymous else conv.session,  # the server's own: never shown
             "client_edits": self.mode,
             "edited_messages": plan.client_edited,
             "policy_edited_messages": plan.policy_edited,
@@ -182,6 +182,7 @@ class ChatTurn:
                     spliced=bool(spliced),
                     exact=conv.exact,
                     tokens=tuple(tokens) if tokens else None,
+                    owner=conv.owner,
                 ),
             )
 
@@ -199,11 +200,14 @@ def begin_turn(
     count: Callable[[str], int],
     *,
     declared: frozenset[int] = frozenset(),
+    owner: str = "",
 ) -> ChatTurn | None:
     """The tracked form of a chat request, or None (serve it as it is). ``leyline``: the
     request's options (``client_edits``); ``count``: the served tokenizer's count of a text
     (called from the turn's job only); ``declared``: indices the request says it edited in
-    place (``directives.body_edits``). Bad fields raise ``RequestError`` naming them."""
+    place (``directives.body_edits``); ``owner``: the request's API key (anonymous
+    conversations are its own, ``conversations``). Bad fields raise ``RequestError`` naming
+    them."""
     opts = parse_leyline_options(leyline)
     specs = parse_context_management(context_management, count)
     mode = opts.client_edits or default_mode
@@ -212,8 +216,10 @@ def begin_turn(
     messages = canonical_messages(raw_messages)
     # an anonymous request claims the state it continues, so that clients with the same
     # opening that arrive together each get a conversation of their own
-    match = store.find(ns.tenant, ns.session, messages, declared=declared, claim=ns.session is None)
-    conv = match.conversation if match is not None else store.new(ns.tenant, ns.session)
+    match = store.find(
+        ns.tenant, ns.session, messages, declared=declared, claim=ns.session is None, owner=owner
+    )
+    conv = match.conversation if match is not None else store.new(ns.tenant, ns.session, owner)
     return ChatTurn(store, ns.tenant, messages, match, conv, specs, mode, tools, count)
 
 

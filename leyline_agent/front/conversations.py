@@ -19,8 +19,15 @@ with fewest edits, then the newest.
 Provenance: conversations are kept per tenant and, for requests that name a session
 (``X-Leyline-Session``), per session: a request is matched only into conversations of its
 own tenant and its own named session. A conversation found for a request that named none
-has a server-side session id of its own (``leyline-conv-`` + 128 random bits), which is
-the namespace of its spliced rows. If the best match is ambiguous (two conversations of
+has a server-side session id of its own (``SERVER_SESSION_PREFIX`` + 128 random bits),
+which is the namespace of its spliced rows: clients cannot name it (``check_session_id``
+refuses the prefix) and it is never shown (the answer's ``leyline.session`` is the
+request's own named session, or null). An anonymous conversation also belongs to its
+``owner``, the API key that started it (``""`` on a server without keys): a request that
+names no session is matched only into conversations of its own key, so another key of the
+tenant (which may replay the same prompt elsewhere, or continue the creator's stored
+response) can neither pass an echo nor land in the creator's conversation. Named sessions
+are shared by the tenant's keys, as their rows are: naming one is the tenant's choice. If the best match is ambiguous (two conversations of
 different sessions fit equally well) and one of them holds spliced rows, the request
 starts a new conversation: rows that depend on a history are never handed to a request
 that might not share it. A request that names no session *claims* the state it continues
@@ -53,7 +60,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from leyline_agent.directives import Mode
-from leyline_agent.namespaces import Namespace
+from leyline_agent.namespaces import SERVER_SESSION_PREFIX, Namespace
 from leyline_agent.trajectory import call_ids, edited_in_place, message_text
 from leyline_agent.wire import DirectivesRequest
 
@@ -65,7 +72,7 @@ __all__ = [
     "edited_in_place",
 ]
 
-CONVERSATION_PREFIX = "leyline-conv-"
+CONVERSATION_PREFIX = SERVER_SESSION_PREFIX  # an anonymous conversation's session
 DEFAULT_CONVERSATIONS = 4096
 _clock = itertools.count(1)
 
@@ -102,6 +109,18 @@ class Conversation:
     claimed: bool = False  # an anonymous request is continuing it (``find(claim=True)``)
     exact: bool = False  # a token-form FORGET in its session: its detected edits are FORGETs
     tokens: tuple[int, ...] | None = None  # the last answer's prompt + output ids (cached)
+    owner: str = ""  # the API key that started an anonymous conversation (module doc)
+
+    @property
+    def anonymous(self) -> bool:
+        """Its session is the server's own (a request that named none started it)."""
+        return self.session.startswith(CONVERSATION_PREFIX)
+
+    def visible(self, session: str | None, owner: str) -> bool:
+        """May a request naming ``session`` (None: none) with key ``owner`` continue it?"""
+        if session is not None:
+            return self.session == session
+        return self.anonymous and self.owner == owner
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,16 +155,18 @@ class ConversationStore:
         *,
         declared: frozenset[int] = frozenset(),
         claim: bool = False,
+        owner: str = "",
     ) -> Match | None:
         """The conversation ``messages`` (normalized) continue, as the module doc says.
         ``declared``: messages a request of a named session says it edited in place
         (``request_edits``): believed edited as a directive request naming the session would
-        be, without the echo proof (a user message too; tool results keep their call ids)."""
+        be, without the echo proof (a user message too; tool results keep their call ids).
+        ``owner``: the request's API key (anonymous conversations are matched per key)."""
         declared = declared if session is not None else frozenset()
         with self._lock:  # held to the claim: two requests never continue one state
-            best = self._best(tenant, session, messages, declared, claim)
+            best = self._best(tenant, session, owner, messages, declared, claim)
             if best is None:
-                best = self._drifted(tenant, session, messages, claim)
+                best = self._drifted(tenant, session, owner, messages, claim)
             if best is not None and claim:
                 best.conversation.claimed = True
             return best
@@ -154,15 +175,14 @@ class ConversationStore:
         self,
         tenant: str,
         session: str | None,
+        owner: str,
         messages: Sequence[Mapping[str, Any]],
         declared: frozenset[int],
         claim: bool,
     ) -> Match | None:
         scored = []
         for c in self._tenants.get(tenant, {}).values():
-            if session is not None and c.session != session:
-                continue
-            if session is None and not c.session.startswith(CONVERSATION_PREFIX):
+            if not c.visible(session, owner):
                 continue
             if claim and c.claimed:
                 continue  # another request already continues this state
@@ -181,16 +201,19 @@ class ConversationStore:
         return best
 
     def _drifted(
-        self, tenant: str, session: str | None, messages: Sequence[Mapping[str, Any]], claim: bool
+        self,
+        tenant: str,
+        session: str | None,
+        owner: str,
+        messages: Sequence[Mapping[str, Any]],
+        claim: bool,
     ) -> Match | None:
         """The conversation whose reply ``messages`` echo right after its prompt, with the
-        same roles before it (own tenant and session, as ``_best``); None if there is none,
-        or if conversations of two sessions fit and one holds spliced rows."""
+        same roles before it (own tenant, session and owner, as ``_best``); None if there is
+        none, or if conversations of two sessions fit and one holds spliced rows."""
         fits = []
         for c in self._tenants.get(tenant, {}).values():
-            if session is not None and c.session != session:
-                continue
-            if session is None and not c.session.startswith(CONVERSATION_PREFIX):
+            if not c.visible(session, owner):
                 continue
             if (claim and c.claimed) or c.reply is None or c.tokens is None:
                 continue
@@ -211,9 +234,12 @@ class ConversationStore:
             return None
         return Match(best, (), len(best.raw) + 1, drift=True)
 
-    def new(self, tenant: str, session: str | None) -> Conversation:
-        cid = CONVERSATION_PREFIX + uuid.uuid4().hex
-        return Conversation(id=cid, session=session or cid, raw=[], served=[])
+    def new(self, tenant: str, session: str | None, owner: str = "") -> Conversation:
+        """A conversation not yet saved: in ``session``, or (None) in a server-made session
+        of its own, owned by ``owner``. Its id (shown in answers) is not its session."""
+        cid = "conv-" + uuid.uuid4().hex
+        own = CONVERSATION_PREFIX + uuid.uuid4().hex if session is None else session
+        return Conversation(id=cid, session=own, raw=[], served=[], owner=owner)
 
     def save(self, tenant: str, conv: Conversation) -> None:
         conv.used = next(_clock)
@@ -230,6 +256,7 @@ class ConversationStore:
         session: str | None,
         old: Sequence[Mapping[str, Any]],
         new: Sequence[Mapping[str, Any]],
+        owner: str = "",
     ) -> int:
         """A message-form FORGET ``old`` -> ``new`` (normalized) has run: each conversation of
         the directive's session (anonymous ones for a directive that names none) whose prompt
@@ -238,7 +265,8 @@ class ConversationStore:
         (a client edit there would be AMORTIZE by default, undoing the FORGET). Only in-place
         edits (lists of one length) are recorded: after a FORGET that drops or adds messages
         the edited history no longer continues the conversation, and is prefilled exactly.
-        How many conversations were updated."""
+        ``owner``: the directive's API key (anonymous conversations of other keys are not
+        touched). How many conversations were updated."""
         if len(old) != len(new):
             return 0
         old, new = list(old), list(new)
@@ -246,9 +274,7 @@ class ConversationStore:
         with self._lock:
             convs = self._tenants.get(tenant, {})
             for cid, c in list(convs.items()):
-                if session is not None and c.session != session:
-                    continue
-                if session is None and not c.session.startswith(CONVERSATION_PREFIX):
+                if not c.visible(session, owner):
                     continue
                 n = len(c.raw)
                 if not n or len(old) < n or old[:n] not in (c.raw, c.served):
@@ -277,7 +303,7 @@ class ConversationStore:
                 c.exact = True
             return len(mine)
 
-    def directive_ran(self, ns: Namespace, req: DirectivesRequest) -> None:
+    def directive_ran(self, ns: Namespace, req: DirectivesRequest, owner: str = "") -> None:
         """A directive request ``req`` has run in ``ns``: what its FORGETs forgot stays
         forgotten. A message-form FORGET gives the conversations it edited its new messages
         (``forgotten``), so the chat request that sends the edited history continues them
@@ -285,7 +311,7 @@ class ConversationStore:
         undoing the FORGET); a token-form FORGET marks the session exact (``mark_exact``)."""
         if req.mode == Mode.FORGET and req.old_messages is not None:
             assert req.new_messages is not None  # a message-form request has both
-            self.forgotten(ns.tenant, ns.session, req.old_messages, req.new_messages)
+            self.forgotten(ns.tenant, ns.session, req.old_messages, req.new_messages, owner)
         forgets = any(d.mode == Mode.FORGET for d in req.directives or [])
         if forgets and ns.session is not None:
             self.mark_exact(ns.tenant, ns.session)

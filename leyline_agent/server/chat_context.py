@@ -22,6 +22,7 @@ from leyline_agent.front.chat_turn import PreparedChat, begin_turn
 from leyline_agent.namespaces import Namespace
 from leyline_agent.server.disconnect import run_connected
 from leyline_agent.server.state import ServerState
+from leyline_agent.server.tenants import key_owner
 from leyline_agent.server.worker import session_key
 
 __all__ = ["PreparedChat", "prepare_chat"]
@@ -55,6 +56,7 @@ async def prepare_chat(
         ns,
         count,
         declared=declared,
+        owner=key_owner(request),
     )
     if turn is None:
         return None

@@ -31,7 +31,7 @@ from leyline_agent.directives.validate import checked, parse_directives
 from leyline_agent.server.disconnect import run_connected
 from leyline_agent.server.inputs import raw_json_body
 from leyline_agent.server.state import state
-from leyline_agent.server.tenants import namespace
+from leyline_agent.server.tenants import key_owner, namespace
 from leyline_agent.server.worker import ServedEngine, session_key
 from leyline_agent.wire import (
     BODY_EDITS,
@@ -62,7 +62,8 @@ async def directives(request: Request) -> DirectivesResponse:
 
     def job(engine: ServedEngine) -> DirectivesResponse:  # on the worker: lookup + execute, atomic
         out = memory.run(req, ns, lambda: engine.apply_directives(ready, namespace=ns))
-        st.conversations.directive_ran(ns, ready)  # what it forgot stays forgotten
+        # what it forgot stays forgotten
+        st.conversations.directive_ran(ns, ready, key_owner(request))
         return out
 
     return await run_connected(request, st.worker, job, key=session_key(ns))

@@ -16,6 +16,9 @@
   once per request (400 naming it) and kept in the request's scope.
 - ``namespace(request, body_session)``: ``Namespace(tenant, session)`` of a request; the
   session comes from the checked header or a directive's ``session`` field.
+- ``key_owner(request)``: which key sent it (``key_tenant`` of the key: stable, not
+  secret; ``""`` without keys). Anonymous conversations are matched per key
+  (``front/conversations.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ __all__ = [
     "BearerAuth",
     "HostAllowlist",
     "LOOPBACK_HOSTS",
+    "key_owner",
     "key_tenant",
     "namespace",
     "read_key_file",
@@ -50,6 +54,7 @@ __all__ = [
 ]
 
 SCOPE_TENANT = "leyline.tenant"
+SCOPE_KEY = "leyline.key"  # key_tenant(the presented key), once it is known to be valid
 SCOPE_SESSION = "leyline.session"  # the checked X-Leyline-Session header (or None)
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 OPEN_PATHS = frozenset({"/health"})
@@ -123,6 +128,7 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         tenant: str | None = DEFAULT_TENANT
+        owner = ""
         if self.keys and scope.get("path") not in OPEN_PATHS:
             tenant, problem = None, "missing 'Authorization: Bearer <key>'"
             value = _header(scope, b"authorization") or b""
@@ -139,7 +145,9 @@ class BearerAuth:
                 )
                 await response(scope, receive, send)
                 return
+            owner = key_tenant(token.strip().decode("utf-8", "replace"))
         scope[SCOPE_TENANT] = tenant
+        scope[SCOPE_KEY] = owner
         await self.app(scope, receive, send)
 
 
@@ -209,3 +217,8 @@ def namespace(request: Request, body_session: str | None = None) -> Namespace:
     different: 400 naming ``session``)."""
     tenant = request.scope.get(SCOPE_TENANT, DEFAULT_TENANT)
     return named_namespace(body_session, session_header(request), tenant)
+
+
+def key_owner(request: Request) -> str:
+    """The key that sent ``request`` (module doc); ``""`` on a server without keys."""
+    return str(request.scope.get(SCOPE_KEY, ""))

@@ -247,7 +247,8 @@ class VLLMRoute:
         t0 = time.perf_counter()
         try:
             req = checked(req, await self.limits())
-            async with self._namespace_lock(salt_for(named_namespace(req.session, session))):
+            ns = named_namespace(req.session, session, server_made=True)
+            async with self._namespace_lock(salt_for(ns)):
                 resp = await self._run(req, session)
         except Exception:
             self.directive_errors += 1
@@ -273,7 +274,8 @@ class VLLMRoute:
     async def _run(self, req: DirectivesRequest, session_header: str | None) -> DirectivesResponse:
         """``req`` through ``directives.pipeline``: compiled, the base looked up in the
         namespace's cache (``cached_prefix``), decided, and the plan executed."""
-        salt = salt_for(named_namespace(req.session, session_header))
+        # checked by the caller (a client's ids in ``directives``; the chat front's own)
+        salt = salt_for(named_namespace(req.session, session_header, server_made=True))
         info = await self.info()
         if info.get("problem"):
             raise RuntimeUnavailableError(f"{info['problem']} (Leyline directives are off)")
