@@ -1,7 +1,8 @@
 """``FailedCallDetector``: stub tool calls that failed once the agent has moved past them.
 
-A call failed when its result matches one of ``patterns`` (regular expressions, searched
-with ``re.MULTILINE``): a Python traceback, an ``...Error:`` line, ``error:``/``fatal:``, a
+A call failed when its result matches one of ``patterns`` (regular expressions in RE2's
+syntax, searched with ``^``/``$`` per line: ``text_match.compile_pattern``, time linear in
+the result; at most ``MAX_PATTERNS``): a Python traceback, an ``...Error:`` line, ``error:``/``fatal:``, a
 non-zero exit code (also mini-swe-agent's ``<returncode>N</returncode>``), a shell's
 "command not found", the OpenAI Agents SDK's "An error occurred while running the tool", or an output that opens with
 error/failed/invalid/unknown (debug-gym's tools answer "Invalid ...", its agent
@@ -19,6 +20,9 @@ call's assistant message stays, only the failed call's arguments are emptied.
 (smolagents' ``"Observation:"``) as tool results (``policies/observations``); their stub keeps
 the prefix, and there are no arguments to empty.
 
+``placeholder`` is literal text with two holes, ``{tool}`` and ``{error}``: a result is this
+policy's stub when it is the placeholder with the holes filled (``text_match.fills_template``).
+
 Idempotent, also in a pipeline: an elided result (this policy's stub or another policy's,
 ``Policy.elided``) is neither a failure nor a success: it is never detected again, and a
 stale stub of a call that failed is no evidence that the agent recovered.
@@ -27,18 +31,21 @@ stale stub of a call that failed is no evidence that the agent recovered.
 from __future__ import annotations
 
 import copy
-import re
 from typing import Any
 
 from pydantic import Field, field_validator
 
 from leyline_agent.directives import MessageEdit
+from leyline_agent.text_match import compile_pattern, fills_template
 from leyline_agent.trajectory import ToolCall, Trajectory
 
 from .base import Policy, PolicyConfig, validate_knobs
 from .observations import result_content
 
-__all__ = ["DEFAULT_PATTERNS", "FailedCallConfig", "FailedCallDetector"]
+__all__ = ["DEFAULT_PATTERNS", "MAX_PATTERNS", "FailedCallConfig", "FailedCallDetector"]
+
+MAX_PATTERNS = 64
+_HOLES = ("{tool}", "{error}")
 
 DEFAULT_PATTERNS: tuple[str, ...] = (
     r"Traceback \(most recent call last\)",  # a Python traceback
@@ -57,7 +64,7 @@ _TRACEBACK = "Traceback (most recent call last)"
 
 
 class FailedCallConfig(PolicyConfig):
-    patterns: tuple[str, ...] = DEFAULT_PATTERNS
+    patterns: tuple[str, ...] = Field(default=DEFAULT_PATTERNS, max_length=MAX_PATTERNS)
     after: int = Field(default=1, ge=1)
     placeholder: str = Field(default="[failed call elided] {tool}: {error}", min_length=1)
     stub_arguments: bool = True
@@ -72,9 +79,9 @@ class FailedCallConfig(PolicyConfig):
             raise ValueError("give at least one pattern")
         for k, p in enumerate(v):
             try:
-                re.compile(p)
-            except re.error as e:
-                raise ValueError(f"patterns[{k}] {p!r} is not a regular expression: {e}") from e
+                compile_pattern(p)
+            except ValueError as e:
+                raise ValueError(f"patterns[{k}] {p[:80]!r} {e}") from e
         return v
 
 
@@ -86,13 +93,13 @@ class FailedCallDetector(Policy):
 
     def __init__(self, **knobs: Any) -> None:
         self.config = validate_knobs(FailedCallConfig, self.name, knobs)
-        self._patterns = [re.compile(p, re.MULTILINE) for p in self.config.patterns]
-        tpl = re.escape(self.config.placeholder)
-        tpl = tpl.replace(re.escape("{tool}"), ".*").replace(re.escape("{error}"), ".*")
-        self._stub_re = re.compile(tpl, re.DOTALL)
+        self._patterns = [compile_pattern(p, multiline=True) for p in self.config.patterns]
 
     def is_failure(self, text: str) -> bool:
-        return not self._stub_re.fullmatch(text) and any(p.search(text) for p in self._patterns)
+        return not self._is_stub(text) and any(p.search(text) for p in self._patterns)
+
+    def _is_stub(self, text: str) -> bool:
+        return fills_template(text, self.config.placeholder, _HOLES)
 
     def error_line(self, text: str) -> str:
         """The line that says what went wrong: a traceback's exception line, else the first
@@ -113,7 +120,7 @@ class FailedCallDetector(Policy):
         return line if len(line) <= limit else line[: limit - 3] + "..."
 
     def is_stub(self, text: str, tool: str) -> bool:
-        return self._stub_re.fullmatch(text) is not None
+        return self._is_stub(text)
 
     def stub(self, tool: str, text: str) -> str:
         return self.config.placeholder.replace("{tool}", tool).replace(

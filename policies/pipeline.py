@@ -10,6 +10,10 @@ returns the edited copy plus the net edits (one per changed message, relative to
 input). The input is never modified; a bad edit raises ``PolicyError`` before anything is
 returned.
 
+``deadline`` (a ``time.monotonic()`` value): checked after each policy; past it, the run stops
+with ``PolicyBudgetError`` naming the policy that ran over (``policy_index``), and nothing is
+returned (a server gives each request's policies a time budget).
+
 Determinism: the output depends only on the message list and the policies' knobs.
 Idempotence: ``apply(apply(m).messages)`` returns the same messages and no edits, as long
 as every policy leaves stubs alone and reads them as no evidence (the built-in ones do;
@@ -19,6 +23,7 @@ Stickiness across turns is the session's job (``ContextSession``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +36,17 @@ from leyline_agent.trajectory import Trajectory, apply_edit
 from .base import Policy
 from .view import PipelineView
 
-__all__ = ["PipelineResult", "PolicyPipeline"]
+__all__ = ["PipelineResult", "PolicyBudgetError", "PolicyPipeline"]
 
 log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
+
+
+class PolicyBudgetError(PolicyError):
+    """The pipeline ran past its deadline; ``policy_index``: the policy that ran over."""
+
+    def __init__(self, message: str, policy_index: int) -> None:
+        super().__init__(message)
+        self.policy_index = policy_index
 
 
 @dataclass(slots=True)
@@ -56,13 +69,15 @@ class PolicyPipeline:
                 )
         self.policies = tuple(policies)
 
-    def apply(self, messages: Sequence[dict[str, Any]]) -> PipelineResult:
+    def apply(
+        self, messages: Sequence[dict[str, Any]], *, deadline: float | None = None
+    ) -> PipelineResult:
         trajectory = Trajectory.parse(messages)
         original = trajectory.messages
         current = [dict(m) for m in original]
         touched: dict[int, list[str]] = {}
         reasons: dict[int, list[str]] = {}
-        for policy in self.policies:
+        for position, policy in enumerate(self.policies):
             view = PipelineView.of(
                 trajectory if not touched else Trajectory.parse(current), self.policies
             )
@@ -77,6 +92,10 @@ class PolicyPipeline:
                 touched.setdefault(edit.index, []).append(edit.policy)
                 if edit.reason:
                     reasons.setdefault(edit.index, []).append(edit.reason)
+            if deadline is not None and time.monotonic() > deadline:
+                raise PolicyBudgetError(
+                    f"policy {policy.name!r} ran past the pipeline's deadline", position
+                )
         edits = []
         for index in sorted(touched):
             before, after = original[index], current[index]

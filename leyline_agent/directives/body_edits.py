@@ -13,7 +13,8 @@ edits inside the chat request, in the ``MessageEdit`` form::
 Each edit replaces the ``content`` (and, on an assistant message with tool calls, the
 ``tool_calls``, same ids and names) of ``messages[index]``. The server:
 
-1. checks them before anything runs (a 400 naming the field, ``leyline.edits[0].index``);
+1. checks them before anything runs (a 400 naming the field, ``leyline.edits[0].index``;
+   ``index`` strictly an integer; at most ``MAX_BODY_EDITS`` edits);
 2. applies them to the request's messages (a client that already sent the edited text sends
    the same list: applying is idempotent);
 3. turns client-edit splicing on for this request (``client_edits`` defaults to
@@ -41,7 +42,9 @@ from leyline_agent.http_errors import field_path
 from leyline_agent.logs import get_logger
 from leyline_agent.trajectory import apply_edits, call_ids
 
-__all__ = ["RequestEdits", "outcome", "request_edits"]
+__all__ = ["MAX_BODY_EDITS", "RequestEdits", "outcome", "request_edits"]
+
+MAX_BODY_EDITS = 1024
 
 log = get_logger(__name__)
 
@@ -65,6 +68,8 @@ def request_edits(leyline: Any, messages: list[dict[str, Any]]) -> RequestEdits:
     raw = leyline["edits"]
     if not isinstance(raw, list):
         raise RequestError("must be a list of message edits", "leyline.edits")
+    if len(raw) > MAX_BODY_EDITS:
+        raise RequestError(f"{len(raw)} edits; at most {MAX_BODY_EDITS}", "leyline.edits")
     edits = tuple(_edit(e, k, messages) for k, e in enumerate(raw))
     seen: set[int] = set()
     for k, e in enumerate(edits):
@@ -106,7 +111,7 @@ def _edit(raw: Any, k: int, messages: list[dict[str, Any]]) -> MessageEdit:
         raise RequestError("each edit is an object", field_path(where))
     body = {"policy": "client", **raw}
     try:
-        edit = MessageEdit.model_validate(body)
+        edit = MessageEdit.model_validate(body, strict=True)
     except ValidationError as e:
         err = e.errors()[0]
         loc = tuple(x for x in err.get("loc", ()) if x != "__root__")

@@ -2,7 +2,8 @@
 
 A policy over the served messages: in every assistant message but the newest ``keep`` that
 hold thinking, the ``<think>...</think>`` spans of its content are removed (with the
-whitespace that followed them). It is a content edit of the messages the server cached, so
+whitespace that followed them: ``text_match.cut_spans``, one linear scan, as a client's text
+may hold any number of unclosed tags). It is a content edit of the messages the server cached, so
 the turn's ``context_management`` directive splices it like any other edit: the rows of the
 thinking go, the rest of the cache stays. Idempotent: a cleared message has no span left.
 
@@ -12,16 +13,16 @@ only); the chat templates Leyline serves do not render that key.
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar
 
 from leyline_agent.directives import MessageEdit
 from leyline_agent.policies import Policy
+from leyline_agent.text_match import cut_spans, has_span
 from leyline_agent.trajectory import Trajectory
 
-__all__ = ["THINK_SPAN", "ClearThinking"]
+__all__ = ["THINK_CLOSE", "THINK_OPEN", "ClearThinking"]
 
-THINK_SPAN = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class ClearThinking(Policy):
@@ -37,7 +38,7 @@ class ClearThinking(Policy):
             for i, m in enumerate(trajectory.messages)
             if m.get("role") == "assistant"
             and isinstance(m.get("content"), str)
-            and THINK_SPAN.search(m["content"])
+            and has_span(m["content"], THINK_OPEN, THINK_CLOSE)
         ]
 
     def edits(self, trajectory: Trajectory) -> list[MessageEdit]:
@@ -48,7 +49,7 @@ class ClearThinking(Policy):
         return [
             MessageEdit(
                 index=i,
-                content=THINK_SPAN.sub("", trajectory.messages[i]["content"]),
+                content=cut_spans(trajectory.messages[i]["content"], THINK_OPEN, THINK_CLOSE),
                 policy=self.name,
                 reason="thinking of an earlier turn cleared",
             )
