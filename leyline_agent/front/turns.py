@@ -84,6 +84,9 @@ def _tool_uses(messages: Sequence[dict[str, Any]]) -> int:
     return sum(1 for m in messages if m.get("role") == "assistant" and m.get("tool_calls"))
 
 
+POLICY_BUDGET_S = 2.0  # a turn's context_management policies, all together
+
+
 def plan_turn(
     messages: list[dict[str, Any]],
     match: Match | None,
@@ -91,10 +94,9 @@ def plan_turn(
     mode: str,
     prompt_tokens: Callable[[list[dict[str, Any]]], int],
     tools: list[dict[str, Any]] | None,
+    budget_s: float = POLICY_BUDGET_S,
 ) -> TurnPlan:
-POLICY_BUDGET_S = 2.0  # a turn's context_management policies, all together
-
-
+    deadline = time.monotonic() + budget_s
     conv = match.conversation if match is not None else None
     base = [dict(m) for m in messages]
     labels: dict[int, str] = {}
@@ -102,9 +104,7 @@ POLICY_BUDGET_S = 2.0  # a turn's context_management policies, all together
     if conv is not None and match is not None and not match.drift:  # drift: served as sent
         for i in range(min(len(conv.raw), len(base))):
             if i not in edited:
-    budget_s: float = POLICY_BUDGET_S,
                 base[i] = dict(conv.served[i])
-    deadline = time.monotonic() + budget_s
                 if i in conv.labels:
                     labels[i] = conv.labels[i]
     triggered = [
