@@ -2,6 +2,7 @@
 
     leyline bench engine [--archs deepseek_v2,llama] [--contexts 512,2048,8192,16384]
                          [--decode 8] [--dtype float32] [--threads 1] [--runner]
+                         [--shapes llama-1b --device cuda --dtype bfloat16]
 
 For each ``mini`` model (built once, seeded, into the test-model cache) and cached context
 length n (random token ids):
@@ -18,6 +19,12 @@ length n (random token ids):
   tokens/s), then ``model.generate`` (greedy, ``--decode`` new tokens) on that cache: its
   time per generated token is the decode ms/token (no difference of two long runs, which
   the prefill's noise swamped). Same model object, dtype, threads.
+
+``--shapes`` (``shapes.py``: ``llama-1b``, ``dsv2-lite``, the ``mini`` checkpoints) replaces
+``--archs``; ``--device cuda`` runs both sides on a GPU (each timed call ends with a device
+synchronize, after one untimed warm-up of each side; the CPU kernels' columns say "-").
+transformers' prefill computes the last position's logits only (``logits_to_keep=1``), as the
+engine does.
 
 Prints one table with the ratios (engine / transformers speed-ups). ``--runner`` instead
 prints what bounds batched decode here: one packed decode forward of 1..16 sequences
@@ -43,6 +50,13 @@ def _ms(v: float) -> str:
     return "-" if v != v else f"{v:.1f}"  # NaN: not measured
 
 
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _hf(model: Any, ids: list[int], new: int) -> tuple[float, float]:
     """transformers' own path: a forward of ``ids[:-1]`` into a fresh ``DynamicCache``
     (prefill seconds), then ``model.generate`` of ``new`` tokens on that cache (it forwards
@@ -50,17 +64,20 @@ def _hf(model: Any, ids: list[int], new: int) -> tuple[float, float]:
     import torch
     from transformers import DynamicCache
 
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=model.device)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
+        _sync()
         t = time.perf_counter()
-        model(input_ids=x[:, :-1], past_key_values=cache, use_cache=True)
+        model(input_ids=x[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        _sync()
         prefill = time.perf_counter() - t
         t = time.perf_counter()
         model.generate(
             x, max_new_tokens=new, min_new_tokens=new, do_sample=False,
             past_key_values=cache, pad_token_id=0,
         )  # fmt: skip
+        _sync()
         decode = (time.perf_counter() - t) / new
     return prefill, decode
 
@@ -79,24 +96,40 @@ def _decode_s(eng: Any, ids: list[int], p: Any, off: tuple[Any, str] | None = No
     return (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
 
 
-def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
-    from leyline_agent.engine.checkpoints.store import model_dir
-    from leyline_agent.engine.engine import Engine, SamplingParams
+def _shape(arch: str) -> str:
+    return arch if "-" in arch else f"mini-{arch}"
+
+
+def measure(
+    arch: str, n: int, decode: int, dtype: str, device: str = "cpu", small: bool = False
+) -> dict[str, float]:
+    from leyline_agent.engine.engine import SamplingParams
     from leyline_agent.engine.model import attention, linear
 
-    eng = Engine.from_pretrained(model_dir(arch, "mini"), dtype=dtype, cache_budget_tokens=n + 256)
+    from .shapes import engine_for
+
+    eng = engine_for(_shape(arch), device, dtype, n + 256, small=small)
     rng = random.Random(n)
     ids = [rng.randrange(100, eng.vocab_size) for _ in range(n)]
+    gpu = eng.device.type == "cuda"
+    if gpu:  # first-call work (cuDNN plans, allocator) off the clock, on both sides
+        warm = [rng.randrange(100, eng.vocab_size) for _ in range(min(n, 1024))]
+        eng.generate(warm, SamplingParams(max_tokens=2, stop_token_ids=[]))
+        _hf(eng.model, warm, 2)
+    _sync()
     t = time.perf_counter()
     eng.generate(ids, SamplingParams(max_tokens=1, stop_token_ids=[]))
+    _sync()
     e_prefill = time.perf_counter() - t
     # the engine's decode is cheap: at least 16 tokens, so that one slow step moves it less
     p = SamplingParams(max_tokens=max(decode, 16), stop_token_ids=[])
     e_dec = _decode_s(eng, ids + [ids[0]], p)
     # the same engine with decode attention on its torch paths (no kernels/decode_attn.c)
-    t_dec = _decode_s(eng, ids + [ids[1]], p, off=(attention, "USE_DECODE_KERNEL"))
+    t_dec = float("nan")
+    if not gpu:
+        t_dec = _decode_s(eng, ids + [ids[1]], p, off=(attention, "USE_DECODE_KERNEL"))
     l_dec = None
-    if eng.runner.pool.dtype in linear.KERNEL_DTYPES:  # the same, few-row linears on oneDNN
+    if not gpu and eng.runner.pool.dtype in linear.KERNEL_DTYPES:  # few-row linears on oneDNN
         l_dec = _decode_s(eng, ids + [ids[2]], p, off=(linear, "USE_LINEAR_KERNEL"))
     eng.model.config._attn_implementation = "sdpa"  # transformers' own path for the baseline
     h_prefill, h_dec = _hf(eng.model, ids, decode)
@@ -104,7 +137,7 @@ def measure(arch: str, n: int, decode: int, dtype: str) -> dict[str, float]:
         "engine_prefill_tps": n / e_prefill,
         "hf_prefill_tps": (n - 1) / h_prefill,
         "engine_decode_ms": 1e3 * e_dec,
-        "torch_attn_decode_ms": 1e3 * t_dec,
+        "torch_attn_decode_ms": 1e3 * t_dec,  # NaN on a GPU: the CPU kernel is not used
         "onednn_linear_decode_ms": float("nan") if l_dec is None else 1e3 * l_dec,
         "hf_decode_ms": 1e3 * h_dec,
     }
@@ -118,6 +151,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--clients", type=int, default=8, help="concurrency section (0: skip)")
+    ap.add_argument("--clients-context", type=int, default=512, help="prompt tokens per client")
+    ap.add_argument("--clients-decode", type=int, default=64, help="new tokens per client")
+    ap.add_argument("--shapes", default=None, help="model shapes instead of --archs (shapes.py)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--small", action="store_true", help="shrunk shapes (a dry run)")
     ap.add_argument(
         "--runner",
         action="store_true",
@@ -140,46 +178,91 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     if a.runner:
         return runner_main(a)
-    print(f"dtype {a.dtype}, {a.threads} thread(s), decode {a.decode} tokens")
+    dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
+    print(f"dtype {a.dtype}, {a.threads} thread(s), decode {a.decode} tokens, device {dev}")
     print(
         "| model | context | engine decode ms/tok | transformers decode ms/tok | speed-up "
         "| engine, torch attention ms/tok | engine, oneDNN linear ms/tok "
         "| engine prefill tok/s | transformers prefill tok/s | speed-up |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for arch in _csv(a.archs):
+    shapes = _csv(a.shapes or a.archs)
+    for arch in shapes:
         for n in map(int, _csv(a.contexts)):
-            m = measure(arch, n, a.decode, a.dtype)
+            m = measure(arch, n, a.decode, a.dtype, a.device, a.small)
             print(
-                f"| {arch} mini | {n} | {m['engine_decode_ms']:.1f} | {m['hf_decode_ms']:.1f} "
+                f"| {_shape(arch)} | {n} | {m['engine_decode_ms']:.1f} | {m['hf_decode_ms']:.1f} "
                 f"| {m['hf_decode_ms'] / m['engine_decode_ms']:.1f}x "
-                f"| {m['torch_attn_decode_ms']:.1f} | {_ms(m['onednn_linear_decode_ms'])} "
+                f"| {_ms(m['torch_attn_decode_ms'])} | {_ms(m['onednn_linear_decode_ms'])} "
                 f"| {m['engine_prefill_tps']:.0f} | {m['hf_prefill_tps']:.0f} "
                 f"| {m['engine_prefill_tps'] / m['hf_prefill_tps']:.1f}x |",
                 flush=True,
             )
     if a.clients:
-        for arch in _csv(a.archs):
-            alone, agg = concurrency(arch, a.clients, 512, 64, a.dtype)
+        ctx, new = a.clients_context, a.clients_decode
+        for arch in shapes:
+            eng, alone, agg = concurrency(arch, a.clients, ctx, new, a.dtype, a.device, a.small)
             print(
-                f"{arch} mini, 512-token prompts, 64 new tokens: one client {alone:.1f} tok/s, "
-                f"{a.clients} concurrent {agg:.1f} tok/s aggregate ({agg / alone:.1f}x)",
+                f"{_shape(arch)}, {ctx}-token prompts, {new} new tokens: one client "
+                f"{alone:.1f} tok/s, {a.clients} concurrent {agg:.1f} tok/s aggregate "
+                f"({agg / alone:.1f}x)",
                 flush=True,
             )
+            if eng.device.type == "cuda":
+                one, many = hf_batches(eng, a.clients, ctx, new)
+                print(
+                    f"{_shape(arch)}, transformers generate, same prompts: batch 1 {one:.1f} "
+                    f"tok/s, batch {a.clients} {many:.1f} tok/s aggregate; engine / "
+                    f"transformers {alone / one:.2f}x and {agg / many:.2f}x",
+                    flush=True,
+                )
+            del eng
     return 0
 
 
-def concurrency(arch: str, clients: int, ctx: int, decode: int, dtype: str) -> tuple[float, float]:
+def _prompts(vocab: int, clients: int, ctx: int) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(100, vocab) for _ in range(ctx)] for _ in range(clients + 1)]
+
+
+def hf_batches(eng: Any, clients: int, ctx: int, decode: int) -> tuple[float, float]:
+    """transformers' ``generate`` of the concurrency section's prompts (all of one length, so
+    no padding): tokens/s of the lone prompt, then aggregate of ``clients`` in one batch."""
+    import torch
+
+    prompts = _prompts(eng.vocab_size, clients, ctx)
+    out = []
+    with torch.inference_mode():
+        for batch in (prompts[-1:], prompts[:clients]):
+            x = torch.tensor(batch, device=eng.device)
+            _sync()
+            t = time.perf_counter()
+            eng.model.generate(
+                x, max_new_tokens=decode, min_new_tokens=decode, do_sample=False, pad_token_id=0
+            )
+            _sync()
+            out.append(len(batch) * decode / (time.perf_counter() - t))
+    return out[0], out[1]
+
+
+def concurrency(
+    arch: str, clients: int, ctx: int, decode: int, dtype: str, device: str = "cpu",
+    small: bool = False,
+) -> tuple[Any, float, float]:  # fmt: skip
     """Aggregate tokens/s of one client alone, then of ``clients`` concurrent ``generate``
-    calls (threads, as the server's worker with ``concurrency=clients`` runs them)."""
+    calls (threads, as the server's worker with ``concurrency=clients`` runs them); the
+    engine is returned for a comparison on the same model."""
     import threading
 
-    from leyline_agent.engine.checkpoints.store import model_dir
-    from leyline_agent.engine.engine import Engine, SamplingParams
+    from leyline_agent.engine.engine import SamplingParams
 
-    eng = Engine.from_pretrained(model_dir(arch, "mini"), dtype=dtype)
-    rng = random.Random(7)
-    prompts = [[rng.randrange(100, eng.vocab_size) for _ in range(ctx)] for _ in range(clients + 1)]
+    from .shapes import engine_for
+
+    budget = max(65536, (clients + 2) * (ctx + decode + 64))
+    eng = engine_for(_shape(arch), device, dtype, budget, small)
+    if eng.device.type == "cuda":  # first-call work off the clock
+        eng.generate(list(range(100, 164)), SamplingParams(max_tokens=2, stop_token_ids=[]))
+    prompts = _prompts(eng.vocab_size, clients, ctx)
     p = SamplingParams(max_tokens=decode, stop_token_ids=[])
     t = time.perf_counter()
     n1 = len(eng.generate(prompts[-1], p).output_ids)
@@ -195,7 +278,7 @@ def concurrency(arch: str, clients: int, ctx: int, decode: int, dtype: str) -> t
         th.start()
     for th in threads:
         th.join()
-    return alone, sum(counts) / (time.perf_counter() - t)
+    return eng, alone, sum(counts) / (time.perf_counter() - t)
 
 
 def runner_main(a: argparse.Namespace) -> int:

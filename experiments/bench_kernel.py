@@ -130,7 +130,7 @@ def bench(
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", default="4096,32768,262144")
     ap.add_argument("--layers", type=int, default=27)
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (cpu default 1, see doc)"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     repeats = args.repeats or (10 if device.type == "cuda" else 1)
     n_buffers = args.layer_buffers or (args.layers if device.type == "cuda" else 1)

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m leyline_agent.experiments.bench_splice [--archs deepseek_v2,llama]
         [--halves 2048,4096,8192] [--span 256] [--replacement 16] [--reps 3] [--forget-reps 1]
-        [--switch] [--drift]
+        [--switch] [--drift] [--shapes llama-1b,dsv2-lite --device cuda --dtype bfloat16]
 
 For each ``mini`` model (built once, seeded) and each half length H, the cached sequence is
 ``T = prefix(H) + span(256) + tail(H)`` (H = 2048 / 4096 / 8192: the "4k", "8k" and "16k"
@@ -19,6 +19,9 @@ on the same engine; the table gives their ratios. AMORTIZE is split into its par
 alone in the same loop: R's forward over the prefix, the tail move (``KVPool.copy_rotated``),
 and the rest (lookups, plan, tree insert, pin). ``--switch`` measures the MLA
 expand-vs-absorb switch (``attention.py``); ``--drift`` the bf16 drift of a directive batch.
+``--shapes`` (``shapes.py``: the ``mini`` checkpoints, ``llama-1b``, ``dsv2-lite``) replaces
+``--archs`` for the table; ``--device cuda`` runs it on a GPU (every timed call ends with a
+device synchronize).
 """
 
 from __future__ import annotations
@@ -36,22 +39,27 @@ def _csv(text: str) -> list[str]:
     return [p for p in text.split(",") if p]
 
 
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _best(fn: Callable[[], Any], k: int) -> float:
     times = []
     for _ in range(k):
+        _sync()
         t = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t)
     return min(times)
 
 
-def _engine(arch: str, dtype: str, budget: int) -> Any:
-    from leyline_agent.engine.checkpoints.store import model_dir
-    from leyline_agent.engine.engine import Engine
+def _engine(arch: str, dtype: str, budget: int, device: str = "cpu", small: bool = False) -> Any:
+    from .shapes import engine_for
 
-    return Engine.from_pretrained(
-        model_dir(arch, "mini", 0), dtype=dtype, device="cpu", cache_budget_tokens=budget
-    )
+    shape = arch if "-" in arch else f"mini-{arch}"
+    return engine_for(shape, device, dtype, budget, small=small)
 
 
 # ---------------------------------------------------------------------------- the table
@@ -61,15 +69,13 @@ def measure(arch: str, half: int, a: argparse.Namespace) -> dict[str, float]:
     from leyline_agent.wire import DirectivesRequest
 
     n = 2 * half + a.span
-    eng = _engine(arch, a.dtype, 4 * (n + 1024))
+    eng = _engine(arch, a.dtype, 4 * (n + 1024), a.device, a.small)
     rng = random.Random(half)
     T = [rng.randrange(3, eng.vocab_size - 2) for _ in range(n)]
     R = [rng.randrange(3, eng.vocab_size - 2) for _ in range(a.replacement)]
     X = [rng.randrange(3, eng.vocab_size - 2) for _ in range(64)]
     s, e = half, half + a.span
-    t = time.perf_counter()
-    eng.generate(T, SamplingParams(max_tokens=0))
-    cache_s = time.perf_counter() - t
+    cache_s = _best(lambda: eng.generate(T, SamplingParams(max_tokens=0)), 1)
 
     def directive(mode: str) -> None:
         d = {"start": s, "end": e, "replacement": R, "mode": mode}
@@ -108,12 +114,13 @@ def table(a: argparse.Namespace) -> None:
         "| other ms | FORGET ms | forward64 ms | FORGET/AMORTIZE | AMORTIZE/forward64 |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for arch in _csv(a.archs):
+    for arch in _csv(a.shapes or a.archs):
+        name = arch if "-" in arch else f"{arch} mini"
         for half in map(int, _csv(a.halves)):
             m = measure(arch, half, a)
             ms = {k: 1e3 * v for k, v in m.items()}
             print(
-                f"| {arch} mini | {2 * half + a.span} ({half}+{a.span}+{half}) "
+                f"| {name} | {2 * half + a.span} ({half}+{a.span}+{half}) "
                 f"| {ms['amortize']:.1f} | {ms['r_forward']:.1f} | {ms['tail_move']:.1f} "
                 f"| {ms['other']:.1f} | {ms['forget']:.0f} | {ms['forward64']:.1f} "
                 f"| {m['forget'] / m['amortize']:.0f}x | {m['amortize'] / m['forward64']:.2f}x |",
@@ -283,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="best of this many (AMORTIZE, forward)")
     ap.add_argument("--forget-reps", type=int, default=1, help="best of this many FORGETs")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--shapes", default=None, help="model shapes for the table (shapes.py)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the table only)")
+    ap.add_argument("--small", action="store_true", help="shrunk shapes (a dry run)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
     ap.add_argument("--switch", action="store_true", help="only the MLA expand/absorb switch")
     ap.add_argument("--switch-cached", type=int, default=4096, help="cached rows for --switch")
@@ -292,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    print(f"dtype {a.dtype}, {torch.get_num_threads()} thread(s)")
+    dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
+    print(f"dtype {a.dtype}, {torch.get_num_threads()} thread(s), device {dev}")
     if a.switch:
         return switch(a)
     if a.drift:

@@ -4,6 +4,7 @@
     leyline bench splice|soak|drift|splice-stream|directive  modules with their own options (-h), recorded
     leyline bench report         every recorded run (runs/**/report.json) into docs/results.md
     leyline check correctness    first-token agreement and bf16 drift of splices
+    leyline check gpu OUTDIR     the prepared GPU check (scripts/gpu_check.sh; --dry-run on CPU)
     leyline eval mini-nightmare  debug-gym's froggy through Leyline, per arm
     leyline demo                 mini model + quick mechanism benchmark + correctness report
     leyline trajectories generate  realistic agent trajectories from the mini_nightmare tasks
@@ -147,6 +148,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     check = sub.add_parser("check", help="correctness reports").add_subparsers(
         dest="check", metavar="WHAT"
     )
+    from .gpu_check import add_arguments as gpu_check_arguments  # stdlib only
+
+    p = check.add_parser("gpu", help="the prepared GPU check (scripts/gpu_check.sh runs it)")
+    gpu_check_arguments(p)
+    p.set_defaults(func=_module_main("gpu_check", whole=True))
     p = check.add_parser("correctness", help="splice vs full context: argmax agreement, bf16 drift")
     p.add_argument("--model", required=True, help="model folder")
     p.add_argument("--out", type=Path, default=Path("runs/correctness"), help="output folder")

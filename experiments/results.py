@@ -24,10 +24,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPORT_NAME", "collect", "machine", "recorded", "render", "write_results"]
+__all__ = [
+    "REPORT_NAME", "collect", "machine", "recorded", "render", "write_record", "write_results",
+]  # fmt: skip
 
 REPORT_NAME = "report.json"
-_ORDER = ("bench engine", "bench splice", "bench serve", "bench mechanism", "bench side-by-side")
+_ORDER = (
+    "bench engine", "bench splice", "bench serve", "bench mechanism", "bench side-by-side",
+    "check gpu",
+)  # fmt: skip
 
 
 def machine() -> dict[str, Any]:
@@ -95,22 +100,40 @@ def recorded(verb: str, handler: Callable[[Any], int], default_out: Path) -> Cal
         with contextlib.redirect_stdout(tee):
             rc = int(handler(args) or 0)
         if rc == 0:
-            record = {
-                "verb": verb,
-                "command": "leyline " + shlex.join(argv),
-                "date": started.strftime("%Y-%m-%d %H:%M UTC"),
-                "duration_s": round((dt.datetime.now(dt.UTC) - started).total_seconds(), 1),
-                "commit": _commit(),
-                "machine": machine(),
-                "load_before": load_before,
-                "load_after": _load(),
-                "output": tee.copy.getvalue(),
-            }
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / REPORT_NAME).write_text(json.dumps(record, indent=1) + "\n")
+            command = "leyline " + shlex.join(argv)
+            write_record(out_dir, verb, command, started, load_before, tee.copy.getvalue())
         return rc
 
     return run
+
+
+def write_record(
+    out_dir: Path,
+    verb: str,
+    command: str,
+    started: dt.datetime,
+    load_before: list[float] | None,
+    output: str,
+    **extra: Any,
+) -> Path:
+    """Write one run's ``report.json`` into ``out_dir``; ``extra`` keys override or add fields
+    (``commit`` where the run has no git checkout, ``device`` for a GPU)."""
+    record = {
+        "verb": verb,
+        "command": command,
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "duration_s": round((dt.datetime.now(dt.UTC) - started).total_seconds(), 1),
+        "commit": _commit(),
+        "machine": machine(),
+        "load_before": load_before,
+        "load_after": _load(),
+        "output": output,
+        **extra,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / REPORT_NAME
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
 
 
 def collect(root: Path) -> list[dict[str, Any]]:
@@ -167,7 +190,8 @@ def render(records: list[dict[str, Any]]) -> str:
             f"## {rec.get('verb', 'run')}: `{rec['folder']}`",
             "",
             f"- command: `{rec['command']}`",
-            f"- machine: {m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB",
+            f"- machine: {m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB"
+            + (f", {rec['device']}" if rec.get("device") else ""),
             f"- date: {rec.get('date')} ({rec.get('duration_s')} s), commit {rec.get('commit')}",
             f"- load average before / after: {rec.get('load_before')} / {rec.get('load_after')}",
             "",

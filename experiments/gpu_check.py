@@ -1,0 +1,282 @@
+"""``leyline check gpu OUTDIR [--dry-run]``: the prepared check for a lent GPU machine.
+
+Run by ``scripts/gpu_check.sh`` (which assembles the project there first). Four sections, in
+order of value, each recorded as soon as it ends in ``OUTDIR/<section>/report.json`` (the form
+``leyline bench report`` renders), so a run cut short keeps what it finished:
+
+- ``kernel``: the Triton ``rotate_band`` against a float64 rotation written from scratch
+  (``reference.rope_float64``; GQA 8 x 128 half-split and MLA 576-wide band 64 at 512
+  interleaved; fp32 and bf16; copy and in-place plans), then ``bench_kernel`` (its bandwidth
+  against a plain device copy of the same bytes);
+- ``engine-mini``: both ``mini`` models (fp32) on the device against transformers on the same
+  device (prefill logits, FORGET logits against a from-scratch forward of T', greedy tokens
+  against ``generate``) and against the CPU engine (AMORTIZE logits);
+- ``engine``: ``bench engine`` on the 1B llama shape, bf16: prefill against transformers'
+  forward at 8k / 33k / 66k, decode ms/token, and 8 concurrent 2k-token requests;
+- ``splice-1b`` / ``splice-mla``: ``bench splice`` (AMORTIZE, FORGET, a forward) on the 1B
+  llama shape at 33k and 66k tokens, and on a 4-layer DeepSeek-V2-Lite MLA shape at 33k, bf16.
+
+A section that fails prints its traceback into its record and the check goes on; the exit
+status says whether every section passed. A section that would start after ``--budget-s``
+seconds is skipped (and says so), so the check ends inside a lent machine's time. ``--dry-run``: the same code on the CPU with
+shrunk shapes and small sizes (seconds), the suite's test of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import os
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SECTIONS", "add_arguments", "main"]
+
+SECTIONS = ("kernel", "engine-mini", "engine", "splice-1b", "splice-mla")
+
+
+def _argv(full: list[str], dry: list[str]) -> Callable[[bool], list[str]]:
+    return lambda dry_run: dry if dry_run else full
+
+
+# The benchmarks' own options per section: (on the device, in a dry run).
+KERNEL_ARGS = _argv(
+    ["--device", "cuda", "--rows", "4096,32768,262144"],
+    ["--device", "cpu", "--rows", "256", "--layers", "2"],
+)
+ENGINE_ARGS = _argv(
+    ["--shapes", "llama-1b", "--device", "cuda", "--dtype", "bfloat16",
+     "--contexts", "2048,8192,33792,66560", "--decode", "64", "--clients", "8",
+     "--clients-context", "2048", "--clients-decode", "128"],
+    ["--shapes", "llama-1b", "--device", "cpu", "--dtype", "bfloat16", "--small",
+     "--contexts", "96", "--decode", "2", "--clients", "2", "--clients-context", "32",
+     "--clients-decode", "2"],
+)  # fmt: skip
+SPLICE_1B_ARGS = _argv(
+    ["--shapes", "llama-1b", "--device", "cuda", "--dtype", "bfloat16",
+     "--halves", "16384,32768", "--reps", "3", "--forget-reps", "1"],
+    ["--shapes", "llama-1b", "--device", "cpu", "--dtype", "bfloat16", "--small",
+     "--halves", "64", "--span", "16", "--replacement", "4", "--reps", "1"],
+)  # fmt: skip
+SPLICE_MLA_ARGS = _argv(
+    ["--shapes", "dsv2-lite", "--device", "cuda", "--dtype", "bfloat16",
+     "--halves", "16384", "--reps", "3", "--forget-reps", "1"],
+    ["--shapes", "dsv2-lite", "--device", "cpu", "--dtype", "bfloat16", "--small",
+     "--halves", "64", "--span", "16", "--replacement", "4", "--reps", "1"],
+)  # fmt: skip
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags (stdlib only: the CLI builds its parser without importing torch)."""
+    ap.add_argument("out", type=Path, help="output folder: one <section>/report.json each")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, shrunk shapes, small sizes")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma list of sections")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="start no section after this")
+
+
+def main(a: argparse.Namespace) -> int:
+    import torch
+
+    dry = a.dry_run
+    if not dry and not torch.cuda.is_available():
+        raise SystemExit("leyline check gpu: no CUDA device here (--dry-run runs on the CPU)")
+    device = "cpu" if dry else "cuda"
+    name = "cpu (dry run)" if dry else torch.cuda.get_device_name()
+    commit = os.environ.get("LEYLINE_COMMIT") or None  # set by gpu_check.sh off the checkout
+    runs = {
+        "kernel": _kernel, "engine-mini": _engine_mini, "engine": _engine,
+        "splice-1b": _splice(SPLICE_1B_ARGS), "splice-mla": _splice(SPLICE_MLA_ARGS),
+    }  # fmt: skip
+    sections = [s for s in a.sections.split(",") if s]
+    for section in sections:
+        if section not in runs:
+            raise SystemExit(f"--sections: {section!r} is not one of {', '.join(SECTIONS)}")
+    failed, t0 = [], time.monotonic()
+    for section in sections:
+        if time.monotonic() - t0 > a.budget_s:
+            print(f"== check gpu: {section} SKIPPED: past --budget-s {a.budget_s:.0f} s")
+            failed.append(section)
+            continue
+        ok = _record(a.out / section, section, runs[section], device, dry, name, commit)
+        if not ok:
+            failed.append(section)
+    print(f"check gpu: {len(failed)} section(s) failed{': ' + ', '.join(failed) if failed else ''}")
+    return 1 if failed else 0
+
+
+def _record(
+    out: Path, section: str, fn: Callable[[str, bool], str], device: str, dry: bool,
+    name: str, commit: str | None,
+) -> bool:  # fmt: skip
+    """Run one section with its output captured and write its record, failed or not."""
+    from .results import _load, _Tee, write_record
+
+    started, load_before, tee = dt.datetime.now(dt.UTC), _load(), _Tee(sys.stdout)
+    ok, command = True, ""
+    print(f"== check gpu: {section} on {name}", flush=True)
+    with contextlib.redirect_stdout(tee):
+        try:
+            command = fn(device, dry)
+        except Exception:  # a failed section is recorded with its traceback; the rest runs
+            ok = False
+            print(f"FAILED: {section}\n{traceback.format_exc()}", flush=True)
+    extra: dict[str, Any] = {"device": name, "passed": ok}
+    if commit:
+        extra["commit"] = commit
+    cmd = f"scripts/gpu_check.sh OUT{' --dry-run' if dry else ''} (section {section}: {command})"
+    write_record(out, "check gpu", cmd, started, load_before, tee.copy.getvalue(), **extra)
+    return ok
+
+
+# ---------------------------------------------------------------------------- sections
+def _kernel(device: str, dry: bool) -> str:
+    _kernel_exactness(device)
+    from .bench_kernel import main as bench_kernel
+
+    args = KERNEL_ARGS(dry)
+    bench_kernel(args)
+    return "python experiments/bench_kernel.py " + shlex.join(args)
+
+
+def _engine(device: str, dry: bool) -> str:
+    from .bench_engine import add_arguments as engine_arguments
+    from .bench_engine import main as bench_engine
+
+    ap = argparse.ArgumentParser()
+    engine_arguments(ap)
+    args = ENGINE_ARGS(dry)
+    rc = bench_engine(ap.parse_args(args))
+    if rc:
+        raise RuntimeError(f"bench engine exited {rc}")
+    return "leyline bench engine " + shlex.join(args)
+
+
+def _splice(argv: Callable[[bool], list[str]]) -> Callable[[str, bool], str]:
+    def run(device: str, dry: bool) -> str:
+        from .bench_splice import main as bench_splice
+
+        args = argv(dry)
+        rc = bench_splice(args)
+        if rc:
+            raise RuntimeError(f"bench splice exited {rc}")
+        return "leyline bench splice " + shlex.join(args)
+
+    return run
+
+
+def _kernel_exactness(device: str) -> None:
+    """Keys rotated to positions p by the float64 truth, stored in the buffer's dtype, turned
+    by delta with the kernel (the device's default backend: Triton on CUDA); the result
+    against the float64 truth at p + delta. Rows outside ``dst`` must be unchanged."""
+    import torch
+
+    from leyline_agent.kernels import RopeSpec, rotate_band
+    from leyline_agent.kernels.reference import rope_float64
+
+    print("rotate_band against a float64 rotation: max abs error, and rel-L2 of the rotated "
+          "rows against the truth (the stored inputs' rounding included)")  # fmt: skip
+    print("| layout | dtype | plan | rows | backend | max abs err | rel-L2 | others unchanged |")
+    print("|---|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    cases = [("gqa 8x128 half", 8, 128, 0, 64, "half"), ("mla 576 band 64@512", 1, 576, 512, 32,
+                                                            "interleaved")]  # fmt: skip
+    for label, heads, width, off, half, layout in cases:
+        inv = 10000.0 ** -(torch.arange(half, dtype=torch.float64) / half)
+        spec = RopeSpec(inv_freq=tuple(inv.float().tolist()), rotary_dim=2 * half, layout=layout)
+        inv32 = torch.tensor(spec.inv_freq, dtype=torch.float64)
+        rows, delta = 1000, -240
+        pos = torch.arange(rows, dtype=torch.float64) + 5000
+        for dtype in (torch.float32, torch.bfloat16):
+            for plan in ("copy", "in-place"):
+                keys = torch.randn(heads, width, generator=g, dtype=torch.float64)
+                truth = torch.stack([rope_float64(k, pos, inv32, layout, off) for k in keys])
+                after = torch.stack(
+                    [rope_float64(k, pos + delta, inv32, layout, off) for k in keys]
+                )
+                buf = torch.zeros(heads, 2 * rows, width, dtype=dtype)
+                buf[:, :rows] = truth.to(dtype)
+                buf = buf.to(device)
+                before = buf.clone()
+                src = torch.arange(rows, device=device)
+                dst = src + rows if plan == "copy" else src
+                rotate_band(buf, src, dst, delta, spec, off)
+                got = buf[:, dst].double().cpu()
+                err = (got - after).abs()
+                rel = float((got - after).norm() / after.norm())
+                mask = torch.ones(2 * rows, dtype=torch.bool)
+                mask[dst.cpu()] = False
+                untouched = bool(torch.equal(buf.cpu()[:, mask], before.cpu()[:, mask]))
+                backend = "triton" if buf.device.type == "cuda" else "cpu default"
+                print(
+                    f"| {label} | {str(dtype)[6:]} | {plan} | {rows} | {backend} "
+                    f"| {err.max():.2e} | {rel:.2e} | {untouched} |",
+                    flush=True,
+                )
+                if not untouched:
+                    raise AssertionError(f"{label} {dtype} {plan}: rows outside dst changed")
+
+
+def _engine_mini(device: str, dry: bool) -> str:
+    """Both ``mini`` models, fp32: the engine on ``device`` against transformers there and
+    against the CPU engine."""
+    import random
+
+    import torch
+
+    from leyline_agent.engine.checkpoints.store import model_dir
+    from leyline_agent.engine.engine import Engine, SamplingParams
+    from leyline_agent.wire import DirectivesRequest
+
+    n, span, new = (96, 16, 4) if dry else (2048, 256, 16)
+    print(f"mini models, fp32, {n}-token context, a {span}-token span replaced by 4 tokens")
+    print("| model | prefill logits vs transformers | FORGET logits vs transformers on T' "
+          "| AMORTIZE logits vs CPU engine | greedy tokens = transformers generate |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for arch in ("deepseek_v2", "llama"):
+        path = model_dir(arch, "mini", 0)
+        rng = random.Random(1)
+        eng = Engine.from_pretrained(path, device=device, cache_budget_tokens=4 * n)
+        cpu = Engine.from_pretrained(path, device="cpu", cache_budget_tokens=4 * n)
+        T = [rng.randrange(100, eng.vocab_size) for _ in range(n)]
+        R = [rng.randrange(100, eng.vocab_size) for _ in range(4)]
+        X = [rng.randrange(100, eng.vocab_size) for _ in range(8)]
+        s, e = n // 2, n // 2 + span
+        Tp = T[:s] + R + T[e:]
+
+        def hf_last(ids: list[int], eng: Any = eng) -> torch.Tensor:
+            with torch.inference_mode():
+                x = torch.tensor([ids], device=eng.device)
+                return eng.model(input_ids=x, logits_to_keep=1).logits[0, -1].float().cpu()
+
+        def diff(a: torch.Tensor, b: torch.Tensor) -> str:
+            return f"{(a.float().cpu() - b.float().cpu()).abs().max():.2e}"
+
+        pre = diff(eng.logits_for(T + X), hf_last(T + X))
+        amort = []
+        for engine in (eng, cpu):
+            engine.generate(T, SamplingParams(max_tokens=0))
+            d = {"start": s, "end": e, "replacement": R, "mode": "amortize"}
+            resp = engine.apply_directives(DirectivesRequest(tokens=T, directives=[d]))
+            amort.append(engine.logits_for(list(resp.tokens) + X))
+        d = {"start": s, "end": e, "replacement": R, "mode": "forget"}
+        eng.apply_directives(DirectivesRequest(tokens=T, directives=[d]))
+        forget = diff(eng.logits_for(Tp + X), hf_last(Tp + X))
+        out = eng.generate(T + X, SamplingParams(max_tokens=new, stop_token_ids=[])).output_ids
+        with torch.inference_mode():
+            x = torch.tensor([T + X], device=eng.device)
+            ref = eng.model.generate(
+                x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            )[0, x.shape[1]:].tolist()  # fmt: skip
+        print(
+            f"| {arch} mini | {pre} | {forget} | {diff(amort[0], amort[1])} "
+            f"| {list(out) == ref} ({new} tokens) |",
+            flush=True,
+        )
+        del eng, cpu
+    return "(engine-mini: in experiments/gpu_check.py)"
