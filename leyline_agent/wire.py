@@ -50,6 +50,14 @@ class DirectivesRequest(BaseModel):
     new_messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     mode: ImplementedMode = Field(default=Mode.AMORTIZE, strict=False)
+    budget: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        strict=False,
+        description="message form, mode 'repair': the fraction of each tail recomputed "
+        "(none: the server's default)",
+    )
     fallback: bool = False
     session: str | None = Field(
         default=None,
@@ -75,6 +83,10 @@ class DirectivesRequest(BaseModel):
             raise ValueError("token form needs both 'tokens' and 'directives'")
         if message_form and (self.old_messages is None or self.new_messages is None):
             raise ValueError("message form needs both 'old_messages' and 'new_messages'")
+        if self.budget is not None and (token_form or self.mode is not Mode.REPAIR):
+            raise ValueError(
+                "budget: message form with mode 'repair' only (token form: each directive's)"
+            )
         return self
 
 
@@ -96,6 +108,7 @@ class DirectivesResponse(BaseModel):
     reused_tokens: int = 0
     prefilled_tokens: int = 0
     rotated_tokens: int = 0
+    repaired_tokens: int = Field(default=0, description="tail rows recomputed by REPAIR")
     elapsed_s: float = 0.0
 
 
@@ -116,6 +129,7 @@ class StatsResponse(BaseModel):
     generated_tokens: int = 0
     splices: dict[str, int] = Field(default_factory=lambda: {"amortize": 0, "forget": 0})
     rotated_tokens: int = 0
+    repaired_tokens: int = 0
     fallbacks: int = 0
     directive_errors: int = 0
     cache_tokens: int = 0
@@ -165,6 +179,7 @@ class Counters:
     generated_tokens: int = 0
     splices: dict[str, int] = field(default_factory=_no_splices)
     rotated_tokens: int = 0
+    repaired_tokens: int = 0  # tail rows recomputed by REPAIR
     fallbacks: int = 0
     directive_errors: int = 0
     evicted_tokens: int = 0  # this tenant's rows evicted (whoever's request pushed them out)
@@ -185,6 +200,7 @@ class Counters:
         for mode, n in resp.splices.items():
             self.splices[mode] = self.splices.get(mode, 0) + n
         self.rotated_tokens += resp.rotated_tokens
+        self.repaired_tokens += resp.repaired_tokens
         self.fallbacks += int(resp.fallback)
 
     @classmethod

@@ -187,7 +187,10 @@ def message_edits(
     return MessageEdits(old, new, diff_spans(old, new, boundary))
 
 
-def to_directives(spans: Sequence[Span], mode: Mode) -> list[Directive]:
+def to_directives(
+    spans: Sequence[Span], mode: Mode, budget: float | None = None
+) -> list[Directive]:
     return [
-        Directive(start=s.start, end=s.end, replacement=s.replacement, mode=mode) for s in spans
+        Directive(start=s.start, end=s.end, replacement=s.replacement, mode=mode, budget=budget)
+        for s in spans
     ]

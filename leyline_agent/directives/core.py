@@ -42,11 +42,15 @@ class Mode(StrEnum):
         slots, the tail keeps its latent/values and its rotary band is re-rotated by delta.
     FORGET: prefix-trimmed re-prefill: the prefix stays, replacement + tail are prefilled
         fresh, so nothing of the removed span survives in the tail's KV.
+    REPAIR: AMORTIZE, then the KV of a few selected tail rows (``Directive.budget``, a
+        fraction of the tail) is recomputed under the edited context, in place: budget 0 is
+        AMORTIZE, budget 1 is FORGET. ``directives.modes`` holds each mode's rule.
     PIN, DECAY, SCRATCH: reserved by the paper for future work; rejected until they exist.
     """
 
     AMORTIZE = "amortize"
     FORGET = "forget"
+    REPAIR = "repair"
     PIN = "pin"
     DECAY = "decay"
     SCRATCH = "scratch"
@@ -59,7 +63,7 @@ def check_mode(mode: Mode) -> Mode:
     """``mode`` if it is implemented; ``ValueError`` naming a reserved one."""
     if mode in RESERVED_MODES:
         raise ValueError(
-            f"mode {mode.value!r} is reserved for a future release; use 'amortize' or 'forget'"
+            f"mode {mode.value!r} is reserved for a future release; use 'amortize', 'forget' or 'repair'"
         )
     return mode
 
@@ -86,6 +90,13 @@ class Directive(BaseModel):
     end: int = Field(ge=0, description="one past the last replaced position")
     replacement: list[int] | str = Field(default_factory=list)
     mode: ImplementedMode = Field(default=Mode.AMORTIZE, strict=False)
+    budget: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="mode 'repair' only: the fraction of the tail's rows recomputed "
+        "(none: the serving side's default)",
+    )
 
     @field_validator("replacement")
     @classmethod
@@ -100,6 +111,8 @@ class Directive(BaseModel):
     def _ordered(self) -> Directive:
         if self.start > self.end:
             raise ValueError(f"start ({self.start}) must be <= end ({self.end})")
+        if self.budget is not None and self.mode is not Mode.REPAIR:
+            raise ValueError(f"budget applies to mode 'repair' only, not {self.mode.value!r}")
         return self
 
     @property

@@ -40,7 +40,7 @@ commit, forget) is ``directives.backend``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,8 @@ from leyline_agent.directives.compile import (
     to_directives,
     token_form,
 )
-from leyline_agent.directives.core import Directive, plan_batch, splice_tokens
+from leyline_agent.directives.core import Directive, Mode, plan_batch, splice_tokens
+from leyline_agent.directives.modes import ALL_MODES, check_modes
 from leyline_agent.errors import CacheMissError
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
@@ -115,10 +116,20 @@ Decision = Plan | DirectivesResponse  # a plan to execute, or the answer (noop /
 
 
 def compile_request(
-    req: DirectivesRequest, tokenizer: Any, vocab_size: int, message_boundary_id: int | None
+    req: DirectivesRequest,
+    tokenizer: Any,
+    vocab_size: int,
+    message_boundary_id: int | None,
+    executes: Iterable[Mode] = ALL_MODES,
 ) -> Compiled:
     """``req`` compiled for its form (module doc, step 1); no cache is asked anything.
-    ``InvalidRequestError`` / ``DirectiveError`` / ``TrajectoryError`` name the bad field."""
+    ``InvalidRequestError`` / ``DirectiveError`` / ``TrajectoryError`` name the bad field;
+    a mode outside ``executes`` (the backend's) is ``UnsupportedModeError`` naming it."""
+    if req.directives is not None:
+        check_modes(((f"directives[{i}].mode", d.mode) for i, d in enumerate(req.directives)),
+                    executes)  # fmt: skip
+    else:
+        check_modes([("mode", req.mode)], executes)
     if req.tokens is not None and req.directives is not None:
         tokens, compiled = token_form(req.tokens, req.directives, tokenizer, vocab_size)
         order = plan_batch(compiled, seq_len=len(tokens))
@@ -150,7 +161,7 @@ def decide(compiled: Compiled, cached: int, req: DirectivesRequest) -> Decision:
     kept = clip_to_cached(spans, cached)
     if cached == 0 or not kept or (kept != spans and not req.fallback):
         return _miss(compiled, req, _message_miss(spans, cached))
-    order = plan_batch(to_directives(kept, req.mode), seq_len=cached)
+    order = plan_batch(to_directives(kept, req.mode, req.budget), seq_len=cached)
     return Plan(compiled.base[:cached], order, compiled.new_tokens, cached)
 
 
@@ -198,7 +209,13 @@ def noop_answer(new_tokens: list[int], cached: int, *, reused: int) -> Directive
 
 
 def applied_answer(
-    plan: Plan, *, splices: Mapping[str, int], reused: int, prefilled: int, rotated: int
+    plan: Plan,
+    *,
+    splices: Mapping[str, int],
+    reused: int,
+    prefilled: int,
+    rotated: int,
+    repaired: int = 0,
 ) -> DirectivesResponse:
     """The answer to an executed ``plan``, with the backend's counts of what it did."""
     return DirectivesResponse(
@@ -210,4 +227,5 @@ def applied_answer(
         reused_tokens=reused,
         prefilled_tokens=prefilled,
         rotated_tokens=rotated,
+        repaired_tokens=repaired,
     )

@@ -35,6 +35,7 @@ import torch
 
 from leyline_agent.directives.checks import check_token_ids
 from leyline_agent.directives.compile import render
+from leyline_agent.directives.repair import DEFAULT_BUDGET, DEFAULT_SELECTOR, SELECTORS
 from leyline_agent.engine import sequence
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVLayout, KVPool
@@ -81,6 +82,8 @@ class Engine:
         pin_ttl_s: float = 300.0,
         packed_linears: bool = True,
         tenant_cache_share: float | None = None,
+        repair_budget: float = DEFAULT_BUDGET,
+        repair_selector: str = DEFAULT_SELECTOR,
     ) -> None:
         from leyline_agent.kernels import RopeSpec
 
@@ -94,6 +97,14 @@ class Engine:
         if cache_budget_tokens < 1:
             raise InvalidRequestError(f"cache_budget_tokens: {cache_budget_tokens} must be >= 1")
         self.cache_budget_tokens = cache_budget_tokens
+        if not 0.0 <= repair_budget <= 1.0:
+            raise InvalidRequestError(f"repair_budget: {repair_budget} is not in [0, 1]")
+        self.repair_budget = repair_budget
+        if repair_selector not in SELECTORS:
+            raise InvalidRequestError(
+                f"repair_selector: {repair_selector!r} is not one of {sorted(SELECTORS)}"
+            )
+        self.repair_selector = repair_selector
         cap = min(cache_budget_tokens + 1024, 8192)
         self.pool = KVPool(self.layout, self.rope_spec, self.dtype, self.device, capacity=cap)
         self.allocator = SlotAllocator(cap, grow=self.pool.grow)
@@ -132,6 +143,8 @@ class Engine:
         pin_ttl_s: float = 300.0,
         packed_linears: bool = True,
         tenant_cache_share: float | None = None,
+        repair_budget: float = DEFAULT_BUDGET,
+        repair_selector: str = DEFAULT_SELECTOR,
     ) -> Engine:
         ld = load(path, dtype=dtype, device=device)
         return cls(
@@ -143,6 +156,8 @@ class Engine:
             pin_ttl_s=pin_ttl_s,
             packed_linears=packed_linears,
             tenant_cache_share=tenant_cache_share,
+            repair_budget=repair_budget,
+            repair_selector=repair_selector,
         )
 
     # ------------------------------------------------------------------ rendering

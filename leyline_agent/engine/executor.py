@@ -10,8 +10,9 @@ Order of work (nothing is mutated until every check has passed):
    (``CacheMissError``, counted in ``directive_errors``, or with ``fallback`` a counted
    fallback: nothing is executed and the next request re-prefills), a ``noop``, or a
    ``Plan`` (message-form spans clipped to the cached prefix: see ``pipeline``).
-3. ``plan_splice`` (pure), then ``execute_splice`` on fresh slots, insert ``T'`` (the part
-   over the cached base) into the tree, free scratch slots, evict to the budget.
+3. ``plan_splice`` (pure), then ``execute_splice`` on fresh slots, REPAIR's selected rows
+   recomputed in place in those fresh slots (``repair.py``), insert ``T'`` (the part over
+   the cached base) into the tree, free scratch slots, evict to the budget.
 
 Scheduling: steps 1-2 and the plan run between two steps under the engine lock, which then
 holds the matched base (``PrefixCache.hold``) and lets go. The prefills of ``R`` run as
@@ -50,6 +51,7 @@ from leyline_agent.engine.cache.kv_pool import KVPool
 from leyline_agent.engine.cache.prefix_cache import PrefixCache
 from leyline_agent.engine.cache.radix import Match
 from leyline_agent.engine.model.runner import ModelRunner
+from leyline_agent.engine.repair import repair_rows
 from leyline_agent.engine.splice import SplicePlan, execute_splice, plan_splice
 from leyline_agent.engine.stepper import Stepper
 from leyline_agent.errors import CacheMissError, DirectiveError
@@ -72,6 +74,8 @@ class SpliceHost(Protocol):
     allocator: SlotAllocator
     pool: KVPool
     stepper: Stepper
+    repair_budget: float  # REPAIR's fraction of a tail where a directive gives none
+    repair_selector: str  # which tail rows REPAIR recomputes (``directives.repair``)
 
     def counters(self, tenant: str) -> Counters: ...
 
@@ -177,6 +181,7 @@ class _Ready:
         return applied_answer(
             self.plan, splices=sp.splices, reused=sp.reused_tokens,
             prefilled=sp.prefilled_tokens, rotated=sp.rotated_tokens,
+            repaired=sp.repaired_tokens,
         )  # fmt: skip
 
 
@@ -199,7 +204,10 @@ def _prepare(
     host.cache.arrive(backend.ns)  # the session's request: its pin ends
     if isinstance(decision, DirectivesResponse):
         return decision
-    splice = plan_splice(decision.base, decision.order, exact_len=m.exact_len)
+    splice = plan_splice(
+        decision.base, decision.order, exact_len=m.exact_len,
+        repair_budget=host.repair_budget, selector=host.repair_selector,
+    )  # fmt: skip
     return _Ready(splice, m, decision)
 
 
@@ -207,11 +215,17 @@ def _execute(host: SpliceHost, backend: _Backend, ready: _Ready, per_directive: 
     """Run the plan on fresh slots (``ready.match`` is held), then write ``T'`` into the
     cache under the lock; on failure free every fresh slot and cache nothing."""
     plan, m = ready.splice, ready.match
+    res = None
     try:
         res = execute_splice(plan, m.slots, backend, per_directive=per_directive)
+        if plan.repair_rows:
+            repair_rows(
+                host.runner, plan.tokens, res.slots, plan.repair_rows, res.fresh,
+                host.stepper.exclusive,
+            )  # fmt: skip
     except BaseException as e:
         with host.stepper.exclusive():
-            host.allocator.free(getattr(e, "fresh_slots", []))
+            host.allocator.free(res.fresh if res is not None else getattr(e, "fresh_slots", []))
             backend.release(m)
         raise
     with host.stepper.exclusive():

@@ -7,6 +7,8 @@ at a time, right to left (``plan_batch`` order), each on the result of the previ
   attending to ``W[:s]`` into fresh slots; copy the tail ``W[e:]`` into fresh slots with its
   rotary band turned by ``delta = |R| - (e - s)`` (latent / values copied unchanged).
 - FORGET: keep ``W[:s]``; prefill ``R + W[e:]`` fresh.
+- REPAIR: as AMORTIZE; then, on the finished ``T'``, the rows ``SplicePlan.repair_rows``
+  (fresh slots all) are recomputed in place under the edited context (``repair.py``).
 
 Right to left means that every directive's prefix ``W[:s]`` is still the original cached
 prefix. Tails are always written to NEW slots (copy-on-write): the old path may be shared
@@ -35,6 +37,14 @@ from typing import Literal
 
 from leyline_agent.directives import Directive, Mode
 from leyline_agent.directives.backend import RowWriter
+from leyline_agent.directives.modes import ALL_MODES, rule_of
+from leyline_agent.directives.repair import (
+    DEFAULT_BUDGET,
+    DEFAULT_SELECTOR,
+    RepairSpan,
+    rows_for,
+    select_rows,
+)
 
 __all__ = ["Piece", "SplicePlan", "SpliceStep", "execute_splice", "plan_splice"]
 
@@ -80,17 +90,30 @@ class SplicePlan:
     reused_tokens: int = 0  # rows of T' whose latent/values come from T
     splices: dict[str, int] = field(default_factory=dict)
     exact_len: int = 0  # leading rows of T' equal to a fresh prefill's (the rest: spliced)
+    repair_rows: list[int] = field(default_factory=list)  # rows of T' REPAIR recomputes
+
+    @property
+    def repaired_tokens(self) -> int:
+        return len(self.repair_rows)
 
 
 def plan_splice(
-    base_tokens: Sequence[int], directives: Sequence[Directive], exact_len: int | None = None
+    base_tokens: Sequence[int],
+    directives: Sequence[Directive],
+    exact_len: int | None = None,
+    *,
+    repair_budget: float = DEFAULT_BUDGET,
+    selector: str = DEFAULT_SELECTOR,
 ) -> SplicePlan:
     """Plan compiled, validated directives (execution order, all ``end <= len(base)``).
 
     ``exact_len``: how many leading rows of the base are exact (default: all). AMORTIZE
     keeps a prefix and prefills R over it (exact iff the prefix is), but its moved tail
     keeps attending to the removed span: from there on rows are spliced. FORGET prefills
-    R + tail over the prefix: exact iff the prefix is.
+    R + tail over the prefix: exact iff the prefix is. REPAIR is planned as AMORTIZE, and
+    its tail rows ``selector`` picks (``directives.repair``; ``repair_budget`` where the
+    directive gives no budget) are listed in ``repair_rows``; a budget that covers the whole
+    tail is exact as FORGET is.
     """
     tokens = list(base_tokens)
     exact = len(tokens) if exact_len is None else exact_len
@@ -98,20 +121,25 @@ def plan_splice(
     steps: list[SpliceStep] = []
     prefilled = rotated = 0
     splices = {Mode.AMORTIZE.value: 0, Mode.FORGET.value: 0}
+    budgets: list[float | None] = []  # per step: REPAIR's budget, else None
     for d in directives:
         assert isinstance(d.replacement, list), "compile replacements before planning"
         assert d.end <= len(tokens), "validate spans before planning"
         step = SpliceStep(d.start, d.end, tuple(d.replacement), Mode(d.mode), len(tokens))
+        rule = rule_of(step.mode, ALL_MODES)
         steps.append(step)
-        splices[step.mode.value] += 1
+        splices[step.mode.value] = splices.get(step.mode.value, 0) + 1
+        budget = (repair_budget if d.budget is None else d.budget) if rule.repairs else None
+        budgets.append(budget)
+        whole = budget is not None and rows_for(budget, step.tail_len) == step.tail_len
         r = list(step.replacement)
         new_len = len(tokens) + step.delta
-        if step.mode is Mode.AMORTIZE:
+        if rule.moves_tail:
             prefilled += len(r)
             rotated += step.tail_len
             origin = origin[: d.start] + [False] * len(r) + origin[d.end :]
             if exact >= d.start:
-                exact = d.start + len(r) if step.tail_len else new_len
+                exact = d.start + len(r) if step.tail_len and not whole else new_len
         else:
             prefilled += len(r) + step.tail_len
             origin = origin[: d.start] + [False] * (len(r) + step.tail_len)
@@ -133,7 +161,28 @@ def plan_splice(
         reused_tokens=sum(origin),
         splices=splices,
         exact_len=min(exact, len(tokens)),
+        repair_rows=_repair_rows(base_tokens, steps, budgets, tokens, selector),
     )
+
+
+def _repair_rows(
+    base: Sequence[int],
+    steps: list[SpliceStep],
+    budgets: list[float | None],
+    final: list[int],
+    selector: str,
+) -> list[int]:
+    """The rows of ``T' = final`` the REPAIR steps recompute: each step's tail in ``T'``
+    starts after its R, shifted by the deltas of the steps to its left (later in
+    ``steps``, which run right to left)."""
+    spans: list[RepairSpan] = []
+    for k, (st, budget) in enumerate(zip(steps, budgets, strict=True)):
+        if budget is None:
+            continue
+        shift = sum(s.delta for s in steps[k + 1 :])
+        lo = st.start + shift + len(st.replacement)
+        spans.append(RepairSpan(lo, len(final), tuple(base[st.start : st.end]), budget))
+    return select_rows(final, spans, selector) if spans else []
 
 
 def _pieces(n: int, steps: list[SpliceStep], final: list[int]) -> list[Piece] | None:
@@ -148,7 +197,7 @@ def _pieces(n: int, steps: list[SpliceStep], final: list[int]) -> list[Piece] | 
     for st in reversed(steps):  # left to right
         if st.start > pos:
             out.append(Piece(kind, pos, st.start, shift))
-        if st.mode is Mode.FORGET:
+        if not rule_of(st.mode).moves_tail:
             rest = tuple(final[st.start + shift :])
             out.append(Piece("prefill", st.start, delta=shift, tokens=rest))
             return out
@@ -187,7 +236,7 @@ def execute_splice(
         for st in plan.steps:
             r = list(st.replacement)
             prefix = slots[: st.start]
-            if st.mode is Mode.AMORTIZE:
+            if rule_of(st.mode).moves_tail:
                 r_slots = backend.prefill_into_slots(prefix, r, tokens[: st.start])
                 fresh += r_slots
                 tail = backend.rotate_into_fresh(slots[st.end :], st.delta) if st.tail_len else []

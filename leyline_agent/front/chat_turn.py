@@ -36,6 +36,7 @@ from typing import Any
 from leyline_agent.chat_input import canonical_message, canonical_messages
 from leyline_agent.directives import Mode
 from leyline_agent.directives.drift_plan import DriftOutcome, plan_drift
+from leyline_agent.directives.modes import rule_of
 from leyline_agent.front.context_management import (
     EditSpec,
     parse_context_management,
@@ -49,9 +50,11 @@ from leyline_agent.front.turns import (
     applied_edits,
     execute_turn,
     plan_turn,
+    splice_mode_of,
 )
 from leyline_agent.logs import get_logger
 from leyline_agent.namespaces import Namespace
+from leyline_agent.wire import DirectivesResponse
 
 __all__ = [
     "ChatTurn",
@@ -116,6 +119,7 @@ class ChatTurn:
         if match is not None and not match.retry and self.mode != "off" and not plan.directives:
             rendered = engine.render(plan.served, tools=tools, add_generation_prompt=True)
             mode = splice_mode_of(self.mode, self.conversation)
+            assert mode is not None  # not "off"
             drift = drift_turn(engine, match, rendered, mode, ns)
         return TurnOutcome(plan, edits, results, drift, rendered)
 
@@ -123,7 +127,7 @@ class ChatTurn:
         """What the transport serves and answers (module doc)."""
         conv, plan, mode = self.conversation, out.plan, splice_mode_of(self.mode, self.conversation)
         splices: dict[str, int] = {"amortize": 0, "forget": 0}
-        rotated = 0
+        rotated = repaired = 0
         done = []
         for r in out.results:
             entry: dict[str, Any] = {"kind": r.kind}
@@ -133,10 +137,12 @@ class ChatTurn:
                     splices=r.response.splices,
                     prefilled_tokens=r.response.prefilled_tokens,
                     rotated_tokens=r.response.rotated_tokens,
+                    repaired_tokens=r.response.repaired_tokens,
                 )
                 for k, v in r.response.splices.items():
                     splices[k] = splices.get(k, 0) + v
                 rotated += r.response.rotated_tokens
+                repaired += r.response.repaired_tokens
             else:
                 entry.update(outcome="error", error=r.error)
             done.append(entry)
@@ -154,18 +160,19 @@ class ChatTurn:
         usage = {
             "splices": splices,
             "rotated_tokens": rotated,
+            "repaired_tokens": repaired,
             "client_edited_messages": len(plan.client_edited),
         }
         drift = out.drift
         if drift is not None:
             leyline["drift"] = usage["drift"] = drift.wire()
             if drift.spliced:
-                splices[str(mode)] += 1
+                splices[str(mode)] = splices.get(str(mode), 0) + 1
                 usage["rotated_tokens"] = rotated + drift.rotated_tokens
         spliced = (
             conv.spliced
-            or any(r.response and r.response.splices.get("amortize") for r in out.results)
-            or bool(drift and drift.spliced and mode == Mode.AMORTIZE)
+            or any(r.response and _moved_tail(r.response) for r in out.results)
+            or bool(drift and drift.spliced and mode and rule_of(mode).moves_tail)
         )
         store, tenant, messages = self.store, self.tenant, self.messages
 
@@ -245,6 +252,6 @@ def drift_turn(
     return out
 
 
-def splice_mode_of(mode: str, conv: Conversation) -> Mode:
-    """The mode a turn splices in: FORGET under ``forget`` or in a conversation marked exact."""
-    return Mode.FORGET if mode == "forget" or conv.exact else Mode.AMORTIZE
+def _moved_tail(resp: DirectivesResponse) -> bool:
+    """Whether a directive's answer spliced a tail in place (its rows are no longer exact)."""
+    return any(n and rule_of(m).moves_tail for m, n in resp.splices.items())

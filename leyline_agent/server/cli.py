@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from leyline_agent.directives.repair import DEFAULT_BUDGET
+
 __all__ = ["add_serve_arguments", "register"]
 
 
@@ -54,12 +56,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--client-edits",
-        choices=["amortize", "forget", "off"],
+        choices=["amortize", "forget", "repair", "off"],
         default="amortize",
         help="chat requests that edit a cached conversation in place (a framework's own "
         "context edits) are spliced: amortize (in place; the tail keeps its attention to the "
-        "old content), forget (exact re-prefill from the edit), off (plain prefix cache). "
+        "old content), forget (exact re-prefill from the edit), repair (amortize, then a few "
+        "tail rows recomputed: --repair-budget), off (plain prefix cache). "
         'Default amortize; a request overrides it with {"leyline": {"client_edits": ...}}',
+    )
+    p.add_argument(
+        "--repair-budget",
+        type=float,
+        default=_EMBEDDED_ONLY["repair_budget"],
+        help="mode repair: the fraction of an edit's tail recomputed when a directive gives "
+        "no budget (0: amortize, 1: forget; default %(default)s)",
     )
     p.add_argument(
         "--tool-format",
@@ -87,6 +97,7 @@ _EMBEDDED_ONLY = {
     "max_tokens_cap": None,
     "queue_timeout_s": 300.0,
     "client_edits": "amortize",
+    "repair_budget": DEFAULT_BUDGET,
     "concurrency": None,
     "tenant_cache_share": None,
     "shutdown_timeout_s": 30.0,

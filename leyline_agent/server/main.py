@@ -56,6 +56,11 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
         if not pin_ttl >= 0:
             raise ArgumentError(f"--pin-ttl-s: {pin_ttl} must be >= 0")
         kwargs["pin_ttl_s"] = pin_ttl
+    repair_budget = getattr(args, "repair_budget", None)
+    if repair_budget is not None:
+        if not 0 <= repair_budget <= 1:
+            raise ArgumentError(f"--repair-budget: {repair_budget} must be in [0, 1]")
+        kwargs["repair_budget"] = repair_budget
     share = getattr(args, "tenant_cache_share", None)
     if share is not None:
         if not 0 < share <= 1:

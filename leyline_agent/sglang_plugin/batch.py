@@ -34,12 +34,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from leyline_agent.directives import Directive, Mode, plan_batch
+from leyline_agent.directives.modes import rule_of
 from leyline_agent.directives.pipeline import Plan, applied_answer
 from leyline_agent.errors import DirectiveError
 from leyline_agent.namespaces import ANONYMOUS
 from leyline_agent.wire import DirectivesResponse
 
-__all__ = ["PREFILL_PARAMS", "DirectiveCalls", "plan_calls", "response_for"]
+__all__ = ["EXECUTES", "PREFILL_PARAMS", "DirectiveCalls", "plan_calls", "response_for"]
+
+# The modes SGLang's scheduler hook executes; REPAIR is refused by name (``directives.modes``).
+EXECUTES = frozenset({Mode.AMORTIZE, Mode.FORGET})
 
 # one greedy token: the prompt's KV is computed and cached when the request finishes
 PREFILL_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}
@@ -84,7 +88,7 @@ def plan_calls(
             raise DirectiveError(f"directives[{i}].replacement: compile text to token ids first")
         after = cur[: d.start] + d.replacement + cur[d.end :]
         kw = encode_splice_kwargs(cur, d, namespace)
-        if d.mode is Mode.AMORTIZE:
+        if rule_of(d.mode, EXECUTES).moves_tail:
             head = cur[: d.start] + d.replacement
             steps.append(DirectiveCalls(d, cur, after, head, kw, RPC_CHECK, RPC_METHOD))
         else:

@@ -34,7 +34,7 @@ from leyline_agent.directives.pipeline import compile_request, decide, fallback_
 from leyline_agent.errors import CacheMissError, LeylineError, RuntimeUnavailableError
 from leyline_agent.families import chat_format, token_id
 from leyline_agent.namespaces import named_namespace
-from leyline_agent.sglang_plugin.batch import plan_calls, response_for
+from leyline_agent.sglang_plugin.batch import EXECUTES, plan_calls, response_for
 from leyline_agent.sglang_plugin.scheduler_hook import RPC_LOOKUP, encode_lookup_kwargs
 from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse
 
@@ -90,7 +90,7 @@ class DirectiveExecutor:
         tr = self.transport
         key = named_namespace(req.session, session_header).key
         boundary = token_id(tr.tokenizer, chat_format(tr.model_type).message_boundary)
-        compiled = compile_request(req, tr.tokenizer, tr.vocab_size, boundary)
+        compiled = compile_request(req, tr.tokenizer, tr.vocab_size, boundary, EXECUTES)
         cached = await self.cached_prefix(compiled.base, key) if compiled.needs_lookup else 0
         plan = decide(compiled, cached, req)
         if isinstance(plan, DirectivesResponse):

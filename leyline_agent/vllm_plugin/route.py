@@ -47,6 +47,7 @@ from leyline_agent.directives import Mode, http_guards
 from leyline_agent.directives.compile import render
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
+from leyline_agent.directives.modes import rule_of
 from leyline_agent.directives.pipeline import (
     Plan,
     TokenForm,
@@ -83,7 +84,7 @@ from leyline_agent.wire import (
     StatsResponse,
 )
 
-__all__ = ["VLLMRoute", "add_routes"]
+__all__ = ["EXECUTES", "VLLMRoute", "add_routes"]
 
 log = structlog.get_logger(__name__)
 _ERROR_TYPES = {
@@ -91,6 +92,9 @@ _ERROR_TYPES = {
     "DirectiveError": DirectiveError,
     "RuntimeUnavailableError": RuntimeUnavailableError,
 }
+# REPAIR would need the plugin to forward selected tail rows over the block table in place:
+# refused by name until it does (``directives.modes``).
+EXECUTES = frozenset({Mode.AMORTIZE, Mode.FORGET})
 _MEMORY = 1024  # request ids remembered per namespace for idempotent retries
 
 
@@ -282,7 +286,7 @@ class VLLMRoute:
         tok = self.engine.get_tokenizer() if hasattr(self.engine, "get_tokenizer") else None
         marker = chat_format(info.get("model_type")).message_boundary
         boundary = token_id(tok, marker) if tok is not None else None
-        compiled = compile_request(req, tok, int(info["vocab_size"]), boundary)
+        compiled = compile_request(req, tok, int(info["vocab_size"]), boundary, EXECUTES)
         if isinstance(compiled, TokenForm):
             _check_length(compiled, int(info["max_model_len"]))
         cached = await self.cached_prefix(compiled.base, salt) if compiled.needs_lookup else 0
@@ -304,7 +308,7 @@ class VLLMRoute:
         for d in plan.order:  # right to left
             assert isinstance(d.replacement, list)  # compiled by the pipeline
             after = cur[: d.start] + d.replacement + cur[d.end :]
-            if d.mode is Mode.AMORTIZE:
+            if rule_of(d.mode, EXECUTES).moves_tail:
                 # stage: T's rows inside the block holding ``start`` go to the head
                 lock = await self.rpc("lock", tokens=cur, salt=salt, stage=d.start)
                 c = lock["cached_tokens"]

@@ -1,0 +1,69 @@
+"""One rule per directive mode: what a backend does with the tail, and what it counts.
+
+Every backend dispatches on ``rule_of(mode, executes)``, never on an ``if AMORTIZE ... else``:
+a mode the backend does not execute is refused by name (``UnsupportedModeError`` naming the
+field) before anything is written, instead of running as another mode.
+
+- AMORTIZE: the tail's rows are moved (copied, rotary band turned by delta);
+- FORGET: the tail is prefilled afresh after ``R``;
+- REPAIR: moved as AMORTIZE, then a selected fraction of its rows (``Directive.budget``) is
+  recomputed in place under the edited context (``directives.repair`` selects them).
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from leyline_agent.directives.core import RESERVED_MODES, Mode
+from leyline_agent.errors import UnsupportedModeError
+
+__all__ = ["ALL_MODES", "ModeRule", "RULES", "check_modes", "rule_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModeRule:
+    """How one mode treats the tail ``T[end:]`` of its directive."""
+
+    mode: Mode
+    tail: Literal["move", "prefill"]  # rows copied with the band turned, or prefilled fresh
+    repairs: bool  # after the move, selected tail rows are recomputed in place
+
+    @property
+    def moves_tail(self) -> bool:
+        return self.tail == "move"
+
+
+RULES: dict[Mode, ModeRule] = {
+    Mode.AMORTIZE: ModeRule(Mode.AMORTIZE, "move", repairs=False),
+    Mode.FORGET: ModeRule(Mode.FORGET, "prefill", repairs=False),
+    Mode.REPAIR: ModeRule(Mode.REPAIR, "move", repairs=True),
+}
+ALL_MODES = frozenset(RULES)
+
+
+def rule_of(
+    mode: Mode | str, executes: Iterable[Mode] = ALL_MODES, *, where: str = "mode"
+) -> ModeRule:
+    """The rule of ``mode`` if this backend ``executes`` it; else ``UnsupportedModeError``
+    naming ``where`` (the request field) and the modes it does execute."""
+    m = Mode(mode)
+    allowed = frozenset(executes)
+    if m in RESERVED_MODES or m not in RULES:
+        raise UnsupportedModeError(f"{where}: {m.value!r} is reserved, not implemented")
+    if m not in allowed:
+        names = ", ".join(repr(x.value) for x in sorted(allowed))
+        raise UnsupportedModeError(
+            f"{where}: {m.value!r} is not executed by this server (it executes {names})"
+        )
+    return RULES[m]
+
+
+def check_modes(modes: Iterable[tuple[str, Mode]], executes: Iterable[Mode]) -> None:
+    """``rule_of`` for each ``(field, mode)``: the first one not executed is refused."""
+    allowed = frozenset(executes)
+    for where, mode in modes:
+        rule_of(mode, allowed, where=where)

@@ -1,0 +1,107 @@
+"""Which tail rows a REPAIR recomputes (pure: token ids in, row indices of ``T'`` out).
+
+After an AMORTIZE the tail's rows still carry what they read from the removed span. A REPAIR
+directive recomputes ``rows_for(budget, tail_len)`` of them under the edited context; the
+selector decides which:
+
+- ``ngram`` (the default): tail tokens in a bigram that also occurs in the removed span (a
+  quote of the removed text: a number, a file name), in order of position; the rest of the
+  budget goes to the first tail rows after the splice;
+- ``first``: the first tail rows after the splice (EPIC / LegoLink's choice).
+
+The measured ablation (other selectors included: CacheBlend's K/V deviation, which needs
+tensors) is ``experiments/reports/repair_quality.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_BUDGET",
+    "DEFAULT_SELECTOR",
+    "SELECTORS",
+    "RepairSpan",
+    "ngram_rows",
+    "rows_for",
+    "select_rows",
+]
+
+DEFAULT_BUDGET = 0.02  # fraction of a tail recomputed when a directive gives none
+DEFAULT_SELECTOR = "ngram"
+
+
+@dataclass(frozen=True, slots=True)
+class RepairSpan:
+    """One REPAIR directive seen in ``T'``: its tail is ``T'[tail_start:tail_end]``;
+    ``removed`` are the tokens its span held in ``T``."""
+
+    tail_start: int
+    tail_end: int
+    removed: tuple[int, ...]
+    budget: float
+
+    @property
+    def tail_len(self) -> int:
+        return self.tail_end - self.tail_start
+
+
+def rows_for(budget: float, tail_len: int) -> int:
+    """How many tail rows ``budget`` recomputes: ``ceil(budget * tail_len)`` (0 -> none,
+    1 -> all; any positive budget at least one row)."""
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(f"budget: {budget} is not in [0, 1]")
+    return min(tail_len, math.ceil(budget * tail_len - 1e-9))
+
+
+def ngram_rows(tokens: Sequence[int], span: RepairSpan) -> list[int]:
+    """Rows of the tail whose token is part of a bigram also found in the removed span."""
+    rem = span.removed
+    grams = {(rem[i], rem[i + 1]) for i in range(len(rem) - 1)}
+    out: list[int] = []
+    lo, hi = span.tail_start, span.tail_end
+    for i in range(lo, hi):
+        t = tokens[i]
+        before = i > lo and (tokens[i - 1], t) in grams
+        after = i + 1 < hi and (t, tokens[i + 1]) in grams
+        if before or after:
+            out.append(i)
+    return out
+
+
+def _first(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
+    return list(range(span.tail_start, span.tail_start + n))
+
+
+def _ngram(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
+    picked = ngram_rows(tokens, span)[:n]
+    return _fill_by_position(picked, span, n)
+
+
+def _fill_by_position(picked: list[int], span: RepairSpan, n: int) -> list[int]:
+    chosen = set(picked)
+    for i in range(span.tail_start, span.tail_end):
+        if len(chosen) >= n:
+            break
+        chosen.add(i)
+    return sorted(chosen)
+
+
+Selector = Callable[[Sequence[int], RepairSpan, int], list[int]]
+SELECTORS: dict[str, Selector] = {"ngram": _ngram, "first": _first}
+
+
+def select_rows(
+    tokens: Sequence[int], spans: Sequence[RepairSpan], selector: str = DEFAULT_SELECTOR
+) -> list[int]:
+    """The rows of ``T' = tokens`` to recompute for ``spans``, sorted, each once."""
+    try:
+        pick = SELECTORS[selector]
+    except KeyError:
+        raise ValueError(f"selector: {selector!r} is not one of {sorted(SELECTORS)}") from None
+    rows: set[int] = set()
+    for sp in spans:
+        rows.update(pick(tokens, sp, rows_for(sp.budget, sp.tail_len)))
+    return sorted(rows)
