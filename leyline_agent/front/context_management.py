@@ -25,7 +25,9 @@ and defaults:
 ``leyline`` is Leyline's per-request override: ``{"client_edits": "amortize"|"forget"|"off"}``.
 
 Everything is checked before anything runs: a bad field is a ``RequestError`` naming it
-(``context_management.edits[0].keep.value``), and the cache is not touched.
+(``context_management.edits[0].keep.value``), and the cache is not touched. At most
+``MAX_CONTEXT_EDITS`` edits (each runs over the whole prompt); their run has a time budget
+(``turns.POLICY_BUDGET_S``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from leyline_agent.policies import FailedCallDetector, Policy, StaleToolTruncati
 
 __all__ = [
     "CLIENT_EDIT_MODES",
+    "MAX_CONTEXT_EDITS",
     "ClearToolUses",
     "EditSpec",
     "LeylineOptions",
@@ -54,6 +57,7 @@ ClientEdits = Literal["amortize", "forget", "repair", "off"]
 CLIENT_EDIT_MODES: tuple[str, ...] = ("amortize", "forget", "repair", "off")
 ANTHROPIC_TRIGGER_TOKENS = 100_000  # Anthropic's default trigger
 ANTHROPIC_KEEP = 3  # Anthropic's default keep (tool uses)
+MAX_CONTEXT_EDITS = 16
 
 _STRICT = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -148,6 +152,10 @@ def parse_context_management(raw: Any, count_tokens: Callable[[str], int]) -> li
     edits = raw.get("edits")
     if not isinstance(edits, list):
         raise RequestError("must be a list of edits", "context_management.edits")
+    if len(edits) > MAX_CONTEXT_EDITS:
+        raise RequestError(
+            f"{len(edits)} edits; at most {MAX_CONTEXT_EDITS}", "context_management.edits"
+        )
     return [_edit(e, k, count_tokens) for k, e in enumerate(edits)]
 
 

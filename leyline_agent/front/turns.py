@@ -16,6 +16,10 @@ none), the checked ``context_management`` edits and the splice mode, and returns
 - ``labels``: which ``context_management`` edit stubbed each served message (for
   ``applied_edits``, counted over the whole prompt, as Anthropic reports them).
 
+The policies run within ``budget_s`` (``POLICY_BUDGET_S``): past it the turn is refused with a
+``RequestError`` naming the edit that ran over (``context_management.edits[k]``), before any
+directive is planned, so nothing is spliced.
+
 ``execute_turn`` (on the worker thread) runs the directives in the conversation's
 namespace with ``fallback`` (a base the cache no longer holds is a counted fallback, never
 a failure) and returns what each did.
@@ -23,16 +27,19 @@ a failure) and returns what each did.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from leyline_agent.directives import Mode
 from leyline_agent.directives.drift_plan import DriftCounts
+from leyline_agent.errors import RequestError
 from leyline_agent.front.context_management import EditSpec
 from leyline_agent.front.conversations import Conversation, Match
 from leyline_agent.namespaces import Namespace
 from leyline_agent.policies import PolicyPipeline
+from leyline_agent.policies.pipeline import PolicyBudgetError
 from leyline_agent.trajectory import message_text
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
@@ -85,6 +92,9 @@ def _tool_uses(messages: Sequence[dict[str, Any]]) -> int:
     return sum(1 for m in messages if m.get("role") == "assistant" and m.get("tool_calls"))
 
 
+POLICY_BUDGET_S = 2.0  # a turn's context_management policies, all together
+
+
 def plan_turn(
     messages: list[dict[str, Any]],
     match: Match | None,
@@ -92,7 +102,9 @@ def plan_turn(
     mode: str,
     prompt_tokens: Callable[[list[dict[str, Any]]], int],
     tools: list[dict[str, Any]] | None,
+    budget_s: float = POLICY_BUDGET_S,
 ) -> TurnPlan:
+    deadline = time.monotonic() + budget_s
     conv = match.conversation if match is not None else None
     base = [dict(m) for m in messages]
     labels: dict[int, str] = {}
@@ -112,7 +124,14 @@ def plan_turn(
     served = base
     policy_edited: list[int] = []
     if triggered:
-        result = PolicyPipeline([s.policy for _, s in triggered]).apply(base)
+        try:
+            result = PolicyPipeline([s.policy for _, s in triggered]).apply(base, deadline=deadline)
+        except PolicyBudgetError as e:
+            k = triggered[e.policy_index][0]
+            raise RequestError(
+                f"the edits took longer than their {budget_s:g} s budget (this one ran over it)",
+                f"context_management.edits[{k}]",
+            ) from e
         served = result.messages
         names = {s.policy.name: str(k) for k, s in reversed(triggered)}
         for e in result.edits:
