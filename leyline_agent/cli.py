@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 import structlog
@@ -36,20 +37,30 @@ class _Stderr:
 
 
 def configure_logging(level: str = "warning", json_logs: bool = False) -> None:
+    """structlog's lines and the standard library's (uvicorn's, any library's) rendered
+    alike on stderr: JSON objects, one a line, under ``json_logs``."""
     lvl = getattr(logging, level.upper(), logging.WARNING)
-    logging.basicConfig(level=lvl, stream=sys.stderr, format="%(message)s")
     renderer = (
         structlog.processors.JSONRenderer()
         if json_logs
         else structlog.dev.ConsoleRenderer(colors=False)
     )
+    stamp = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso")]
+    handler = logging.StreamHandler(_Stderr())  # type: ignore[arg-type]
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *stamp],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(lvl)
+    logging.captureWarnings(True)  # warnings.warn lines too
+    if json_logs:  # progress bars are not lines (Hugging Face's, when a model loads)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            renderer,
-        ],
+        processors=[structlog.contextvars.merge_contextvars, *stamp, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=False,
@@ -65,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for child in sub.choices.values():  # accepted after the verb as well
+        child.add_argument("--log-level", default=argparse.SUPPRESS, help="as before the verb")
+        child.add_argument(
+            "--json-logs", action="store_true", default=argparse.SUPPRESS, help="as before the verb"
+        )
     _say_defaults(parser)
     return parser
 

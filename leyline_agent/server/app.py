@@ -8,8 +8,10 @@ Every engine call goes through one ``Worker``; an app built from an engine owns 
 worker (``concurrency`` threads: by default 16 for a thread-safe engine, 1 for any other;
 ``worker.concurrency_for``) and closes it when the app shuts down.
 
-Pure ASGI middleware, outermost first: ``HostAllowlist`` (only with ``allowed_hosts``),
-``BearerAuth`` (only with ``api_keys``), ``BodyLimit``, ``ErrorGuard``. So a request from a
+``/metrics`` (Prometheus) and the access log: ``observability``.
+
+Pure ASGI middleware, outermost first: ``AccessLog`` (request ids), ``HostAllowlist`` (only
+with ``allowed_hosts``), ``BearerAuth`` (only with ``api_keys``), ``BodyLimit``, ``ErrorGuard``. So a request from a
 foreign ``Host`` or without a key is refused before its body is read, and a body over the
 limit before it is parsed. The routers' dependency ``check_json_body`` then refuses text
 that is not Unicode before any field is used.
@@ -33,6 +35,8 @@ from leyline_agent.server.inputs import DEFAULT_MAX_MESSAGES, InputLimits, check
 from leyline_agent.server.leyline_routes import router as leyline_router
 from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, longest_token_bytes
 from leyline_agent.server.messages_routes import router as messages_router
+from leyline_agent.server.observability import AccessLog
+from leyline_agent.server.observability import router as metrics_router
 from leyline_agent.server.openai_routes import router as openai_router
 from leyline_agent.server.responses_routes import router as responses_router
 from leyline_agent.server.responses_store import ResponseStore
@@ -149,6 +153,7 @@ def create_app(
     app.include_router(messages_router, dependencies=checks)
     app.state.leyline_responses = ResponseStore()  # previous_response_id (responses_routes)
     app.include_router(leyline_router, dependencies=checks)
+    app.include_router(metrics_router, dependencies=checks)  # /metrics (observability)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -161,4 +166,5 @@ def create_app(
         app.add_middleware(BearerAuth, keys=keys)
     if allowed_hosts is not None:
         app.add_middleware(HostAllowlist, names=list(allowed_hosts))
+    app.add_middleware(AccessLog)  # outermost: every request gets an id and a log line
     return app

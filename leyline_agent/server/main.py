@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import errno
 import ipaddress
+import json
 import socket
 import sys
 
@@ -138,7 +139,11 @@ def build_server(args: argparse.Namespace):  # -> uvicorn.Server
     engine = app.state.leyline.worker.engine
     log.info("serving", model=str(args.model), host=host, port=port)
     level = str(getattr(args, "log_level", "warning") or "warning").lower()
-    config = uvicorn.Config(app, host=host, port=port, log_level=level, access_log=False)
+    # uvicorn's own lines go through the CLI's logging set-up (``--json-logs``): no
+    # log_config of its own; its access log is ``observability.AccessLog``'s
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=level, access_log=False, log_config=None
+    )
     return DrainingServer(config, timeout_s=timeout, on_deadline=engine.stop_generations)
 
 
@@ -178,12 +183,11 @@ def serve(args: argparse.Namespace) -> int:
                 "not loopback: anyone who can reach this address can use the server", host=host
             )
         url = f"http://{host}:{port}"
-        print(
-            f"leyline: serving {server.config.app.state.leyline.model.id} at {url} "
-            f"(OpenAI base URL {url}/v1)",
-            file=sys.stderr,
-            flush=True,
-        )
+        model_id = server.config.app.state.leyline.model.id
+        line = f"leyline: serving {model_id} at {url} (OpenAI base URL {url}/v1)"
+        if getattr(args, "json_logs", False):  # every line JSON
+            line = json.dumps({"event": "serving", "model": model_id, "url": url})
+        print(line, file=sys.stderr, flush=True)
         server.run(sockets=[sock])
     finally:
         sock.close()

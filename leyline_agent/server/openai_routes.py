@@ -127,6 +127,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     )  # server-side edits and splices (chat_context); None: served as it is
     if ctx is not None:
         messages, ns = ctx.messages, ctx.namespace
+        st.metrics.sources.turn(ctx.body["leyline"], ctx.usage)  # splices by source
         if edits.edits:  # what came of leyline.edits, in the answer's leyline field
             done = outcome(edits, ctx.body["leyline"]["edited_messages"], ns.session or "")
             ctx.body["leyline"]["edits"] = done
@@ -349,13 +350,15 @@ async def _generate_once(
     """One non-streamed generation, stopped if the client leaves (see the module doc)."""
     gone = threading.Event()
     on_token = stop_when_gone(gone)
-    return await run_connected(
+    result = await run_connected(
         request,
         st.worker,
         lambda e: e.generate(ids, params, on_token=on_token, namespace=ns),
         gone,
         key=session_key(ns),
     )
+    st.metrics.generation(result)
+    return result
 
 
 async def _generate(
@@ -381,6 +384,8 @@ async def _generate(
     try:
         async with aclosing(st.worker.stream(job, key=session_key(ns))) as events:
             async for event in events:
+                if isinstance(event, StreamEnd):
+                    st.metrics.generation(event.result)
                 yield event if isinstance(event, StreamEnd) else event[0]
     finally:
         gone.set()

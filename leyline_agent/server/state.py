@@ -13,6 +13,7 @@ from leyline_agent.front.conversations import ConversationStore
 from leyline_agent.server.completions import ServedModel
 from leyline_agent.server.directive_memory import DirectiveMemory
 from leyline_agent.server.inputs import InputLimits
+from leyline_agent.server.observability import ServerMetrics
 from leyline_agent.server.worker import Worker
 
 __all__ = ["ServerState", "state"]
@@ -26,6 +27,7 @@ class ServerState:
     client_edits: str = "off"  # amortize | forget | off (``leyline serve --client-edits``)
     conversations: ConversationStore = field(default_factory=ConversationStore)
     inputs: InputLimits = field(default_factory=InputLimits)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)  # observability
 
 
 def state(request: Request) -> ServerState:
