@@ -20,7 +20,7 @@ PY="${PYTHON:-python3}"
 [ -z "${PYTHON:-}" ] && [ -x "$ROOT/.venv/bin/python" ] && PY="$ROOT/.venv/bin/python"
 # name==version of each wheel the GPU machine lacks (versions from scripts/constraints.txt)
 NEEDED="pydantic pydantic_core annotated-types typing-inspection typing_extensions structlog
-tenacity openai distro jiter sniffio fastapi starlette uvicorn h11 click"
+tenacity openai distro jiter sniffio fastapi starlette uvicorn h11 click google-re2"
 LIMIT_MB=48  # the source and the wheels travel together in at most 64 MiB
 
 if [ "${1:-}" = "--wheels" ]; then
@@ -35,7 +35,8 @@ if [ "${1:-}" = "--wheels" ]; then
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d "$WHEELS" "${pins[@]}"
-    git -C "$ROOT" rev-parse --short HEAD > "$WHEELS/COMMIT"
+    dirty=$(git -C "$ROOT" status --porcelain --untracked-files=no | head -1)
+    echo "$(git -C "$ROOT" rev-parse --short HEAD)${dirty:++uncommitted-tree}" > "$WHEELS/COMMIT"
     mb=$(du -sm "$WHEELS" | cut -f1)
     ls -1 "$WHEELS"
     echo "gpu_check: $(ls "$WHEELS"/*.whl | wc -l) wheels, ${mb} MB in $WHEELS"
@@ -73,8 +74,9 @@ find "$PKG" -name __pycache__ -prune -exec rm -rf {} +
 export PYTHONPATH="$PKG${SITE:+:$SITE}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false LITELLM_LOCAL_MODEL_COST_MAP=True
 export PYTHONUNBUFFERED=1
-if [ -z "${LEYLINE_COMMIT:-}" ]; then
-    LEYLINE_COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || cat "$WHEELS/COMMIT" 2>/dev/null || true)
+if [ -z "${LEYLINE_COMMIT:-}" ]; then  # the GPU machine's copy: COMMIT (its .git is not ours)
+    if [ -n "$SITE" ]; then LEYLINE_COMMIT=$(cat "$WHEELS/COMMIT" 2>/dev/null || true)
+    else LEYLINE_COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || true); fi
     export LEYLINE_COMMIT
 fi
 cd "$WORK"
