@@ -4,6 +4,7 @@
     leyline bench splice|soak|drift|splice-stream|directive  modules with their own options (-h), recorded
     leyline bench report         every recorded run (runs/**/report.json) into docs/results.md
     leyline check correctness    first-token agreement and bf16 drift of splices
+    leyline check quality        real model: first token, greedy answers, fact recall per arm
     leyline check gpu OUTDIR     the prepared GPU check (scripts/gpu_check.sh; --dry-run on CPU)
     leyline eval mini-nightmare  debug-gym's froggy through Leyline, per arm
     leyline demo                 mini model + quick mechanism benchmark + correctness report
@@ -162,6 +163,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(
         func=recorded("check correctness", _check_correctness, Path("runs/correctness"))
     )
+
+    from .quality import add_arguments as quality_arguments  # no torch at import
+
+    p = check.add_parser("quality", help="real model: FULL vs FORGET vs a splice on agent conversations")
+    quality_arguments(p)
+    p.set_defaults(func=recorded("check quality", _module_main("quality", whole=True),
+                                 Path("runs/quality")))  # fmt: skip
 
     ev = sub.add_parser("eval", help="agent evaluations").add_subparsers(
         dest="eval", metavar="WHAT"
