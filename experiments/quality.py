@@ -8,7 +8,8 @@ through a real ``leyline serve`` (one per dtype, started here) and the report co
 - |Δ top-1 logprob|: the logprob the first arm gives its own first token, minus what the
   second arm gives that token (read from its top 20; a token outside them counts at the
   20th logprob, a lower bound of the gap, and is counted in ``outside``);
-- greedy-32: the two arms' greedy answers (32 tokens or up to the stop token) are equal;
+- greedy answers: the two arms' greedy answers (``--greedy`` tokens, 32, or up to the stop
+  token) are equal;
 - closer to FULL: for each edited arm but FORGET, in how many cases its first-token gap to
   FULL is smaller than its gap to FORGET;
 - fact recall: on the fact cases, the teacher-forced log P of the number (the sum over its
@@ -26,7 +27,7 @@ import itertools
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,11 +131,15 @@ def _run_case(server: QualityServer, arm: Arm, case: Case, tok: Any, greedy: int
 def run_arms(server: QualityServer, arms: list[Arm], cases: list[Case], tok: Any, greedy: int,
              log: Path | None = None) -> list[ArmResult]:  # fmt: skip
     """Every arm on every case, arms interleaved case by case."""
-    out = []
+    out, unedited = [], {}
     with open(log, "w") if log else open("/dev/null", "w") as f:  # noqa: SIM115
         for case in cases:
             for arm in arms:
-                r = _run_case(server, arm, case, tok, greedy if case.kind == "general" else 1)
+                if not arm.edited and (case.id, arm.name) in unedited:
+                    r = replace(unedited[(case.id, arm.name)], variant=case.variant)
+                else:
+                    r = _run_case(server, arm, case, tok, greedy if case.kind == "general" else 1)
+                    unedited[(case.id, arm.name)] = r
                 f.write(json.dumps(asdict(r)) + "\n")
                 out.append(r)
     return out
@@ -154,7 +159,7 @@ def _pairs_table(by: dict[tuple[str, str, str], ArmResult], keys: list[tuple[str
                  names: list[str]) -> list[str]:  # fmt: skip
     n = len(keys)
     lines = [
-        "| pair | first token equal | mean abs Δ top-1 logprob | max | outside top-20 | greedy-32 equal |",
+        "| pair | first token equal | mean abs Δ top-1 logprob | max | outside top-20 | greedy answers equal |",
         "|---|---|---|---|---|---|",
     ]
     for a, b in itertools.combinations(names, 2):
@@ -227,7 +232,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="stub,delete", help="comma list: stub, delete")
     p.add_argument("--greedy", type=int, default=32, help="greedy answer length compared")
     p.add_argument("--quick", action="store_true",
-                   help="8 conversations and 6 fact cases, stub only, float32 (the demo's form)")  # fmt: skip
+                   help="8 conversations and 6 fact cases, stub only, float32, greedy 8 (the demo's form)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/quality"), help="output folder")
 
 
@@ -253,20 +258,21 @@ def main(args: argparse.Namespace) -> int:
     names = [a.name for a in arms]
     dtypes = ["float32"] if args.quick else args.dtypes.split(",")
     variants = ["stub"] if args.quick else args.variants.split(",")
+    greedy = min(args.greedy, 8) if args.quick else args.greedy
     tok = AutoTokenizer.from_pretrained(model)
     convs = _select(load_conversations(), args.quick)
     cases = build_cases(tok, convs, variants)
     args.out.mkdir(parents=True, exist_ok=True)
     n_gen = sum(c["kind"] == "general" for c in convs)
     print(f"check quality: {model.name}, {n_gen} conversations + {len(convs) - n_gen} fact cases, "
-          f"variants {', '.join(variants)}, arms {', '.join(names)}, greedy {args.greedy}")  # fmt: skip
+          f"variants {', '.join(variants)}, arms {', '.join(names)}, greedy {greedy}")  # fmt: skip
     for dtype in dtypes:
         t0 = time.monotonic()
         with serve_in_process(model, "--dtype", dtype, timeout=600,
                               log_path=args.out / f"serve-{dtype}.log") as srv:  # fmt: skip
             server = QualityServer(srv.url, model.name)
             try:
-                results = run_arms(server, arms, cases, tok, args.greedy,
+                results = run_arms(server, arms, cases, tok, greedy,
                                    log=args.out / f"cases-{dtype}.jsonl")  # fmt: skip
             finally:
                 server.close()

@@ -89,8 +89,12 @@ class QualityServer:
 
 @dataclass(frozen=True, slots=True)
 class Arm:
+    """``edited``: the arm serves the edited history (False: the edit's variant does not
+    matter, so the harness serves each conversation once and reuses the result)."""
+
     name: str
     history: Callable[[QualityServer, Case], list[int]]
+    edited: bool = True
 
 
 def _full(server: QualityServer, case: Case) -> list[int]:
@@ -120,7 +124,7 @@ def splice_arm(name: str, mode: str, **fields: Any) -> Arm:
 
 
 ARMS: dict[str, Arm] = {
-    "full": Arm("FULL", _full),
+    "full": Arm("FULL", _full, edited=False),
     "forget": Arm("FORGET", _forget),
     "amortize": splice_arm("AMORTIZE", "amortize"),
 }
