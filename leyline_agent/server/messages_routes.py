@@ -42,7 +42,7 @@ from leyline_agent.server.openai_api import ChatCompletionRequest
 from leyline_agent.server.openai_routes import chat_completions
 from leyline_agent.server.state import state
 
-__all__ = ["router"]
+__all__ = ["count_prompt", "router"]
 
 router = APIRouter()
 _CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
@@ -67,8 +67,16 @@ async def create_message(request: Request) -> Response:
 @router.post("/v1/messages/count_tokens", openapi_extra=raw_json_body(CountTokensRequest))
 async def count_tokens(request: Request) -> Response:
     req = parse_request(CountTokensRequest, request.state.json_body)
-    st = state(request)
     chat = parse_request(ChatCompletionRequest, chat_body(req, _CHAT_FIELDS))
+    return JSONResponse(await count_prompt(request, chat))
+
+
+async def count_prompt(request: Request, chat: ChatCompletionRequest) -> dict[str, Any]:
+    """``{"input_tokens": n}``: the tokens of the prompt ``chat`` renders with the served
+    template; with ``context_management``, of the prompt after the edits that would trigger
+    on it as a fresh conversation (pure: nothing is spliced), and
+    ``context_management.original_input_tokens`` the prompt before them (module doc)."""
+    st = state(request)
     st.model.check(chat.model)
     tools = check_messages(chat)
     messages = messages_for_template(chat.messages)
@@ -90,7 +98,7 @@ async def count_tokens(request: Request) -> Response:
             "context_management": {"original_input_tokens": original},
         }
 
-    return JSONResponse(await run_connected(request, st.worker, counted))
+    return await run_connected(request, st.worker, counted)
 
 
 async def _events(answer: StreamingResponse, out: MessageEvents) -> AsyncIterator[str]:
