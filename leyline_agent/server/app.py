@@ -37,8 +37,6 @@ from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, longe
 from leyline_agent.server.messages_routes import router as messages_router
 from leyline_agent.server.observability import AccessLog
 from leyline_agent.server.observability import router as metrics_router
-from leyline_agent.server.observability import AccessLog
-from leyline_agent.server.observability import router as metrics_router
 from leyline_agent.server.openai_routes import router as openai_router
 from leyline_agent.server.responses_items import router as responses_items_router
 from leyline_agent.server.responses_routes import router as responses_router
@@ -157,7 +155,6 @@ def create_app(
     app.include_router(messages_router, dependencies=checks)
     app.state.leyline_responses = ResponseStore()  # previous_response_id (responses_routes)
     app.include_router(leyline_router, dependencies=checks)
-    app.include_router(metrics_router, dependencies=checks)  # /metrics (observability)
     app.include_router(metrics_router, dependencies=checks)  # /metrics (observability)
 
     @app.get("/health")
