@@ -257,9 +257,9 @@ def test_tool_calls_are_parsed_from_the_answer(scripted, name, tok):
     )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Let me look."
     deltas = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
-    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
-        (0, "read_file", {"path": "sum_tree.py"})
-    ]
+    arguments = "".join(d.function.arguments or "" for d in deltas)  # streamed in pieces
+    assert [(d.index, d.id, d.function.name) for d in deltas][0] == (0, deltas[0].id, "read_file")
+    assert {d.index for d in deltas} == {0} and json.loads(arguments) == {"path": "sum_tree.py"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     off = client.chat.completions.create(

@@ -117,7 +117,9 @@ def test_required_streamed_sends_the_call_and_no_content(complying):
     )  # fmt: skip
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
-    assert content == "" and [c.function.name for c in calls] == ["read"]
+    assert content == "" and [c.function.name for c in calls if c.id] == ["read"]
+    assert {c.index for c in calls} == {0}  # the head once, then the arguments' deltas
+    assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"path": "b"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

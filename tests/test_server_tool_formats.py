@@ -138,7 +138,12 @@ def test_reasoning_and_calls_over_http(stream):
             chunks = [c for c in r if c.choices]
             content = "".join(c.choices[0].delta.content or "" for c in chunks)
             thinking = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
-            calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+            deltas = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+            calls = [tc for tc in deltas if tc.id]  # the head of each; arguments in pieces
+            for tc in calls:
+                tc.function.arguments = "".join(
+                    d.function.arguments or "" for d in deltas if d.index == tc.index
+                )
             finish = chunks[-1].choices[0].finish_reason
         else:
             msg = r.choices[0].message

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from leyline_agent.directives.body_edits import outcome, request_edits
-from leyline_agent.engine.params import GenerationResult, SamplingParams
+from leyline_agent.engine.params import GenerationResult, SamplingParams, TokenLogprob
 from leyline_agent.errors import ModelNotFoundError
 from leyline_agent.http_errors import error_body
 from leyline_agent.namespaces import Namespace
@@ -92,11 +92,27 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     return model_card(m.id, m.created)
 
 
-def _usage(result: GenerationResult, ctx: PreparedChat | None = None) -> dict[str, Any]:
+def _answer_tokens(result: GenerationResult, st: ServerState) -> int:
+    """The answer's tokens as OpenAI and vLLM count and list them: without the stop token
+    it ended on (which stays in ``output_ids``: the cache holds it, as the next turn's
+    rendering does)."""
+    n, stops = len(result.output_ids), getattr(st.worker.engine, "stop_token_ids", ())
+    ended_on_stop = result.finish_reason == "stop" and n > 0 and result.output_ids[-1] in stops
+    return n - 1 if ended_on_stop else n
+
+
+def _listed(result: GenerationResult, st: ServerState) -> list[TokenLogprob]:
+    """The log-probabilities of the answer's tokens (``_answer_tokens``)."""
+    return (result.logprobs or [])[: _answer_tokens(result, st)]
+
+
+def _usage(
+    result: GenerationResult, st: ServerState, ctx: PreparedChat | None = None
+) -> dict[str, Any]:
     """OpenAI's usage, plus ``leyline.splice_evicted``: the session's last splice result was
     evicted before this request could use it (so it was prefilled again); for a chat turn
     the server edited, what it spliced first (``chat_context``)."""
-    out = usage(result.prompt_tokens, len(result.output_ids), result.cached_tokens)
+    out = usage(result.prompt_tokens, _answer_tokens(result, st), result.cached_tokens)
     out["leyline"] = {"splice_evicted": bool(getattr(result, "splice_evicted", False))}
     if ctx is not None:
         out["leyline"].update(ctx.usage)
@@ -149,13 +165,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         return _event_stream(_chat_events(st, req, events, params, stream, choice, ctx))
     result = await _generate_once(request, st, ids, params, ns)
     stream.push(result.text)
-    _, parsed = stream.finish()
-    check_met(choice, parsed.tool_calls, stream.fed)  # 422 if a forced call is missing
+    truncated = result.finish_reason == "length"  # answered as it is (tool_choice.py)
+    _, parsed = stream.finish(truncated)
+    check_met(choice, parsed.tool_calls, stream.fed, truncated)  # 422: a forced call missing
     message = _message(parsed)
     choice = {
         "index": 0,
         "message": message,
-        "logprobs": lp.chat(result.logprobs) if params.logprobs else None,
+        "logprobs": lp.chat(_listed(result, st)) if params.logprobs else None,
         "finish_reason": _finish(result, bool(parsed.tool_calls)),
     }
     body = {
@@ -164,7 +181,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         "created": now(),
         "model": st.model.id,
         "choices": [choice],
-        "usage": _usage(result, ctx),
+        "usage": _usage(result, st, ctx),
         "system_fingerprint": None,
     }
     if ctx is not None:
@@ -205,28 +222,31 @@ async def _chat_events(
 
     yield chunk({"role": "assistant", "content": ""}, top=first)
     async for deltas in out.deltas(events):
-        for name, text in deltas:
-            yield chunk({name: text})
+        for name, value in deltas:
+            yield chunk(_delta(name, value))
     result = out.result
     rest = stream.catch_up(result.text)
-    more, parsed = stream.finish()
-    check_met(choice, parsed.tool_calls, stream.fed)  # in-band error if a forced call is missing
+    truncated = result.finish_reason == "length"  # answered as it is (tool_choice.py)
+    more, parsed = stream.finish(truncated)
+    check_met(choice, parsed.tool_calls, stream.fed, truncated)  # in-band error: call missing
     rest += more
-    logprobs = lp.chat(result.logprobs) if params.logprobs else None
-    for name, text in rest[:-1] if logprobs and rest else rest:
-        yield chunk({name: text})
+    logprobs = lp.chat(_listed(result, st)) if params.logprobs else None
+    for name, value in rest[:-1] if logprobs and rest else rest:
+        yield chunk(_delta(name, value))
     if logprobs:
         last = rest[-1] if rest else ("content", "")
-        yield chunk({last[0]: last[1]}, logprobs=logprobs)
-    if parsed.tool_calls:
-        calls = [{"index": k, **c} for k, c in enumerate(parsed.tool_calls)]
-        yield chunk({"tool_calls": calls})
+        yield chunk(_delta(*last), logprobs=logprobs)
     yield chunk({}, finish=_finish(result, bool(parsed.tool_calls)))
     if ctx is not None:
         reply = {k: v for k, v in _message(parsed).items() if k != "refusal"}
         ctx.commit(reply, result.prompt_ids + result.output_ids)  # the ids it cached
     if out.include_usage:
-        yield out.usage(_usage(result, ctx))
+        yield out.usage(_usage(result, st, ctx))
+
+
+def _delta(name: str, value: Any) -> dict[str, Any]:
+    """A chunk's delta: text of ``content`` / ``reasoning_content``, or one call's delta."""
+    return {"tool_calls": [value]} if name == "tool_calls" else {name: value}
 
 
 # ---- completions -----------------------------------------------------------------------
@@ -253,7 +273,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     choice = {
         "index": 0,
         "text": result.text,
-        "logprobs": lp.legacy(result.logprobs, params.top_logprobs) if params.logprobs else None,
+        "logprobs": lp.legacy(_listed(result, st), params.top_logprobs) if params.logprobs else None,
         "finish_reason": _finish(result),
     }
     return JSONResponse(
@@ -263,7 +283,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
             "created": now(),
             "model": st.model.id,
             "choices": [choice],
-            "usage": _usage(result),
+            "usage": _usage(result, st),
             "system_fingerprint": None,
         }
     )
@@ -285,10 +305,10 @@ async def _completion_events(
         yield chunk(delta)
     result = out.result
     rest = text.finish(result.text)
-    logprobs = lp.legacy(result.logprobs, params.top_logprobs) if params.logprobs else None
+    logprobs = lp.legacy(_listed(result, st), params.top_logprobs) if params.logprobs else None
     yield chunk(rest, finish=_finish(result), logprobs=logprobs)
     if out.include_usage:
-        yield out.usage(_usage(result))
+        yield out.usage(_usage(result, st))
 
 
 # ---- shared ----------------------------------------------------------------------------

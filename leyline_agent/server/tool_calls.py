@@ -18,14 +18,23 @@ template). This module turns its regions into OpenAI's shapes:
 
 ``ResponseStream`` is the same parse fed delta by delta: it gives content and reasoning
 deltas as they become certain (a call's text and a tail that may grow into a delimiter are
-held back, and so is whitespace that may turn out to precede a call); what the deltas add
-up to equals the finished parse's fields. Pure: no engine, no HTTP.
+held back, and so is whitespace that may turn out to precede a call), and tool-call deltas
+in OpenAI's streaming shape (``{"index", "id", "type", "function": {"name", "arguments"}}``
+once, then ``{"index", "function": {"arguments"}}`` pieces); what the deltas add up to
+equals the finished parse's fields. A Hermes call streams its arguments as the model writes
+them: once a block opens with ``{"name": F, "arguments": {`` it is a call, its arguments are
+the model's text up to the object's close (held back: a trailing ``}`` and whitespace that
+may be that close), and it stays a call however it ends. Other formats send each call whole
+when its block closes. An answer cut by the token budget (``finish(truncated=True)``) keeps
+a streamed call with the arguments written so far (as OpenAI does) and drops a block cut
+before its head: a half call is never content. Pure: no engine, no HTTP.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -62,6 +71,9 @@ __all__ = [
 OPEN_TAG = CHATML_HERMES.tool_call_open
 CLOSE_TAG = CHATML_HERMES.tool_call_close
 HERMES = TOOL_FORMATS["hermes"]
+# A Hermes block's head, up to its arguments object (the forced-call grammar writes it so).
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
+_TAIL = re.compile(r"\}?\s*\Z")  # what may still be the block's own close: held back
 
 
 @dataclass(slots=True)
@@ -165,6 +177,39 @@ class _Held:
         return "".join(self.parts)
 
 
+@dataclass(slots=True)
+class _OpenCall:
+    """A Hermes call whose head was parsed: its arguments start at ``start`` of the body."""
+
+    index: int
+    id: str
+    name: str
+    start: int
+    sent: int = 0  # characters of the arguments sent as deltas
+
+    def delta(self, arguments: str) -> dict[str, Any]:
+        return {"index": self.index, "function": {"arguments": arguments}}
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _object_end(text: str) -> int | None:
+    """Where the JSON object ``text`` opens with ends, once it is complete (else None)."""
+    if "}" not in text:
+        return None
+    try:
+        value, end = _DECODER.raw_decode(text)
+    except ValueError:
+        return None
+    return end if isinstance(value, dict) else None
+
+
+def _call_delta(index: int, call: dict[str, Any]) -> dict[str, Any]:
+    """A call's first delta (OpenAI's streaming shape)."""
+    return {"index": index, **call}
+
+
 class ResponseStream:
     """The parse of an answer fed delta by delta (see the module doc).
 
@@ -188,7 +233,8 @@ class ResponseStream:
         self._content, self._thinking = _Held(), _Held(lead=True)
         self._body, self._saw_thinking = "", False
         self.calls: list[dict[str, Any]] = []
-        self._finishing = False
+        self._open: _OpenCall | None = None  # the Hermes call being streamed
+        self._finishing = self._truncated = False
         self.fed, self.primed = "", 0  # everything pushed so far; how much was primed
         self._pending: list[tuple[str, str]] = self._events(self._parser.initial_events)
 
@@ -197,21 +243,23 @@ class ResponseStream:
         self.push(opening)
         self.primed = len(self.fed)
 
-    def catch_up(self, answer: str) -> list[tuple[str, str]]:
+    def catch_up(self, answer: str) -> list[tuple[str, Any]]:
         """Feed what the engine's whole ``answer`` holds past what was pushed (the engine's
         text is the source of truth)."""
         pushed = self.fed[self.primed :]
         return self.push(answer[len(pushed) :]) if answer.startswith(pushed) else []
 
-    def push(self, delta: str) -> list[tuple[str, str]]:
-        """(field, text) deltas of ``content`` / ``reasoning_content`` now certain."""
+    def push(self, delta: str) -> list[tuple[str, Any]]:
+        """(field, delta) now certain: text of ``content`` / ``reasoning_content``, or a
+        ``tool_calls`` delta (one call's, OpenAI's streaming shape)."""
         self.fed += delta
         out, self._pending = self._pending + self._events(self._parser.feed(delta)), []
         return out
 
-    def finish(self) -> tuple[list[tuple[str, str]], ParsedOutput]:
-        """The last deltas, and the whole parse."""
-        self._finishing = True
+    def finish(self, truncated: bool = False) -> tuple[list[tuple[str, Any]], ParsedOutput]:
+        """The last deltas, and the whole parse; ``truncated``: the token budget cut the
+        answer (a block it cut is a call if its head was written, else dropped)."""
+        self._finishing, self._truncated = True, truncated
         _, events = self._parser.finalize()
         out = self._pending + self._events(events)
         self._pending = []
@@ -228,8 +276,8 @@ class ResponseStream:
         )
         return out, parsed
 
-    def _events(self, events: list[dict[str, Any]]) -> list[tuple[str, str]]:
-        out: list[tuple[str, str]] = []
+    def _events(self, events: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
         for e in events:
             name, kind = e["field"], e["type"]
             if name == "reasoning_content":
@@ -243,21 +291,65 @@ class ResponseStream:
                     out.append(("content", t))
             elif name == "tool_calls":
                 if kind == "region_open":
-                    self._body = ""
+                    self._body, self._open = "", None
                 elif kind == "region_chunk":
                     self._body += e["text"]
+                    out += self._stream_call()
                 elif kind == "region_close":
                     out += self._close_call(e["value"])
         return out
 
-    def _close_call(self, value: Any) -> list[tuple[str, str]]:
+    def _stream_call(self) -> list[tuple[str, Any]]:
+        """Deltas of the Hermes call being written: its head once, then its arguments."""
+        if self.fmt is not HERMES:
+            return []
+        out: list[tuple[str, Any]] = []
+        if self._open is None:
+            head = _HEAD.match(self._body)
+            if head is None:
+                return []
+            name = json.loads(head.group(1))
+            if not name:
+                return []
+            self._open = _OpenCall(len(self.calls), new_call_id(), name, head.end())
+            fn = {"name": name, "arguments": ""}
+            out.append(("tool_calls", _call_delta(self._open.index, {
+                "id": self._open.id, "type": "function", "function": fn})))  # fmt: skip
+        args = self._body[self._open.start :]
+        ready = _object_end(args) or len(args) - len(_TAIL.search(args).group())  # type: ignore[union-attr]
+        if ready > self._open.sent:
+            out.append(("tool_calls", self._open.delta(args[self._open.sent : ready])))
+            self._open.sent = ready
+        return out
+
+    def _close_open_call(self, closed: bool) -> list[tuple[str, Any]]:
+        """The streamed call's last arguments delta; it joins ``calls``."""
+        call, args = self._open, self._body[self._open.start :]  # type: ignore[union-attr]
+        assert call is not None
+        end = _object_end(args)
+        if end is not None:  # the arguments object is complete: what follows is not in it
+            args = args[:end]
+        elif closed or not self._truncated:  # a malformed end: all but the held-back close
+            args = args[: len(args) - len(_TAIL.search(args).group())]  # type: ignore[union-attr]
+        self._open = None
+        fn = {"name": call.name, "arguments": args}
+        self.calls.append({"id": call.id, "type": "function", "function": fn})
+        rest = args[call.sent :]
+        return [("tool_calls", call.delta(rest))] if rest else []
+
+    def _close_call(self, value: Any) -> list[tuple[str, Any]]:
         assert self.fmt is not None  # a tool_calls region exists only with a format
         # at the end, a block the text ends inside was left open (its close never came)
         closed = not self._finishing or self.fmt.ends_at_eos or not self.fed.endswith(self._body)
+        if self._open is not None:
+            return self._close_open_call(closed)
         calls = _calls(value) if closed else None
         if calls is not None:
+            first = len(self.calls)
             self.calls += calls
-            return []
+            return [("tool_calls", _call_delta(first + k, c)) for k, c in enumerate(calls)]
+        if not closed and self._truncated:
+            return []  # cut by the budget before it was a call: not content either
         raw = self.fmt.open + self._body + (self.fmt.close if closed else "")
         text = self._content.push(raw)  # not a call: it stays in the content
         return [("content", text)] if text else []

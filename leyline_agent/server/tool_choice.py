@@ -8,7 +8,9 @@
   ``<tool_call>\\n`` are appended after the generation prompt, as if the model had written
   them); the grammar (``grammar``) makes the rest one call of one of the tools, its
   arguments valid under that tool's ``parameters`` schema, then the call's close; with
-  ``parallel_tool_calls`` (OpenAI's default) more calls may follow, each on a new line.
+  ``parallel_tool_calls`` (OpenAI's default) more calls may follow, each on a new line, if
+  the model writes the next open tag itself (after a close and a newline, the stop token
+  is as allowed as the tag: one call unless the model chooses more).
 - ``{"type": "function", "function": {"name": F}}``: the answer is forced to open with
   ``<tool_call>\\n{"name": "F", "arguments": ``; the grammar makes the rest ``F``'s
   arguments, valid under its schema, and the close: exactly one call.
@@ -16,10 +18,12 @@
 The grammar is a structural tag (``engine/grammar_spec.py``) the embedded engine masks its
 sampling by (``engine/grammar.py``), so the call always parses, written compactly. A tool
 without ``parameters`` takes ``{}``. The forced text is part of the answer (it is parsed with
-the rest). If the answer still holds no well-formed call (``max_tokens`` cut it short, or an
-engine that cannot constrain its sampling served it: then the prompt alone forces the call),
-the request fails with 422 ``ToolChoiceNotMetError`` (``param`` ``tool_choice``), never a
-reply that silently ignores the choice. ``F`` must be one of ``tools``, else 400; a tool
+the rest). An answer the token budget cut is what OpenAI answers: 200 with ``finish_reason``
+``length`` (``tool_calls.ResponseStream``: the call cut mid-arguments is returned with what
+was written, one cut before its name is dropped, never left in the content). If a finished
+answer holds no well-formed call (an engine that cannot constrain its sampling served it:
+then the prompt alone forces the call), the request fails with 422 ``ToolChoiceNotMetError``
+(``param`` ``tool_choice``), never a reply that silently ignores the choice. ``F`` must be one of ``tools``, else 400; a tool
 schema the grammar compiler refuses is a 400 naming ``tools``.
 """
 
@@ -32,13 +36,12 @@ from typing import Any, Literal
 from leyline_agent.engine import grammar_spec as gs
 from leyline_agent.families import CHATML_HERMES, ChatFormat, ToolFormat
 from leyline_agent.server.errors import RequestError
-from leyline_agent.server.tool_calls import HERMES, ParsedOutput, ResponseStream, parse_tool_calls
+from leyline_agent.server.tool_calls import HERMES, ResponseStream
 
 __all__ = [
     "ToolChoice",
     "ToolChoiceNotMetError",
     "check_met",
-    "parse_answer",
     "parse_tool_choice",
 ]
 
@@ -84,8 +87,12 @@ class ToolChoice:
         one = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
         if parallel is False:
             return gs.structural_tag(one, "tools")
+        # another call only if the model opens it: after a call's close and one optional
+        # newline it chooses between the stop token and the open tag (never a newline that
+        # the grammar would then have to turn into a call)
         more = {"type": "star", "content": _seq(_const("\n" + fmt.tool_call_open + "\n"), one)}
-        return gs.structural_tag(_seq(one, more), "tools")
+        end = {"type": "optional", "content": _const("\n")}
+        return gs.structural_tag(_seq(one, more, end), "tools")
 
 
 def _call_head(name: str | None) -> str:
@@ -135,8 +142,13 @@ def parse_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> ToolCh
     return ToolChoice("function", name)
 
 
-def check_met(choice: ToolChoice, calls: list[dict[str, Any]], text: str) -> None:
-    """Raise ``ToolChoiceNotMetError`` if ``calls`` (parsed from ``text``) miss the choice."""
+def check_met(
+    choice: ToolChoice, calls: list[dict[str, Any]], text: str, truncated: bool = False
+) -> None:
+    """Raise ``ToolChoiceNotMetError`` if ``calls`` (parsed from ``text``) miss the choice;
+    an answer the token budget cut (``truncated``) is answered as it is (``length``)."""
+    if truncated:
+        return
     if choice.mode == "required" and not calls:
         raise ToolChoiceNotMetError(
             f"tool_choice is 'required' but the model's answer holds no well-formed tool "
@@ -168,12 +180,3 @@ def answer_stream(
     fmt, reasoning = served
     calls = fmt if tools is not None and choice.parses_calls else None
     return ResponseStream(calls, reasoning=reasoning, prefix=prefix, tools=tools)
-
-
-def parse_answer(choice: ToolChoice, text: str) -> ParsedOutput:
-    """The answer ``text`` (what the model wrote after the forced prefix) as content and
-    calls; raises ``ToolChoiceNotMetError`` if it misses a ``required``/named choice."""
-    full = choice.forced_prefix(CHATML_HERMES) + text
-    parsed = parse_tool_calls(full)
-    check_met(choice, parsed.tool_calls, full)
-    return parsed
