@@ -33,11 +33,11 @@ lint: setup
 # work running): ruff, then the main suite without its end-to-end files (real servers, agent
 # loops, benchmarks, fuzzing: each over 5 s here) and without tests/vllm and tests/conformance.
 # A new test file runs here unless it is added to SLOW_TESTS; `make test` runs everything.
-SLOW_TESTS := cache_provenance_fuzz engine_paged gpu_check engine_pool_shrink engine_splice eval_harness \
+SLOW_TESTS := cache_provenance_fuzz client_codex engine_paged gpu_check engine_pool_shrink engine_splice eval_harness \
 	experiments_mechanism experiments_trajectories framework_debug_gym framework_pydantic_ai \
 	framework_self_editing framework_smolagents framework_table kernels_cbuild kernels_triton \
 	readme_commands serve_cli serve_shutdown server_anonymous_race server_concurrency server_constrained \
-	server_context_edits server_drift server_limits server_provenance server_security server_sessions server_splice_scheduling \
+	server_context_edits server_drift server_limits server_provenance server_request_fields server_security server_sessions server_splice_scheduling \
 	server_tenant_share server_tool_formats server_observability wrapper_http_runtime wrapper_openai wrapper_transport
 check: setup
 	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests

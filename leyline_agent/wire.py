@@ -154,6 +154,11 @@ class StatsResponse(BaseModel):
     pin_evictions: int = Field(
         default=0, description="splice results evicted before their session's next request"
     )
+    ignored_fields: dict[str, int] = Field(
+        default_factory=dict,
+        description="request fields accepted as OpenAI hints and not acted on, by field "
+        "(each answer lists its own in leyline.ignored)",
+    )
     tenant: str | None = Field(default=None, description="whose counters these are (per key)")
     features: tuple[str, ...] = Field(
         default=(),

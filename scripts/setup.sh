@@ -22,6 +22,20 @@ find_python() {
     return 1
 }
 
+# The Codex CLI (tests/test_client_codex.py runs it against leyline serve): npm, pinned, into
+# the ignored .clients/codex; skipped when that version is there, or when npm is missing.
+CODEX_VERSION=0.171.0
+CODEX_PKG="$ROOT/.clients/codex/node_modules/@openai/codex/package.json"
+if ! grep -qs "\"version\": \"$CODEX_VERSION\"" "$CODEX_PKG"; then
+    if command -v npm >/dev/null 2>&1; then
+        echo "setup: installing @openai/codex@$CODEX_VERSION into .clients/codex" >&2
+        npm install --silent --no-audit --no-fund --prefix "$ROOT/.clients/codex" \
+            "@openai/codex@$CODEX_VERSION" >&2
+    else
+        echo "setup: npm not found: the Codex CLI test will fail (install Node.js 20+)" >&2
+    fi
+fi
+
 STAMP="$VENV/.leyline-setup"
 WANT="$(cat pyproject.toml scripts/requirements-*.txt scripts/constraints.txt 2>/dev/null | sha256sum | cut -c1-16)"
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then

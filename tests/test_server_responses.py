@@ -214,8 +214,8 @@ def test_retrieve_delete_and_unknown_ids(client, name):
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0]"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
-        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[0]"),
+        ({"reasoning": {"effort": "bogus"}}, "reasoning.effort"),
         ({"background": True}, "background"),
     ],
 )  # fmt: skip

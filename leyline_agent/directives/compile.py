@@ -31,7 +31,7 @@ sequence, so the next request hits it and prefills only what follows R.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,10 +124,12 @@ def render(
     add_generation_prompt: bool = False,
     *,
     where: str = "messages",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` under ``tokenizer``'s chat template (``TrajectoryError``
     naming ``where`` if they cannot be rendered); tools and calls the template cannot render
-    are written by ``tool_prompt.prepare``."""
+    are written by ``tool_prompt.prepare``. ``template_kwargs``: more arguments of
+    ``apply_chat_template`` (template variables, ``continue_final_message``)."""
     checked, tools_ = prepare(
         tokenizer, template_messages(messages, where), canonical_tools(tools), where
     )
@@ -137,6 +139,7 @@ def render(
             tools=tools_,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
         )
     except Exception as e:  # template errors: jinja raises many types
         raise TrajectoryError(f"{where}: the chat template cannot render them: {e}") from e

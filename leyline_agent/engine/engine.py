@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,11 +168,16 @@ class Engine:
         add_generation_prompt: bool = True,
         *,
         where: str = "messages",
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The token ids of ``messages`` under the model's chat template (between steps:
-        the tokenizer is shared with the step loop's detokenizer)."""
+        the tokenizer is shared with the step loop's detokenizer); ``template_kwargs``: more
+        arguments of ``apply_chat_template``."""
         with self.stepper.exclusive():
-            return render(self.tokenizer, messages, tools, add_generation_prompt, where=where)
+            return render(
+                self.tokenizer, messages, tools, add_generation_prompt, where=where,
+                template_kwargs=template_kwargs,
+            )  # fmt: skip
 
     def check_ids(self, ids: Sequence[int], where: str, allow_empty: bool = False) -> list[int]:
         return check_token_ids(ids, self.vocab_size, where, allow_empty=allow_empty)

@@ -71,9 +71,14 @@ async def directives(request: Request) -> DirectivesResponse:
 
 @router.get("/leyline/v1/stats", response_model=StatsResponse)
 async def stats(request: Request) -> StatsResponse:
-    tenant = namespace(request).tenant
-    counts = await run_connected(request, state(request).worker, lambda e: e.stats(tenant=tenant))
-    return counts.model_copy(update={"features": (BODY_EDITS, CLIENT_EDITS)})  # chat_context
+    st, tenant = state(request), namespace(request).tenant
+    counts = await run_connected(request, st.worker, lambda e: e.stats(tenant=tenant))
+    return counts.model_copy(
+        update={
+            "features": (BODY_EDITS, CLIENT_EDITS),  # chat_context
+            "ignored_fields": st.ignored.of(tenant),  # request_fields
+        }
+    )
 
 
 @router.post("/leyline/v1/flush", response_model=FlushResponse)

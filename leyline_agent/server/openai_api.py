@@ -1,8 +1,8 @@
 """OpenAI wire format: requests of ``/v1/chat/completions``, ``/v1/completions`` and answers.
 
-Requests: unknown top-level fields are ignored (clients send extras such as
-``extra_body`` keys); known fields are validated strictly (no
-string-to-number coercion) and a bad one is named in the error. Options the embedded
+Requests: a field these models do not name is an OpenAI hint listed as ignored, or a 400
+naming it (``request_fields``, before the model is read); known fields are validated
+strictly (no string-to-number coercion) and a bad one is named in the error. Options the embedded
 engine cannot honour (``n`` > 1, penalties, ``logit_bias``, ``echo``, ``best_of``,
 a ``tool_choice`` that is not auto, none, required or one of the tools, a
 ``response_format`` the engine cannot constrain its sampling to) are refused with a 400
@@ -77,6 +77,12 @@ class ChatCompletionRequest(_Sampling):
     # Leyline's server-side context editing (checked by ``context_management``):
     context_management: Any = None  # Anthropic's shape: {"edits": [...]}
     leyline: Any = None  # {"client_edits": "amortize" | "forget" | "off"}
+    prompt_cache_key: str | None = None  # names the session where no header does
+    # the prompt's rendering (``template_options``), as vLLM takes them
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_Sampling):

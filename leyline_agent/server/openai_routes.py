@@ -25,7 +25,7 @@ from contextlib import aclosing
 from functools import partial
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from leyline_agent.directives.body_edits import outcome, request_edits
@@ -49,7 +49,7 @@ from leyline_agent.server.disconnect import (
     stop_when_gone,
     while_connected,
 )
-from leyline_agent.server.errors import classify, exception_code
+from leyline_agent.server.errors import RequestError, classify, exception_code
 from leyline_agent.server.limits import check_text_bound, message_text_bytes
 from leyline_agent.server.openai_api import (
     ChatCompletionRequest,
@@ -59,9 +59,17 @@ from leyline_agent.server.openai_api import (
     now,
     usage,
 )
+from leyline_agent.server.request_fields import (
+    check_chat_fields,
+    check_completion_fields,
+    ignore,
+    ignored,
+)
 from leyline_agent.server.response_format import answer_grammar
+from leyline_agent.server.session_names import name_session
 from leyline_agent.server.state import ServerState, state
 from leyline_agent.server.streaming import DONE, StreamedText, sse
+from leyline_agent.server.template_options import template_options
 from leyline_agent.server.tenants import namespace
 from leyline_agent.server.tool_calls import ParsedOutput, ResponseStream, served_format
 from leyline_agent.server.tool_choice import (
@@ -125,10 +133,13 @@ def _finish(result: GenerationResult, called_tools: bool = False) -> str:
 
 
 # ---- chat ------------------------------------------------------------------------------
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", dependencies=[Depends(check_chat_fields)])
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+    name_session(request, req.prompt_cache_key, "prompt_cache_key")
     st, ns = _request_context(request, req.model)
     tools = check_messages(req)
+    render, notes = template_options(req, st.worker.engine)  # template_options.py
+    ignore(request, notes)
     choice = parse_tool_choice(req.tool_choice, tools)  # see tool_choice.py
     forced = choice.forced_prefix() if tools is not None else ""
     call = choice.grammar(tools, req.parallel_tool_calls)
@@ -138,9 +149,18 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     longest, limit = st.model.limits.longest_token_bytes, st.model.max_prompt_tokens
     check_text_bound(message_text_bytes(messages), longest, limit, "messages")
     cm, opts, declared = req.context_management, edits.options, edits.declared
-    ctx = await prepare_chat(
-        request, st, edits.messages, cm, opts, tools, ns, declared=declared
-    )  # server-side edits and splices (chat_context); None: served as it is
+    ctx = None
+    if render.plain:  # a conversation is tracked as the template renders it by default
+        ctx = await prepare_chat(
+            request, st, edits.messages, cm, opts, tools, ns, declared=declared
+        )  # server-side edits and splices (chat_context); None: served as it is
+    elif cm is not None or req.leyline is not None:
+        field = "context_management" if cm is not None else "leyline"
+        raise RequestError(
+            "server-side edits need the default rendering (no chat_template_kwargs, "
+            "reasoning_effort, add_generation_prompt or continue_final_message)",
+            field,
+        )
     if ctx is not None:
         messages, ns = ctx.messages, ctx.namespace
         st.metrics.sources.turn(ctx.body["leyline"], ctx.usage)  # splices by source
@@ -151,7 +171,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         request,
         st.worker,
         lambda e: (
-            e.render(messages, tools=tools, add_generation_prompt=True)
+            (
+                e.render(messages, tools=tools, add_generation_prompt=True)
+                if render.plain
+                else e.render(
+                    messages, tools=tools, add_generation_prompt=render.add_generation_prompt,
+                    template_kwargs=render.kwargs,
+                )
+            )
             + (list(e.tokenizer.encode(forced, add_special_tokens=False)) if forced else [])
         ),
     )
@@ -162,7 +189,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     stream = answer_stream(choice, tools, served, tail)  # tool_calls.py: the parse
     if req.stream:
         events = await _started(request, _generate(st, ids, params, stream, ns))
-        return _event_stream(_chat_events(st, req, events, params, stream, choice, ctx))
+        events_ = _chat_events(st, req, events, params, stream, choice, ctx, ignored(request))
+        return _event_stream(events_)
     result = await _generate_once(request, st, ids, params, ns)
     stream.push(result.text)
     truncated = result.finish_reason == "length"  # answered as it is (tool_choice.py)
@@ -187,7 +215,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     if ctx is not None:
         body.update(ctx.body)
         ctx.commit(message, result.prompt_ids + result.output_ids)  # the ids it cached
-    return JSONResponse(body)
+    return JSONResponse(_with_ignored(body, ignored(request)))
 
 
 def _message(parsed: ParsedOutput) -> dict[str, Any]:
@@ -207,9 +235,11 @@ async def _chat_events(
     stream: ResponseStream,
     choice: ToolChoice,
     ctx: PreparedChat | None = None,
+    notes: list[dict[str, str]] | None = None,
 ) -> AsyncIterator[str]:
     out = _Stream(st, req, "chatcmpl", "chat.completion.chunk", {"system_fingerprint": None})
     first = {**out.head, **ctx.body} if ctx is not None else out.head  # what the server edited
+    first = _with_ignored(first, notes or [])  # and the fields it did not act on
 
     def chunk(
         delta: dict[str, Any],
@@ -250,7 +280,7 @@ def _delta(name: str, value: Any) -> dict[str, Any]:
 
 
 # ---- completions -----------------------------------------------------------------------
-@router.post("/v1/completions")
+@router.post("/v1/completions", dependencies=[Depends(check_completion_fields)])
 async def completions(req: CompletionRequest, request: Request) -> Any:
     st, ns = _request_context(request, req.model)
     prompt = completion_prompt(req)
@@ -268,7 +298,8 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     if req.stream:
         text = StreamedText()
         events = await _started(request, _generate(st, ids, params, text, ns))
-        return _event_stream(_completion_events(st, req, events, params, text))
+        notes = ignored(request)
+        return _event_stream(_completion_events(st, req, events, params, text, notes))
     result = await _generate_once(request, st, ids, params, ns)
     choice = {
         "index": 0,
@@ -276,17 +307,16 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         "logprobs": lp.legacy(_listed(result, st), params.top_logprobs) if params.logprobs else None,
         "finish_reason": _finish(result),
     }
-    return JSONResponse(
-        {
-            "id": new_id("cmpl"),
-            "object": "text_completion",
-            "created": now(),
-            "model": st.model.id,
-            "choices": [choice],
-            "usage": _usage(result, st),
-            "system_fingerprint": None,
-        }
-    )
+    body = {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": now(),
+        "model": st.model.id,
+        "choices": [choice],
+        "usage": _usage(result, st),
+        "system_fingerprint": None,
+    }
+    return JSONResponse(_with_ignored(body, ignored(request)))
 
 
 async def _completion_events(
@@ -295,11 +325,14 @@ async def _completion_events(
     events: AsyncIterator[str | StreamEnd[GenerationResult]],
     params: SamplingParams,
     text: StreamedText,
+    notes: list[dict[str, str]],
 ) -> AsyncIterator[str]:
     out = _Stream(st, req, "cmpl", "text_completion")
+    first = [_with_ignored(out.head, notes)]  # the first chunk lists the fields ignored
 
     def chunk(text: str, finish: str | None = None, logprobs: dict[str, Any] | None = None) -> str:
-        return out.frame({"text": text, "logprobs": logprobs, "finish_reason": finish})
+        top = first.pop() if first else None
+        return out.frame({"text": text, "logprobs": logprobs, "finish_reason": finish}, top)
 
     async for delta in out.deltas(events):
         yield chunk(delta)
@@ -312,6 +345,13 @@ async def _completion_events(
 
 
 # ---- shared ----------------------------------------------------------------------------
+def _with_ignored(body: dict[str, Any], notes: list[dict[str, str]]) -> dict[str, Any]:
+    """``body`` with ``leyline.ignored`` listing ``notes`` (``request_fields``), if any."""
+    if not notes:
+        return body
+    return {**body, "leyline": {**body.get("leyline", {}), "ignored": notes}}
+
+
 def _request_context(request: Request, model: str) -> tuple[ServerState, Namespace]:
     """The server's state and the request's namespace (its session checked), then the
     model name checked against the served one."""

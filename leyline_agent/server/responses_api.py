@@ -18,10 +18,17 @@ Input items and the chat messages they become:
 - ``function_call_output`` (``call_id``, ``output``) becomes a ``tool`` message.
 
 ``instructions`` is a system message at the head (not carried over from a previous
-response, as OpenAI does). Anything the embedded engine cannot honour - images, files, other
-item and tool types, ``background``, ``reasoning`` effort, ``truncation: "auto"``, ``include`` -
-is refused with a 400 naming the field, never dropped. Unknown top-level fields are ignored,
-as on the chat route.
+response, as OpenAI does). Tools: ``function`` tools, and ``namespace`` tools flattened into
+their function tools (a call of one names its ``namespace`` in the output item).
+
+What OpenAI treats as a hint, for a model that writes no reasoning items, is accepted and
+listed as ignored (``request_fields``; ``chat_request`` returns the notes): ``include:
+["reasoning.encrypted_content"]``, ``reasoning.summary`` / ``generate_summary``, a hosted
+``web_search`` tool the server cannot run (left out of the prompt), and ``reasoning.effort``
+where the chat template reads no effort (where it does, it becomes chat's
+``reasoning_effort``). Anything else the embedded engine cannot honour - images, files,
+other item and tool types, ``background``, ``truncation: "auto"``, other ``include`` values -
+is refused with a 400 naming the field, never dropped.
 """
 
 from __future__ import annotations
@@ -31,13 +38,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from leyline_agent.server.errors import RequestError
+from leyline_agent.server.request_fields import Ignored, check_effort
 
-__all__ = ["FunctionTool", "ResponsesRequest", "chat_request", "input_messages", "responses_field"]
+__all__ = [
+    "FunctionTool",
+    "ResponsesRequest",
+    "chat_request",
+    "input_messages",
+    "responses_field",
+    "tool_namespaces",
+]
 
 _REQUEST = ConfigDict(frozen=True, extra="ignore", strict=True)
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
 _MESSAGE_ROLES["developer"] = "system"
+_NO_REASONING = "the served model writes no reasoning items"
+HOSTED_LEFT_OUT = frozenset({"web_search", "web_search_preview"})  # left out of the prompt
 
 
 class FunctionTool(BaseModel):
@@ -71,6 +88,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     seed: int | None = None
+    prompt_cache_key: str | None = None  # names the session where no header does
     # accepted where their value asks for nothing the engine does not do
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
@@ -85,16 +103,30 @@ class ResponsesRequest(BaseModel):
     leyline: Any = None
 
 
-def _refuse_unsupported(req: ResponsesRequest) -> None:
+def _refuse_unsupported(req: ResponsesRequest, effort_in_template: bool) -> list[Ignored]:
+    """Refuse what cannot be honoured; the hints accepted instead, to list as ignored."""
+    notes = []
     if req.background:
         raise RequestError("background responses are not supported", "background")
     for key, value in (req.reasoning or {}).items():
-        if value is not None:
-            raise RequestError("the served model takes no reasoning options", f"reasoning.{key}")
+        if value is None:
+            continue
+        if key in ("summary", "generate_summary"):
+            notes.append(Ignored(f"reasoning.{key}", _NO_REASONING))
+        elif key == "effort":
+            check_effort(value, "reasoning.effort")
+            if not effort_in_template:
+                notes.append(Ignored("reasoning.effort", "the chat template reads no effort"))
+        else:
+            raise RequestError(
+                "the served model takes no such reasoning option", f"reasoning.{key}"
+            )
     if req.truncation == "auto":
         raise RequestError("'auto' truncation is not supported; use 'disabled'", "truncation")
-    if req.include:
-        raise RequestError(f"{req.include[0]!r} cannot be included", "include[0]")
+    for k, name in enumerate(req.include or ()):
+        if name != "reasoning.encrypted_content":
+            raise RequestError(f"{name!r} cannot be included", f"include[{k}]")
+        notes.append(Ignored(f"include[{k}]", _NO_REASONING))
     if req.top_logprobs:
         raise RequestError("logprobs are not supported on /v1/responses", "top_logprobs")
     if req.max_tool_calls is not None:
@@ -102,6 +134,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     for name in ("conversation", "prompt"):
         if getattr(req, name) is not None:
             raise RequestError(f"{name} objects are not supported", name)
+    return notes
 
 
 def _text(content: Any, where: str) -> str:
@@ -164,15 +197,58 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
     return out
 
 
-def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def _function_tools(
+    tools: list[dict[str, Any]] | None,
+) -> list[tuple[str, dict[str, Any], str | None]]:
+    """``(where, tool, namespace)`` of every function tool, those inside a ``namespace`` tool
+    too; hosted tools in ``HOSTED_LEFT_OUT`` are skipped (``_chat_tools`` lists them)."""
+    out: list[tuple[str, dict[str, Any], str | None]] = []
+    for k, raw in enumerate(tools or ()):
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if kind == "function":
+            out.append((f"tools[{k}]", raw, None))
+        elif kind == "namespace" and isinstance(raw.get("name"), str):
+            inner = raw.get("tools")
+            if not isinstance(inner, list):
+                raise RequestError("must be a list of function tools", f"tools[{k}].tools")
+            for j, t in enumerate(inner):
+                if not isinstance(t, dict) or t.get("type") != "function":
+                    kind = t.get("type") if isinstance(t, dict) else None
+                    raise RequestError(
+                        f"{kind!r} tools are not supported in a namespace (functions only)",
+                        f"tools[{k}].tools[{j}]",
+                    )
+                out.append((f"tools[{k}].tools[{j}]", t, raw["name"]))
+        elif kind not in HOSTED_LEFT_OUT:
+            raise RequestError(
+                f"{kind!r} tools are not supported (functions and namespaces only)", f"tools[{k}]"
+            )
+    return out
+
+
+def tool_namespaces(tools: list[dict[str, Any]] | None) -> dict[str, str]:
+    """The namespace of each flattened tool's name (what a call of it names in its item)."""
+    try:
+        return {t["name"]: ns for _, t, ns in _function_tools(tools) if ns is not None}
+    except RequestError:
+        return {}
+
+
+def _chat_tools(
+    tools: list[dict[str, Any]] | None, notes: list[Ignored]
+) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
-    out = []
     for k, raw in enumerate(tools):
-        if not isinstance(raw, dict) or raw.get("type") != "function":
-            kind = raw.get("type") if isinstance(raw, dict) else None
-            raise RequestError(f"{kind!r} tools are not supported (functions only)", f"tools[{k}]")
+        if isinstance(raw, dict) and raw.get("type") in HOSTED_LEFT_OUT:
+            reason = f"hosted {raw['type']!r} tools cannot run here; left out of the prompt"
+            notes.append(Ignored(f"tools[{k}]", reason))
+    out, seen = [], set()
+    for where, raw, _ in _function_tools(tools):
         tool = FunctionTool.model_validate(raw)
+        if tool.name in seen:
+            raise RequestError(f"a second tool named {tool.name!r}", f"{where}.name")
+        seen.add(tool.name)
         fn = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
         out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     return out
@@ -221,11 +297,16 @@ def responses_field(field: str | None) -> str | None:
 
 
 def chat_request(
-    req: ResponsesRequest, history: list[dict[str, Any]], chat_fields: set[str]
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    req: ResponsesRequest,
+    history: list[dict[str, Any]],
+    chat_fields: set[str],
+    effort_in_template: bool = False,
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[Ignored]]:
     """(the chat body to serve, the conversation without ``instructions``: ``history`` and
-    the request's input, what a later ``previous_response_id`` continues)."""
-    _refuse_unsupported(req)
+    the request's input, what a later ``previous_response_id`` continues, the hints
+    accepted and ignored). ``effort_in_template``: the chat template reads
+    ``reasoning_effort``, so ``reasoning.effort`` goes there."""
+    notes = _refuse_unsupported(req, effort_in_template)
     conversation = [*history, *input_messages(req.input)]
     if not conversation:
         raise RequestError("must hold at least one item", "input")
@@ -243,12 +324,13 @@ def chat_request(
         "top_p": req.top_p,
         "seed": req.seed,
         "user": req.user,
-        "tools": _chat_tools(req.tools),
+        "tools": _chat_tools(req.tools, notes),
         "tool_choice": _chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text, chat_fields),
         "context_management": req.context_management,
         "leyline": req.leyline,
+        "reasoning_effort": (req.reasoning or {}).get("effort") if effort_in_template else None,
     }
     body.update({k: v for k, v in optional.items() if v is not None})
-    return body, conversation
+    return body, conversation, notes

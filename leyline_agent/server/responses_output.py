@@ -11,9 +11,12 @@ writes the Responses event sequence the OpenAI SDK reads: ``response.created``,
 ``response.in_progress``; for text ``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta``... ``.done``,
 ``response.content_part.done``, ``response.output_item.done``; per call
-``response.output_item.added``, ``response.function_call_arguments.delta`` / ``.done``,
-``response.output_item.done``; then ``response.completed`` with the whole response. An error
-after the stream started is an ``error`` event then ``response.failed``.
+``response.output_item.added``, ``response.function_call_arguments.delta`` (one per chat
+arguments delta) / ``.done``, ``response.output_item.done``; then ``response.completed`` with
+the whole response, or ``response.incomplete`` when the token budget cut it (``status``
+``incomplete``, ``incomplete_details.reason`` ``max_output_tokens``: the chat answer's
+``finish_reason`` ``length``; a call it cut is an ``incomplete`` item). An error after the
+stream started is an ``error`` event then ``response.failed``.
 """
 
 from __future__ import annotations
@@ -53,9 +56,16 @@ def message_item(item_id: str, text: str | None, status: str = "completed") -> d
     }
 
 
-def call_item(item_id: str, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+def call_item(
+    item_id: str,
+    call: dict[str, Any],
+    status: str = "completed",
+    namespaces: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A ``function_call`` item; a tool flattened out of a ``namespace`` tool names it
+    (``namespaces``: tool name -> namespace, ``responses_api.tool_namespaces``)."""
     fn = call["function"]
-    return {
+    item = {
         "id": item_id,
         "type": "function_call",
         "call_id": call["id"],
@@ -63,16 +73,21 @@ def call_item(item_id: str, call: dict[str, Any], status: str = "completed") -> 
         "arguments": fn["arguments"] if status == "completed" else "",
         "status": status,
     }
+    if namespaces and fn["name"] in namespaces:
+        item["namespace"] = namespaces[fn["name"]]
+    return item
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+def output_items(
+    message: dict[str, Any], namespaces: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     """The output items of the chat answer's assistant ``message`` (see the module doc)."""
     calls = message.get("tool_calls") or []
     text = message.get("content")
     items = []
     if text or not calls:
         items.append(message_item(new_item_id("msg"), text or ""))
-    items.extend(call_item(new_item_id("fc"), c) for c in calls)
+    items.extend(call_item(new_item_id("fc"), c, namespaces=namespaces) for c in calls)
     return items
 
 
@@ -142,8 +157,9 @@ class ResponseEvents:
     to ``chunk``; ``finish`` gives the closing events; ``items`` / ``reply`` /
     ``response`` are the result once finished."""
 
-    def __init__(self, head: dict[str, Any]) -> None:
+    def __init__(self, head: dict[str, Any], namespaces: dict[str, str] | None = None) -> None:
         self.head = head
+        self.namespaces = namespaces  # of tools flattened out of namespace tools
         self.seq = 0
         self.items: list[dict[str, Any]] = []
         self.text: list[str] = []
@@ -152,6 +168,7 @@ class ResponseEvents:
         self.finish_reason: str | None = None
         self.response: dict[str, Any] | None = None
         self._message: dict[str, Any] | None = None  # the open message item
+        self._call_open: dict[str, Any] | None = None  # the open call: item id, call, index
 
     def event(self, type_: str, **fields: Any) -> str:
         payload = {"type": type_, "sequence_number": self.seq, **fields}
@@ -174,7 +191,7 @@ class ResponseEvents:
         for choice in payload.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                out += self._text_delta(delta["content"])
+                out += self._close_call() + self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or []:
                 out += self._close_message() + self._call(call)
             if choice.get("finish_reason"):
@@ -182,7 +199,8 @@ class ResponseEvents:
         return out
 
     def finish(self, store: Callable[[dict[str, Any]], None] | None = None) -> list[str]:
-        out = self._close_message()
+        cut = "incomplete" if self.finish_reason == "length" else "completed"
+        out = self._close_message() + self._close_call(cut)
         if not self.items:  # no text and no call: an empty message, as answered unstreamed
             out += self._open_message() + self._close_message()
         self.response = response_object(
@@ -191,7 +209,9 @@ class ResponseEvents:
         )  # fmt: skip
         if store is not None:
             store(self.response)
-        return [*out, self.event("response.completed", response=self.response)]
+        cut = self.response["status"] == "incomplete"  # the token budget ran out
+        last = "response.incomplete" if cut else "response.completed"
+        return [*out, self.event(last, response=self.response)]
 
     def failed(self, error: dict[str, Any]) -> list[str]:
         code = error.get("code") or "server_error"
@@ -242,18 +262,37 @@ class ResponseEvents:
             self.event("response.output_item.done", output_index=index, item=done),
         ]
 
-    def _call(self, call: dict[str, Any]) -> list[str]:
-        call = {k: v for k, v in call.items() if k != "index"}
-        index, item_id = len(self.items), new_item_id("fc")
-        self.items.append(call_item(item_id, call))
+    def _call(self, delta: dict[str, Any]) -> list[str]:
+        """One chat tool-call delta: a call's head (it has an ``id``) opens its item, and the
+        arguments pieces of every delta are ``function_call_arguments.delta`` events."""
+        out: list[str] = []
+        if delta.get("id"):
+            out += self._close_call()
+            fn = delta.get("function") or {}
+            call = {"id": delta["id"], "type": "function",
+                    "function": {"name": fn.get("name"), "arguments": ""}}  # fmt: skip
+            index, item_id = len(self.items), new_item_id("fc")
+            item = call_item(item_id, call, "in_progress", self.namespaces)
+            self.items.append(item)
+            self._call_open = {"id": item_id, "call": call, "index": index}
+            out.append(self.event("response.output_item.added", output_index=index, item=item))
+        piece = (delta.get("function") or {}).get("arguments") or ""
+        if piece and self._call_open is not None:
+            self._call_open["call"]["function"]["arguments"] += piece
+            where = {"item_id": self._call_open["id"], "output_index": self._call_open["index"]}
+            out.append(self.event("response.function_call_arguments.delta", **where, delta=piece))
+        return out
+
+    def _close_call(self, status: str = "completed") -> list[str]:
+        if self._call_open is None:
+            return []
+        opened, self._call_open = self._call_open, None
+        item_id, call, index = opened["id"], opened["call"], opened["index"]
+        done = {**call_item(item_id, call, "completed", self.namespaces), "status": status}
+        self.items[index] = done
         args = call["function"]["arguments"]
         where = {"item_id": item_id, "output_index": index}
         return [
-            self.event(
-                "response.output_item.added", output_index=index,
-                item=call_item(item_id, call, "in_progress"),
-            ),
-            self.event("response.function_call_arguments.delta", **where, delta=args),
             self.event("response.function_call_arguments.done", **where, arguments=args),
-            self.event("response.output_item.done", output_index=index, item=self.items[index]),
-        ]  # fmt: skip
+            self.event("response.output_item.done", output_index=index, item=done),
+        ]

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
@@ -32,7 +32,13 @@ from leyline_agent.http_errors import field_path
 from leyline_agent.server.errors import RequestError
 from leyline_agent.server.openai_api import ChatCompletionRequest
 from leyline_agent.server.openai_routes import chat_completions
-from leyline_agent.server.responses_api import ResponsesRequest, chat_request, responses_field
+from leyline_agent.server.request_fields import check_responses_fields, ignore
+from leyline_agent.server.responses_api import (
+    ResponsesRequest,
+    chat_request,
+    responses_field,
+    tool_namespaces,
+)
 from leyline_agent.server.responses_output import (
     ResponseEvents,
     new_item_id,
@@ -42,7 +48,9 @@ from leyline_agent.server.responses_output import (
     responses_usage,
 )
 from leyline_agent.server.responses_store import ResponseStore, StoredResponse
+from leyline_agent.server.session_names import name_session
 from leyline_agent.server.state import state
+from leyline_agent.server.template_options import template_reads
 from leyline_agent.server.tenants import namespace
 
 __all__ = ["ResponseNotFoundError", "responses_store", "router"]
@@ -63,10 +71,13 @@ def responses_store(request: Request) -> ResponseStore:
     return store
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", dependencies=[Depends(check_responses_fields)])
 async def create_response(req: ResponsesRequest, request: Request) -> Any:
     st, tenant = state(request), namespace(request).tenant
     st.model.check(req.model)
+    # Codex names its thread in both; X-Leyline-Session wins (session_names)
+    name_session(request, req.prompt_cache_key, "prompt_cache_key")
+    name_session(request, request.headers.get("session-id"), "session-id")
     store = responses_store(request)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
@@ -78,8 +89,12 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
                 "previous_response_id",
             )
         history = previous.conversation
-    body, conversation = chat_request(req, history, set(ChatCompletionRequest.model_fields))
+    effort = template_reads(st.worker.engine, "reasoning_effort")
+    body, conversation, notes = chat_request(
+        req, history, set(ChatCompletionRequest.model_fields), effort
+    )
     chat = _chat(body)
+    ignore(request, notes)  # listed in the chat answer's leyline.ignored
     head = _head(new_item_id("resp"), st.model.id, req)
 
     def save(response: dict[str, Any], reply: dict[str, Any]) -> None:
@@ -92,13 +107,13 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
         raise _renamed(e) from None
     if req.stream:
         return StreamingResponse(
-            _events(answer, head, save),
+            _events(answer, head, save, tool_namespaces(req.tools)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
     data = json.loads(answer.body)
     choice = data["choices"][0]
-    items = output_items(choice["message"])
+    items = output_items(choice["message"], tool_namespaces(req.tools))
     extra = {k: data[k] for k in ("leyline", "context_management") if k in data}
     response = response_object(
         head,
@@ -172,9 +187,10 @@ async def _events(
     answer: StreamingResponse,
     head: dict[str, Any],
     save: Callable[[dict[str, Any], dict[str, Any]], None],
+    namespaces: dict[str, str],
 ) -> AsyncIterator[str]:
     """The Responses events of the chat route's stream ``answer``."""
-    out = ResponseEvents(head)
+    out = ResponseEvents(head, namespaces)
     for event in out.start():
         yield event
     async with aclosing(answer.body_iterator) as frames:

@@ -3,7 +3,7 @@
 ``scripted_server(script, client_edits=..., paths=...)``: a real ``leyline serve`` app on
 loopback whose tiny engine answers the script (``ScriptedEngine``); yields ``(server,
 engine)``; ``paths``, a list, receives the path of every HTTP request the server gets (to
-count directive requests).
+count directive requests), ``statuses`` its ``(path, status)``.
 ``Recorder``: an httpx request hook that keeps every ``/chat/completions`` body as the
 framework built it (before any transport: httpx runs request hooks first).
 ``rendered(tok, body)``: the prompt of a chat body by the tokenizer's own chat template (an
@@ -30,7 +30,11 @@ ARCH = "deepseek_v2"
 
 @contextlib.contextmanager
 def scripted_server(
-    script: Sequence[str], *, client_edits: str = "amortize", paths: list[str] | None = None
+    script: Sequence[str],
+    *,
+    client_edits: str = "amortize",
+    paths: list[str] | None = None,
+    statuses: list[tuple[str, int]] | None = None,
 ) -> Iterator[tuple[ThreadServer, ScriptedEngine]]:
     from leyline_agent.engine.checkpoints.store import tiny_model_dir
     from leyline_agent.engine.engine import Engine
@@ -38,12 +42,16 @@ def scripted_server(
 
     engine = ScriptedEngine(Engine.from_pretrained(tiny_model_dir(ARCH)), script)
     app = create_app(engine, client_edits=client_edits)
-    if paths is not None:
+    if paths is not None or statuses is not None:
 
         @app.middleware("http")
         async def record(request: Any, call_next: Any) -> Any:
-            paths.append(request.url.path)
-            return await call_next(request)
+            if paths is not None:
+                paths.append(request.url.path)
+            response = await call_next(request)
+            if statuses is not None:
+                statuses.append((request.url.path, response.status_code))
+            return response
 
     with serve_in_thread(app) as srv:
         yield srv, engine

@@ -1,0 +1,221 @@
+"""No silent field: every request field is honoured, refused by name, or listed as ignored.
+
+Over HTTP against a real ``leyline serve`` app (tiny llama, its chat template extended here
+the way Qwen3's and gpt-oss's templates read ``enable_thinking`` and ``reasoning_effort``).
+Expected prompts are rendered here by transformers' own ``apply_chat_template`` from the
+messages and tools the request stands for; the server's prompt is read from
+``usage.prompt_tokens`` and from the tokens it cached (a follow-up request's
+``cached_tokens``).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from leyline_agent.engine.checkpoints.store import tiny_model_dir
+from leyline_agent.engine.checkpoints.templates import TEMPLATES
+from leyline_agent.testing.frameworks import scripted_server
+from leyline_agent.testing.scripted_engine import tool_call
+from leyline_agent.testing.server import serve_in_thread
+
+GEN = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+# Qwen3's switch (an empty think block when thinking is off) and a gpt-oss-like effort line
+TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}"
+    "<|im_end|>\n{% endif %}"
+    + TEMPLATES["reasoning"].replace(
+        GEN,
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and enable_thinking is false %}"
+        "<think>\n\n</think>\n\n{% endif %}{% endif %}",
+    )
+)
+FN = {"type": "object", "properties": {"path": {"type": "string"}}}
+NAMESPACE = {
+    "type": "namespace",
+    "name": "files",
+    "description": "file tools",
+    "tools": [{"type": "function", "name": "read_file", "description": "read", "parameters": FN}],
+}
+CODEX_HINTS = {
+    "include": ["reasoning.encrypted_content"],
+    "reasoning": {"summary": "auto"},
+    "client_metadata": {"thread_id": "t"},
+    "store": False,
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3ish") / "model"
+    shutil.copytree(tiny_model_dir("llama"), out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    from leyline_agent.engine.engine import Engine
+
+    with serve_in_thread(Engine.from_pretrained(model_dir), client_edits="amortize") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def n_prompt(tok, messages, tools=None, **kw):
+    out = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kw)
+    return len(out if isinstance(out, list) else out["input_ids"])
+
+
+def post(http, path, body):
+    return http.post(path, json=body)
+
+
+def field_of(r):
+    assert r.status_code == 400, r.text
+    return r.json()["error"]["param"]
+
+
+# ---- /v1/responses: Codex's defaults ---------------------------------------------------
+def test_responses_codex_hints_are_listed_and_the_prompt_is_the_flattened_tools(http, name, tok):
+    body = {
+        "model": name, "input": "hi", "max_output_tokens": 2, "temperature": 0,
+        "tools": [NAMESPACE, {"type": "web_search"}], **CODEX_HINTS,
+    }  # fmt: skip
+    r = post(http, "/v1/responses", body)
+    assert r.status_code == 200, r.text
+    ignored = {n["field"] for n in r.json()["leyline"]["ignored"]}
+    assert ignored == {"include[0]", "reasoning.summary", "client_metadata", "tools[1]"}
+    flat = [{"type": "function", "function": {"name": "read_file", "description": "read",
+                                              "parameters": FN}}]  # fmt: skip
+    want = n_prompt(tok, [{"role": "user", "content": "hi"}], flat)
+    assert r.json()["usage"]["input_tokens"] == want  # web_search left out, namespace flattened
+
+
+def test_responses_refuses_what_it_cannot_do_by_name(http, name):
+    base = {"model": name, "input": "hi", "max_output_tokens": 2}
+    cases = {
+        "include[0]": {"include": ["file_search_call.results"]},
+        "reasoning.mode": {"reasoning": {"mode": "pro"}},
+        "reasoning.effort": {"reasoning": {"effort": "bogus"}},
+        "moderation": {"moderation": {"model": "m"}},  # documented by OpenAI, not served
+        "frobnicate": {"frobnicate": 1},  # nobody's field
+        "tools[0]": {"tools": [{"type": "code_interpreter"}]},
+    }
+    for want, extra in cases.items():
+        assert field_of(post(http, "/v1/responses", {**base, **extra})) == want, want
+
+
+def test_responses_effort_goes_to_a_template_that_reads_it(http, name, tok):
+    base = {"model": name, "input": "hi", "max_output_tokens": 1, "temperature": 0}
+    r = post(http, "/v1/responses", {**base, "reasoning": {"effort": "high"}})
+    assert r.status_code == 200, r.text
+    msgs = [{"role": "user", "content": "hi"}]
+    assert r.json()["usage"]["input_tokens"] == n_prompt(tok, msgs, reasoning_effort="high")
+    assert "ignored" not in r.json().get("leyline", {})
+
+
+def test_prompt_cache_key_and_codex_session_id_name_the_session(http, name):
+    base = {"model": name, "max_output_tokens": 1, "temperature": 0}
+    r = post(http, "/v1/responses", {**base, "input": "one two", "prompt_cache_key": "thread-a"})
+    assert r.json()["leyline"]["session"] == "thread-a"
+    r = http.post("/v1/responses", json={**base, "input": "three"}, headers={"session-id": "b"})
+    assert r.json()["leyline"]["session"] == "b"
+    chat = {**base, "messages": [{"role": "user", "content": "four"}], "prompt_cache_key": "c"}
+    chat["max_tokens"] = chat.pop("max_output_tokens")
+    r = post(http, "/v1/chat/completions", chat)
+    assert r.json()["leyline"]["session"] == "c"
+    headers = {"X-Leyline-Session": "named"}  # the header wins
+    r = http.post("/v1/chat/completions", json={**chat, "prompt_cache_key": "d"}, headers=headers)
+    assert r.json()["leyline"]["session"] == "named"
+    assert field_of(post(http, "/v1/chat/completions", {**chat, "prompt_cache_key": ""})) == (
+        "prompt_cache_key"
+    )
+
+
+def test_a_namespaced_call_names_its_namespace():
+    with scripted_server([tool_call("read_file", {"path": "a"})]) as (srv, engine):
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
+        kw = {"model": engine.model_name, "input": "read a", "tools": [NAMESPACE]}
+        done = client.responses.create(**kw)
+        with client.responses.stream(**kw) as stream:
+            streamed = stream.get_final_response()
+    for r in (done, streamed):
+        (call,) = [i for i in r.output if i.type == "function_call"]
+        assert (call.name, call.namespace) == ("read_file", "files")
+
+
+def test_ignored_fields_are_counted_per_tenant(http, name):
+    before = http.get("/leyline/v1/stats").json()["ignored_fields"].get("reasoning.summary", 0)
+    body = {"model": name, "input": "hi", "max_output_tokens": 1, **CODEX_HINTS}
+    assert post(http, "/v1/responses", body).status_code == 200
+    after = http.get("/leyline/v1/stats").json()["ignored_fields"]["reasoning.summary"]
+    assert after == before + 1
+
+
+# ---- chat: the template's options ------------------------------------------------------
+def test_chat_template_kwargs_and_effort_change_the_prompt_as_transformers_renders(
+    http, name, tok
+):
+    msgs = [{"role": "user", "content": "hi"}]
+    base = {"model": name, "messages": msgs, "max_tokens": 1, "temperature": 0}
+    cases = [
+        ({}, {}),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": False}),
+        ({"reasoning_effort": "low"}, {"reasoning_effort": "low"}),
+    ]
+    for extra, kw in cases:
+        r = post(http, "/v1/chat/completions", {**base, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == n_prompt(tok, msgs, **kw), extra
+    assert n_prompt(tok, msgs, enable_thinking=False) > n_prompt(tok, msgs)  # it can fail
+
+
+def test_chat_continue_final_message_and_no_generation_prompt(http, name, tok):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the"}]
+    body = {"model": name, "messages": msgs, "max_tokens": 1, "temperature": 0}
+    r = post(http, "/v1/chat/completions", {**body, "add_generation_prompt": False,
+                                             "continue_final_message": True})  # fmt: skip
+    want = tok.apply_chat_template(msgs, continue_final_message=True, tokenize=False)
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(want, add_special_tokens=False))
+    r = post(http, "/v1/chat/completions", {**body, "add_generation_prompt": False})
+    want = tok.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False)
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(want, add_special_tokens=False))
+
+
+def test_chat_refuses_and_lists_by_name(http, name):
+    base = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    refused = {
+        "reasoning_effort": {"reasoning_effort": "bogus"},
+        "chat_template_kwargs.nothing_reads_me": {"chat_template_kwargs": {"nothing_reads_me": 1}},
+        "continue_final_message": {"continue_final_message": True},
+        "web_search_options": {"web_search_options": {}},
+        "use_beam_search": {"use_beam_search": True},
+        "context_management": {"chat_template_kwargs": {"enable_thinking": False},
+                               "context_management": {"edits": []}},
+    }  # fmt: skip
+    for want, extra in refused.items():
+        assert field_of(post(http, "/v1/chat/completions", {**base, **extra})) == want, want
+    r = post(http, "/v1/chat/completions", {**base, "user": "u", "service_tier": "auto"})
+    assert {n["field"] for n in r.json()["leyline"]["ignored"]} == {"user", "service_tier"}
+    r = post(http, "/v1/completions", {"model": name, "prompt": "a", "max_tokens": 1, "user": "u"})
+    assert [n["field"] for n in r.json()["leyline"]["ignored"]] == ["user"]
+    r = post(http, "/v1/completions", {"model": name, "prompt": "a", "max_tokens": 1, "x": 1})
+    assert field_of(r) == "x"
