@@ -223,8 +223,9 @@ def _kernel_exactness(device: str) -> None:
 
 
 def _engine_mini(device: str, dry: bool) -> str:
-    """Both ``mini`` models, fp32: the engine on ``device`` against transformers there and
-    against the CPU engine."""
+    """Both ``mini`` models in fp32, and llama's in bf16 (on CUDA its chunks after cached rows
+    take the flash path, ``attention._flash``): the engine on ``device`` against transformers
+    there (the same dtype) and against the CPU engine."""
     import random
 
     import torch
@@ -234,15 +235,16 @@ def _engine_mini(device: str, dry: bool) -> str:
     from leyline_agent.wire import DirectivesRequest
 
     n, span, new = (96, 16, 4) if dry else (2048, 256, 16)
-    print(f"mini models, fp32, {n}-token context, a {span}-token span replaced by 4 tokens")
-    print("| model | prefill logits vs transformers | FORGET logits vs transformers on T' "
+    print(f"mini models, {n}-token context, a {span}-token span replaced by 4 tokens")
+    print("| model | dtype | prefill logits vs transformers | FORGET logits vs transformers on T' "
           "| AMORTIZE logits vs CPU engine | greedy tokens = transformers generate |")  # fmt: skip
-    print("|---|---|---|---|---|")
-    for arch in ("deepseek_v2", "llama"):
+    print("|---|---|---|---|---|---|")
+    for arch, dtype in (("deepseek_v2", "float32"), ("llama", "float32"), ("llama", "bfloat16")):
         path = model_dir(arch, "mini", 0)
         rng = random.Random(1)
-        eng = Engine.from_pretrained(path, device=device, cache_budget_tokens=4 * n)
-        cpu = Engine.from_pretrained(path, device="cpu", cache_budget_tokens=4 * n)
+        kw: dict[str, Any] = {"dtype": dtype, "cache_budget_tokens": 4 * n}
+        eng = Engine.from_pretrained(path, device=device, **kw)
+        cpu = Engine.from_pretrained(path, device="cpu", **kw)
         T = [rng.randrange(100, eng.vocab_size) for _ in range(n)]
         R = [rng.randrange(100, eng.vocab_size) for _ in range(4)]
         X = [rng.randrange(100, eng.vocab_size) for _ in range(8)]
@@ -274,7 +276,7 @@ def _engine_mini(device: str, dry: bool) -> str:
                 x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
             )[0, x.shape[1]:].tolist()  # fmt: skip
         print(
-            f"| {arch} mini | {pre} | {forget} | {diff(amort[0], amort[1])} "
+            f"| {arch} mini | {dtype} | {pre} | {forget} | {diff(amort[0], amort[1])} "
             f"| {list(out) == ref} ({new} tokens) |",
             flush=True,
         )

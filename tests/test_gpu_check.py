@@ -53,10 +53,11 @@ def test_the_engine_agrees_with_transformers_and_the_kernel_with_float64(dry_run
     out, _ = dry_run
     mini = json.loads((out / "engine-mini" / results.REPORT_NAME).read_text())["output"]
     rows = _rows(mini, "deepseek_v2 mini") + _rows(mini, "llama mini")
-    assert len(rows) == 2
+    assert [r[1] for r in rows] == ["float32", "float32", "bfloat16"]
     for row in rows:
-        assert float(row[1]) < 1e-3 and float(row[2]) < 1e-3  # prefill, FORGET vs transformers
-        assert row[4].startswith("True")  # greedy tokens equal transformers' generate
+        tol = 1e-3 if row[1] == "float32" else 0.5
+        assert float(row[2]) < tol and float(row[3]) < tol  # prefill, FORGET vs transformers
+    assert rows[0][5].startswith("True") and rows[1][5].startswith("True")  # greedy, fp32
     kernel = json.loads((out / "kernel" / results.REPORT_NAME).read_text())["output"]
     rows = _rows(kernel, "gqa") + _rows(kernel, "mla")
     assert len(rows) == 8

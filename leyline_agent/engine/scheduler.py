@@ -19,9 +19,18 @@ from dataclasses import dataclass
 
 from leyline_agent.engine.sequence import SeqStatus, Sequence
 
-__all__ = ["DEFAULT_STEP_TOKENS", "Scheduled", "schedule"]
+__all__ = ["DEFAULT_STEP_TOKENS", "GPU_STEP_TOKENS", "Scheduled", "schedule", "step_tokens_for"]
 
 DEFAULT_STEP_TOKENS = 512
+# On a GPU a step's fixed cost (launches, Python between them) dwarfs 512 tokens' compute:
+# a long prompt runs in chunks of this many tokens (a 1B model's 16k-token chunk is tens of ms
+# on an H200; the attention of a chunk after cached rows needs no [t, n] mask, attention.py).
+GPU_STEP_TOKENS = 16384
+
+
+def step_tokens_for(device_type: str) -> int:
+    """The per-step token budget for a device type (``torch.device.type``)."""
+    return GPU_STEP_TOKENS if device_type == "cuda" else DEFAULT_STEP_TOKENS
 
 
 @dataclass(slots=True, frozen=True)

@@ -51,7 +51,7 @@ from leyline_agent.engine.detokenizer import Detokenizer
 from leyline_agent.engine.model.runner import ModelRunner, StepInput
 from leyline_agent.engine.params import SamplingParams
 from leyline_agent.engine.sampler import Sampler, mask_batch
-from leyline_agent.engine.scheduler import DEFAULT_STEP_TOKENS, schedule
+from leyline_agent.engine.scheduler import schedule, step_tokens_for
 from leyline_agent.engine.sequence import SeqStatus, Sequence
 from leyline_agent.namespaces import Namespace
 
@@ -148,8 +148,9 @@ class _Host(Protocol):
 
 
 class Stepper:
-    def __init__(self, host: _Host, step_tokens: int = DEFAULT_STEP_TOKENS) -> None:
-        self.host, self.step_tokens = host, step_tokens
+    def __init__(self, host: _Host, step_tokens: int | None = None) -> None:
+        self.host = host
+        self.step_tokens = step_tokens or step_tokens_for(host.runner.device.type)
         self.running: list[Sequence] = []
         self._lock = threading.RLock()
         self._ops = 0

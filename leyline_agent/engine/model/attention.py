@@ -70,6 +70,8 @@ _MAX_RUNS = 16
 Runs = tuple[tuple[int, int], ...]  # (first slot, length) runs of consecutive pool rows
 # CPU flash attention with each query row's log-sum-exp (torch's own kernel behind SDPA)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# ... and CUDA's (FlashAttention-2 behind SDPA; fp16/bf16 only), the same two outputs first
+_FLASH_CUDA = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
 # Every decoding sequence of a forward (one new token each) in one call per layer of
 # kernels/decode_attn.c where it is built and takes the inputs (CPU); the torch paths
 # below serve the rest. LEYLINE_DECODE_KERNEL=0 switches it off (benchmarks' A/B; tests
@@ -130,7 +132,7 @@ def _gqa_attention(
         if s.q_len == 1:  # decode: a kv head's query heads as its query rows (no broadcast)
             out[s.q_start] = _gqa_decode(q[0], _parts(pk, s, 1), _parts(pv, s, 1), scaling)
             continue
-        if s.num_cached and _FLASH_CPU is not None and q.device.type == "cpu":
+        if s.num_cached and _flash(q) is not None:
             out[s.q_start : s.q_start + s.q_len] = _gqa_extend(q, pk, pv, s, scaling)
             continue
         k, v = _rows(pk, s, 1), _rows(pv, s, 1)
@@ -192,16 +194,45 @@ def _gqa_decode(
     return _sum_by_runs(p, vs).reshape(q.shape[0], -1)
 
 
+def _flash(q: torch.Tensor) -> Any:
+    """The flash-attention op that returns each query row's log-sum-exp for ``q``'s device
+    and dtype: ``f(q, k, v, is_causal=, scale=) -> (out, lse)``; None where there is none
+    (CUDA in fp32: the dense-mask SDPA path serves it)."""
+    if q.device.type == "cpu":
+        return _FLASH_CPU
+    if q.device.type == "cuda" and _FLASH_CUDA is not None and q.dtype in _HALF:
+        return _flash_cuda
+    return None
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _flash_cuda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """CUDA flash attention -> (out ``[B, H, L, d]``, lse ``[B, H, L]``); k/v heads repeated
+    up to q's (a chunk's own rows: few) where they differ."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = _FLASH_CUDA(q, k, v, 0.0, is_causal, False, scale=scale)
+    return out[0], out[1]
+
+
 def _gqa_extend(
     q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, s: SeqRows, scaling: float | None
 ) -> torch.Tensor:
-    """A chunk of ``t`` new tokens after cached rows (CPU): ``q [1, H, t, d]`` -> ``[t, H, dv]``.
+    """A chunk of ``t`` new tokens after cached rows: ``q [1, H, t, d]`` -> ``[t, H, dv]``.
     Every query sees every cached row, so those are attended with no mask, run by run (views
     of the pool), a kv head's query heads folded into its query rows (nothing broadcast);
     the chunk's own rows causally (a square: the flash kernel skips the blocks above the
     diagonal). The parts are merged by their log-sum-exps: the softmax over all rows, exact.
     Cheaper than one SDPA call with a ``[t, n]`` mask, which the CPU flash kernel applies
-    block by block (docs/measurements.md)."""
+    block by block (docs/measurements.md); on CUDA (fp16/bf16) it is what lets a long chunk
+    run on flash attention with no ``[t, n]`` mask at all (``_flash``)."""
+    flash = _flash(q)
     h, t, d = q.shape[1:]
     kvh, c = pk.shape[0], s.num_cached
     cached, own = _split_runs(s.kv_runs, c)
@@ -209,10 +240,10 @@ def _gqa_extend(
     ks, vs = (_views(x, cached, s.kv_slots[:c], 1) for x in (pk, pv))
     parts = []
     for k, v in zip(ks, vs, strict=True):
-        o, lse = _FLASH_CPU(qf, k[None], v[None], scale=scaling)
+        o, lse = flash(qf, k[None], v[None], scale=scaling)
         parts.append((o.reshape(1, h, t, -1), lse.reshape(1, h, t)))
     k, v = (_one(x, own, s.kv_slots[c:], 1) for x in (pk, pv))
-    parts.append(_FLASH_CPU(q, k[None], v[None], is_causal=True, scale=scaling))
+    parts.append(flash(q, k[None], v[None], is_causal=True, scale=scaling))
     return _merge_by_lse(parts)[0].transpose(0, 1).to(q.dtype)  # [t, H, dv]
 
 

@@ -25,6 +25,7 @@ from leyline_agent.engine.cache.kv_pool import KVPool, slot_tensor
 from leyline_agent.engine.model.attention import install
 from leyline_agent.engine.model.context import AttnContext, SeqRows, forward_context
 from leyline_agent.engine.model.linear import KERNEL_DTYPES, install_packed, packed_available
+from leyline_agent.engine.scheduler import step_tokens_for
 from leyline_agent.kernels import decode_attn, skinny_linear
 
 __all__ = ["ModelRunner", "StepInput", "slot_runs"]
@@ -55,11 +56,13 @@ class ModelRunner:
         model: Any,
         pool: KVPool,
         allocator: SlotAllocator,
-        chunk: int = 2048,
+        chunk: int | None = None,
         packed_linears: bool = True,
     ) -> None:
-        self.model, self.pool, self.allocator, self.chunk = model, pool, allocator, chunk
+        self.model, self.pool, self.allocator = model, pool, allocator
         self.device = pool.device
+        # chunks as long as a step's budget on a GPU (``scheduler.step_tokens_for``)
+        self.chunk = chunk or max(2048, step_tokens_for(self.device.type))
         install(model)
         # oneDNN-packed linear weights for batched forwards, few-row bf16 products on
         # kernels/skinny_linear.c (``linear.py``; CPU only)
