@@ -61,7 +61,11 @@ SHRINK_INTERVAL_S = 1.0  # the KV pool looks for a free top at most this often (
 
 
 class GenerationStopped(RuntimeUnavailableError):
-    """A generation ended by ``Engine.stop_generations`` (the server is shutting down)."""
+    """A generation ended by ``Engine.stop_generations`` (the server is shutting down).
+    ``retry_after_s``: the ``Retry-After`` of its 503 (a restarted server, or another
+    replica, can take the request)."""
+
+    retry_after_s = 5
 
 
 class Engine:
@@ -280,11 +284,14 @@ class Engine:
         self.pool.shrink(self.allocator.trim(self._first_capacity))
 
     def stop_generations(self, reason: str = "the server is shutting down") -> None:
-        """From now on every generation, running or yet to start, fails at its next token
-        with ``GenerationStopped`` (dropped like any failed request: nothing cached or
-        counted). A server's shutdown deadline calls it so streams end instead of running
-        on; it cannot be undone."""
+        """From now on every generation, running or yet to start, fails with
+        ``GenerationStopped`` at its next token, or before its next prefill chunk (a long
+        prompt stops between two chunks: ``Stepper.halt``), dropped like any failed request:
+        nothing cached or counted; a splice's replacement prefill fails the same way (the
+        cache is left as it was). A server's shutdown deadline calls it so requests end
+        instead of running on; it cannot be undone."""
         self._stopped = reason
+        self.stepper.halt(GenerationStopped(reason))
 
     def _stoppable(self, on_token: Callable[[int, str], None] | None) -> Callable[[int, str], None]:
         def checked(token: int, delta: str) -> None:

@@ -19,6 +19,11 @@ ms a step that way, against 54 ms for the same batch run alone).
 ``exclusive()`` is that lock, fair to non-step work: a waiting operation makes the step
 thread pause after its current step.
 
+``halt(error)`` (a server's shutdown deadline): from the end of the step in progress on,
+every running sequence, and every one that arrives, fails with ``error`` instead of
+stepping again, so a long prompt stops between two of its prefill chunks; its owner aborts
+it (rows freed, nothing cached or counted). It does not wait for the step in progress.
+
 ``prefill`` runs rows that no one samples from (a splice's ``R``, ``executor.py``) as a
 sequence of the loop: chunked under the step budget and batched with the other sequences'
 decodes (``scheduler.py`` paces such chunks while other sessions' sequences run, and for
@@ -37,6 +42,7 @@ cached, a few new prompt tokens) decodes over two runs: the cached rows, then it
 
 from __future__ import annotations
 
+import copy
 import statistics
 import threading
 import time
@@ -164,6 +170,13 @@ class Stepper:
         self.steps = 0
         self._shared_at = float("-inf")  # when a step last ran another session's sequence
         self._stopped = 0  # sequences that stopped stepping in the last step
+        self._halt: BaseException | None = None  # ``halt``: every sequence fails with it
+
+    def halt(self, error: BaseException) -> None:
+        """Fail every sequence with ``error`` before its next step (module doc); any thread."""
+        self._halt = error
+        with self._work:
+            self._work.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -253,7 +266,12 @@ class Stepper:
                     self._ops_cond.wait()
             ran = False
             with self._lock:
-                if self.running:
+                if self.running and self._halt is not None:
+                    for s in list(self.running):
+                        s.error = copy.copy(self._halt)  # one per raising thread
+                        self._finish(s)
+                    ran = True
+                elif self.running:
                     try:
                         ran = self.step()
                     except BaseException as e:  # every running sequence's owner raises it

@@ -127,6 +127,7 @@ def build_server(args: argparse.Namespace):  # -> uvicorn.Server
     its shutdown bounded by ``--shutdown-timeout-s`` (``shutdown.DrainingServer``)."""
     import uvicorn
 
+    from leyline_agent.engine.engine import GenerationStopped
     from leyline_agent.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, DrainingServer
 
     host = getattr(args, "host", None) or DEFAULT_HOST
@@ -144,7 +145,13 @@ def build_server(args: argparse.Namespace):  # -> uvicorn.Server
     config = uvicorn.Config(
         app, host=host, port=port, log_level=level, access_log=False, log_config=None
     )
-    return DrainingServer(config, timeout_s=timeout, on_deadline=engine.stop_generations)
+    worker = app.state.leyline.worker
+
+    def on_deadline() -> None:  # the engine stops; the requests it held are answered now
+        engine.stop_generations()
+        worker.abandon(GenerationStopped("the server is shutting down"))
+
+    return DrainingServer(config, timeout_s=timeout, on_deadline=on_deadline)
 
 
 def bind(host: str, port: int) -> socket.socket:

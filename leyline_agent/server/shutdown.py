@@ -3,11 +3,16 @@
 uvicorn, on SIGTERM, stops listening and waits for every open response to end; a long
 generation would hold the process for as long as it runs. ``DrainingServer`` starts a timer
 when the shutdown begins. Until it fires, requests in flight run on (most end on their own).
-When it fires, ``on_deadline`` runs (``leyline serve`` passes ``Engine.stop_generations``):
-every generation fails at its next token, so each stream ends with one clean
-``data: {"error": ...}`` event (``RuntimeUnavailableError``) and ``data: [DONE]``, each
-non-streamed request with a 503, and the connections close. Then the app's lifespan ends
-(the worker is closed) and the process exits.
+When it fires, ``on_deadline`` runs (``leyline serve`` passes ``Engine.stop_generations``
+and ``Worker.abandon``): every generation fails at its next token or before its next prefill
+chunk (nothing of it is cached), and every request still waiting on the worker is answered
+at once, without waiting for the step in progress (a prefill chunk can take seconds): each
+stream ends with one clean ``data: {"error": ...}`` event (``GenerationStopped``) and
+``data: [DONE]``, each non-streamed request with a 503 in OpenAI's error shape with
+``Retry-After``, and the connections close. Then the app's lifespan ends (the worker is
+already closed; its daemon threads do not hold the exit) and the process exits. New
+connections are refused from the signal on (uvicorn stops listening); a request that
+reaches a route after the deadline gets the same 503.
 
 uvicorn's own ``timeout_graceful_shutdown`` is set ``GRACE_S`` later as a backstop: a
 response still open then (a job that does not generate) is cancelled without an event.

@@ -33,6 +33,10 @@ thread started it (behind other jobs, or parked behind its session's) fails with
 ``QueueTimeoutError`` (503 with ``Retry-After``) without running.
 
 ``close()`` stops accepting work, lets queued jobs finish (or cancels them), and joins.
+``abandon(error)`` (a shutdown's deadline) closes without waiting: every job not yet
+finished, running or queued, fails with ``error`` at once, so its request is answered now
+(a prefill chunk can run for seconds); what a running job returns later is dropped, and its
+thread (a daemon) ends when the engine lets it go.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -154,7 +158,7 @@ def session_key(ns: Namespace) -> Namespace | None:
     return ns if ns.session is not None else None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Job:
     fn: Callable[[ServedEngine], object]
     future: Future
@@ -190,6 +194,7 @@ class Worker:
         self._closed = False
         # key -> jobs parked behind its running job (a key is present while one runs)
         self._keys: dict[Hashable, deque[_Job]] = {}
+        self._running: set[_Job] = set()  # jobs started and not finished (``abandon``)
         self.concurrency = concurrency = concurrency_for(engine, concurrency)  # checked
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
@@ -268,6 +273,14 @@ class Worker:
         if any(t.is_alive() for t in self._threads):
             log.warning("worker still busy after close", timeout=timeout)
 
+    def abandon(self, error: BaseException) -> None:
+        """Close without waiting; every unfinished job fails with ``error`` (module doc)."""
+        with self._lock:
+            running = list(self._running)
+        self.close(cancel_pending=True, timeout=0)
+        for job in running:
+            _settle(job.future, exc=error)
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -321,9 +334,25 @@ class Worker:
         if self.queue_timeout_s is not None and waited > self.queue_timeout_s:
             job.future.set_exception(QueueTimeoutError(waited, self.queue_timeout_s))
             return
+        with self._lock:
+            self._running.add(job)
         try:
             result = job.fn(self.engine)
         except Exception as exc:  # handed to the awaiting request, never lost
-            job.future.set_exception(exc)
+            _settle(job.future, exc=exc)
         else:
-            job.future.set_result(result)
+            _settle(job.future, result)
+        finally:
+            with self._lock:
+                self._running.discard(job)
+
+
+def _settle(future: Future, result: object = None, *, exc: BaseException | None = None) -> None:
+    """Give ``future`` its outcome unless it has one (``Worker.abandon`` may have failed it)."""
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
