@@ -117,7 +117,8 @@ def test_a_prefill_stopped_between_chunks_leaves_nothing_in_the_cache(model_dir,
     assert engine.allocator.num_used == free
 
     fresh = Engine.from_pretrained(model_dir)  # a restart: a new engine, an empty cache
-    got = fresh.generate(ids, SamplingParams(max_tokens=1, temperature=0, logprobs=True)).logprobs[0]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=True)
+    got = fresh.generate(ids, params).logprobs[0]
     with torch.inference_mode():
         logits = hf(input_ids=torch.tensor([ids])).logits[0, -1].float()
     want = float(torch.log_softmax(logits, -1).max())
