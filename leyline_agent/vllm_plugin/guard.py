@@ -27,6 +27,9 @@ vLLM checks ``--api-key`` only on its own path prefixes (``/v1``, ``/v2``, ...),
   such a field that request is served untracked). A body that is not JSON is passed on
   unchanged (vLLM answers it). A request without a valid key on a path vLLM guards is
   passed on unread: vLLM answers its 401.
+- **Anthropic's Messages API** (``/v1/messages``, ``/v1/messages/count_tokens``) is served
+  by the Leyline front (``messages``), not vLLM's own Anthropic routes: a message request
+  goes on as the chat request it becomes, through the chat handling above.
 
 The limit is ``LEYLINE_MAX_BODY_BYTES`` (bytes; default 16 MiB, ``leyline serve``'s).
 """
@@ -43,6 +46,13 @@ from leyline_agent.directives.http_guards import GuardError
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 from leyline_agent.namespaces import SESSION_HEADER, Namespace, check_session_id
 from leyline_agent.vllm_plugin.chat_front import MODES, ChatFront, annotate
+from leyline_agent.vllm_plugin.messages import (
+    COUNT_PATH,
+    MESSAGES_PATH,
+    count_tokens,
+    messages_request,
+    translating,
+)
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, salt_for
 from leyline_agent.vllm_plugin.replies import ReplyReader
 
@@ -101,6 +111,8 @@ class LeylineGuard:
         try:
             if path == LEYLINE_PREFIX or path.startswith(LEYLINE_PREFIX + "/"):
                 await self._leyline(scope, receive, send)
+            elif path in (MESSAGES_PATH, COUNT_PATH) and scope.get("method") == "POST":
+                await self._messages(scope, receive, send, path)
             else:
                 await self._other(scope, receive, send, path)
         except GuardError as e:
@@ -129,6 +141,25 @@ class LeylineGuard:
         raw = await http_guards.read_body(receive, self.limit)
         scope[BODY_KEY] = http_guards.parse_json(raw) if raw.strip() else None
         await self.app(scope, http_guards.replay(raw, receive), send)
+
+    async def _messages(self, scope: Any, receive: Any, send: Any, path: str) -> None:
+        """Anthropic's Messages API as a chat request through ``_other`` (``messages``)."""
+        keys = self._keys(scope)
+        if keys and http_guards.bearer_problem(_header(scope, b"authorization"), keys) is not None:
+            await self.app(scope, receive, send)  # vLLM answers its own 401
+            return
+        if http_guards.content_length_over(scope.get("headers", ()), self.limit):
+            raise http_guards.PayloadTooLargeError(self.limit)
+        raw = await http_guards.read_body(receive, self.limit)
+        if path == COUNT_PATH:
+            await _send_json(send, 200, await count_tokens(_front(scope), raw))
+            return
+        req, body = messages_request(raw)
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        chat = {**scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode(), "headers": headers}
+        out = translating(send, req.model)
+        await self._other(chat, http_guards.replay(body, receive), out, CHAT_PATH)
 
     async def _other(self, scope: Any, receive: Any, send: Any, path: str) -> None:
         ctype = (_header(scope, b"content-type") or b"").lower()
@@ -329,6 +360,10 @@ def _annotating(send: Any, fields: dict[str, Any]) -> Any:
 async def _send_answer(send: Any, exc: LeylineError) -> None:
     """Answer ``exc`` as every Leyline route answers it (``directives.answers``)."""
     status, content = error_content(exc)
+    await _send_json(send, status, content)
+
+
+async def _send_json(send: Any, status: int, content: Any) -> None:
     raw = json.dumps(content, separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})

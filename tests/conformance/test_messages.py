@@ -1,0 +1,91 @@
+"""Anthropic's Messages API alike on both servers, through the real ``anthropic`` SDK.
+
+Each server answers ``messages.create`` (streamed and not) and ``count_tokens`` for the same
+prompt with the same counts, and a scripted 6-turn tool loop with ``clear_tool_uses_20250919``
+(keep 2) reports the same ``applied_edits``, makes at least 3 AMORTIZE splices (counted in
+``/leyline/v1/stats``) and prefills at most 1.10x the tokens of the same loop without edits
+(the prompt's uncached part plus what the splices prefilled, per turn).
+"""
+
+from __future__ import annotations
+
+import anthropic
+
+from .conftest import KEY
+
+TOOL = {"name": "read_file", "description": "read a file",
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}  # fmt: skip
+CLEAR = {"edits": [{"type": "clear_tool_uses_20250919",
+                    "trigger": {"type": "input_tokens", "value": 1},
+                    "keep": {"type": "tool_uses", "value": 2}}]}  # fmt: skip
+GREEDY = {"temperature": 0}  # the SDK no longer takes temperature
+
+
+def sdk(srv) -> anthropic.Anthropic:
+    return anthropic.Anthropic(
+        base_url=srv.url, api_key=KEY, max_retries=0, timeout=300,
+        default_headers={"Authorization": f"Bearer {KEY}"},
+    )  # fmt: skip
+
+
+def loop(client, srv, salt: str, cm=None) -> list[tuple[object, int]]:
+    msgs = [{"role": "user", "content": f"Inspect the files {salt} and report."}]
+    out = []
+    for k in range(6):
+        extra = {"context_management": cm} if cm else {}
+        m = client.beta.messages.create(
+            model=srv.model, max_tokens=4, system=f"You are a careful agent {salt}.",
+            messages=msgs, tools=[TOOL], tool_choice={"type": "none"}, extra_body=GREEDY,
+            betas=["context-management-2025-06-27"], extra_headers={"X-Leyline-Session": salt},
+            **extra,
+        )  # fmt: skip
+        spliced = sum(d.get("prefilled_tokens", 0) for d in m.model_extra["leyline"]["directives"])
+        out.append((m, m.usage.input_tokens + spliced))
+        text = "".join(b.text for b in m.content if b.type == "text")
+        use = {"type": "tool_use", "id": f"toolu_{salt}{k}", "name": "read_file",
+               "input": {"path": f"f{k}.py"}}  # fmt: skip
+        result = {"type": "tool_result", "tool_use_id": use["id"],
+                  "content": " ".join(f"{salt}line{k}_{j} value={j * k}" for j in range(24))}  # fmt: skip
+        msgs = [*msgs, {"role": "assistant", "content": [{"type": "text", "text": text}, use]},
+                {"role": "user", "content": [result]}]  # fmt: skip
+    return out
+
+
+def test_messages_and_count_tokens_alike(both):
+    views = []
+    for srv in both:
+        client = sdk(srv)
+        kw = {"model": srv.model, "max_tokens": 4, "system": "Be brief.", "extra_body": GREEDY,
+              "messages": [{"role": "user", "content": "Name a colour."}]}  # fmt: skip
+        m = client.messages.create(**kw)
+        with client.messages.stream(**kw) as s:
+            final = s.get_final_message()
+        count = client.messages.count_tokens(
+            model=srv.model, system="Be brief.", messages=kw["messages"]
+        )
+        total = m.usage.input_tokens + m.usage.cache_read_input_tokens
+        assert total == count.input_tokens, srv.name
+        assert final.usage.input_tokens + final.usage.cache_read_input_tokens == total
+        assert final.stop_reason == m.stop_reason and m.stop_reason in ("end_turn", "max_tokens")
+        views.append((count.input_tokens, m.usage.output_tokens))
+    assert views[0] == views[1]
+
+
+def test_clear_tool_uses_is_spliced_alike(both):
+    edits = {}
+    for srv in both:
+        client = sdk(srv)
+        salt = f"msg{both[1].block}{srv.name}"
+        before = srv.stats()["splices"]["amortize"]
+        edited = loop(client, srv, salt + "e", CLEAR)
+        spliced = srv.stats()["splices"]["amortize"] - before
+        plain = loop(client, srv, salt + "p")
+        edits[srv.name] = [
+            [(e.type, e.cleared_tool_uses) for e in m.context_management.applied_edits]
+            for m, _ in edited
+        ]
+        assert spliced >= 3, (srv.name, spliced)
+        total_edited, total_plain = sum(p for _, p in edited), sum(p for _, p in plain)
+        assert total_edited <= 1.10 * total_plain, (srv.name, total_edited, total_plain)
+    assert edits["leyline"] == edits["vllm"]
+    assert edits["leyline"][5] == [("clear_tool_uses_20250919", 3)]
