@@ -234,6 +234,7 @@ def _engine_mini(device: str, dry: bool) -> str:
     from leyline_agent.engine.engine import Engine, SamplingParams
     from leyline_agent.wire import DirectivesRequest
 
+    _extend_check(device, dry)
     n, span, new = (96, 16, 4) if dry else (2048, 256, 16)
     print(f"mini models, {n}-token context, a {span}-token span replaced by 4 tokens")
     print("| model | dtype | prefill logits vs transformers | FORGET logits vs transformers on T' "
@@ -282,3 +283,49 @@ def _engine_mini(device: str, dry: bool) -> str:
         )
         del eng, cpu
     return "(engine-mini: in experiments/gpu_check.py)"
+
+
+def _extend_check(device: str, dry: bool) -> None:
+    """A chunk after cached rows (``attention._gqa_extend``, bf16; on CUDA the flash path)
+    against a float64 softmax over the rows gathered from the pool, masked from the bottom
+    right. Where it errs or raises, the later sections run with the flash path off
+    (``USE_FLASH_EXTEND = False``), and this says so."""
+    import torch
+
+    from leyline_agent.engine.model import attention
+    from leyline_agent.engine.model.context import SeqRows
+    from leyline_agent.engine.model.runner import slot_runs
+
+    g = torch.Generator().manual_seed(0)
+    h, kvh, d, t, dt = 32, 8, 128, (32 if dry else 512), torch.bfloat16
+    print("chunk after cached rows vs float64 over gathered rows (GQA 32/8 x 128, bf16)")
+    print("| cached rows | runs | path | max abs err | ok |")
+    print("|---|---|---|---|---|")
+    for cached, runs in ((256, 1), (256, 3)) if dry else ((4096, 1), (4096, 3)):
+        pk = torch.randn(kvh, 3 * cached + t, d, generator=g).to(dt).to(device)
+        pv = torch.randn(kvh, 3 * cached + t, d, generator=g).to(dt).to(device)
+        part = cached // runs
+        slots = torch.cat(
+            [torch.arange(i * 2 * part, i * 2 * part + part) for i in range(runs)]
+            + [torch.arange(3 * cached, 3 * cached + t)]
+        )
+        s = SeqRows(0, t, slots.to(device), slot_runs(slots))
+        q = torch.randn(1, h, t, d, generator=g).to(dt).to(device)
+        path = "flash" if attention._flash(q) is attention._flash_cuda else "cpu flash"
+        try:
+            got = attention._gqa_extend(q, pk, pv, s, d**-0.5).double().cpu()
+            k = pk[:, slots.to(device)].double().cpu().repeat_interleave(h // kvh, 0)
+            v = pv[:, slots.to(device)].double().cpu().repeat_interleave(h // kvh, 0)
+            n = k.shape[1]
+            sc = q[0].double().cpu() @ k.transpose(1, 2) * d**-0.5
+            seen = torch.arange(n)[None, :] <= torch.arange(n - t, n)[:, None]
+            want = (sc.masked_fill(~seen, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+            err = float((got - want).abs().max())
+            ok = err < 3e-2
+            print(f"| {cached} | {runs} | {path} | {err:.2e} | {ok} |", flush=True)
+        except Exception as e:  # the flash op refused: recorded, and the path switched off
+            ok = False
+            print(f"| {cached} | {runs} | {path} | {type(e).__name__}: {e} | False |")
+        if not ok and attention.USE_FLASH_EXTEND and path == "flash":
+            attention.USE_FLASH_EXTEND = False
+            print("FLASH EXTEND OFF for the rest of this check (LEYLINE_FLASH_EXTEND=0)")

@@ -70,8 +70,10 @@ _MAX_RUNS = 16
 Runs = tuple[tuple[int, int], ...]  # (first slot, length) runs of consecutive pool rows
 # CPU flash attention with each query row's log-sum-exp (torch's own kernel behind SDPA)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-# ... and CUDA's (FlashAttention-2 behind SDPA; fp16/bf16 only), the same two outputs first
+# ... and CUDA's (FlashAttention-2 behind SDPA; fp16/bf16 only), the same two outputs first.
+# LEYLINE_FLASH_EXTEND=0 keeps CUDA chunks on SDPA with a dense mask (A/B, a device without it)
 _FLASH_CUDA = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+USE_FLASH_EXTEND = os.environ.get("LEYLINE_FLASH_EXTEND", "1") != "0"
 # Every decoding sequence of a forward (one new token each) in one call per layer of
 # kernels/decode_attn.c where it is built and takes the inputs (CPU); the torch paths
 # below serve the rest. LEYLINE_DECODE_KERNEL=0 switches it off (benchmarks' A/B; tests
@@ -200,7 +202,12 @@ def _flash(q: torch.Tensor) -> Any:
     (CUDA in fp32: the dense-mask SDPA path serves it)."""
     if q.device.type == "cpu":
         return _FLASH_CPU
-    if q.device.type == "cuda" and _FLASH_CUDA is not None and q.dtype in _HALF:
+    if (
+        q.device.type == "cuda"
+        and USE_FLASH_EXTEND
+        and _FLASH_CUDA is not None
+        and q.dtype in _HALF
+    ):
         return _flash_cuda
     return None
 
