@@ -36,7 +36,11 @@ same state (a client with the same opening, arriving together) continues another
 starts its own, and a repeat of the last prompt never continues an anonymous conversation
 (it proves nothing about who sent it). The answer's commit saves the next state unclaimed;
 a request that fails leaves its state claimed, so the client's next turn starts afresh.
-Bounded: the least recently used conversations are forgotten.
+Bounded: the least recently used conversations are forgotten. Cost: a lookup compares the
+request with each conversation of its tenant (and key, or session); without an echo (or a
+declared edit) no message may differ, so a conversation whose last message differs from the
+request's message at that place is ruled out by that one comparison before any walk over
+the rest (the server runs lookups off its event loop too).
 
 Drift (``find`` falls back to it when no conversation is continued message for message): a
 request whose message *after* a conversation's prompt echoes that conversation's reply (the
@@ -331,9 +335,12 @@ def _continues(
 ) -> Match | None:
     if not c.raw:
         return None
-    if len(messages) <= len(c.raw):
+    n = len(c.raw)
+    if len(messages) <= n:
         return Match(c, (), 0, retry=True) if list(messages) == c.raw else None
-    echo = _echo(c.reply, messages[len(c.raw)]) if c.reply is not None else None
+    echo = _echo(c.reply, messages[n]) if c.reply is not None else None
+    if echo is None and not declared and messages[n - 1] != c.raw[-1]:
+        return None  # without an echo no edit is believed: one differing message ends it
     edited = []
     for i, (old, new) in enumerate(zip(c.raw, messages, strict=False)):
         if old == new:

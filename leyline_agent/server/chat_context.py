@@ -8,12 +8,21 @@ returns the ``PreparedChat`` the route serves: it renders and generates
 ``usage`` to ``usage.leyline``, and calls ``commit(reply, tokens)`` with the answer's prompt
 and output ids once the answer is complete.
 
+The lookup (``begin_turn``: the request's messages compared with the tenant's
+conversations, up to ``conversations.DEFAULT_CONVERSATIONS`` of them, each as long as a
+request may be) runs on ``LOOKUP_THREADS`` threads of its own, never on the event loop: at
+thousands of long conversations it is tenths of a second of CPU per request, which on the
+loop would stall every stream and ``/health``.
+
 Mode: ``leyline serve --client-edits amortize|forget|off`` (``create_app(client_edits=)``),
 overridden per request by ``{"leyline": {"client_edits": ...}}``.
 """
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -25,7 +34,10 @@ from leyline_agent.server.state import ServerState
 from leyline_agent.server.tenants import key_owner
 from leyline_agent.server.worker import session_key
 
-__all__ = ["PreparedChat", "prepare_chat"]
+__all__ = ["LOOKUP_THREADS", "PreparedChat", "prepare_chat"]
+
+LOOKUP_THREADS = 2
+_LOOKUPS = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="leyline-lookup")
 
 
 async def prepare_chat(
@@ -46,7 +58,8 @@ async def prepare_chat(
     def count(text: str) -> int:
         return len(tok.encode(text, add_special_tokens=False)) if text else 0
 
-    turn = begin_turn(
+    lookup = partial(
+        begin_turn,
         st.conversations,
         st.client_edits,
         raw_messages,
@@ -58,6 +71,7 @@ async def prepare_chat(
         declared=declared,
         owner=key_owner(request),
     )
+    turn = await asyncio.get_running_loop().run_in_executor(_LOOKUPS, lookup)
     if turn is None:
         return None
     out = await run_connected(request, st.worker, turn.run, key=session_key(turn.namespace))
