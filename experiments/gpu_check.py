@@ -39,6 +39,7 @@ from typing import Any
 __all__ = ["SECTIONS", "add_arguments", "main"]
 
 SECTIONS = ("kernel", "engine-mini", "engine", "splice-1b", "splice-mla")
+EXTRA = ("profile",)  # on demand (--sections profile): where the engine's time goes
 
 
 def _argv(full: list[str], dry: list[str]) -> Callable[[bool], list[str]]:
@@ -92,11 +93,13 @@ def main(a: argparse.Namespace) -> int:
     runs = {
         "kernel": _kernel, "engine-mini": _engine_mini, "engine": _engine,
         "splice-1b": _splice(SPLICE_1B_ARGS), "splice-mla": _splice(SPLICE_MLA_ARGS),
+        "profile": _profile,
     }  # fmt: skip
     sections = [s for s in a.sections.split(",") if s]
     for section in sections:
         if section not in runs:
-            raise SystemExit(f"--sections: {section!r} is not one of {', '.join(SECTIONS)}")
+            names = ", ".join(SECTIONS + EXTRA)
+            raise SystemExit(f"--sections: {section!r} is not one of {names}")
     failed, t0 = [], time.monotonic()
     for section in sections:
         if time.monotonic() - t0 > a.budget_s:
@@ -329,3 +332,118 @@ def _extend_check(device: str, dry: bool) -> None:
         if not ok and attention.USE_FLASH_EXTEND and path == "flash":
             attention.USE_FLASH_EXTEND = False
             print("FLASH EXTEND OFF for the rest of this check (LEYLINE_FLASH_EXTEND=0)")
+
+
+# ---------------------------------------------------------------------------- profile
+_SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
+             "aten::nonzero", "cudaMemcpyAsync")  # fmt: skip
+
+
+def _profile(device: str, dry: bool) -> str:
+    """Where the engine's time goes on the 1B llama shape, bf16: a prefill (the runner's own
+    chunks, in this thread) beside transformers' forward, decode steps of the runner alone
+    beside ``Engine.generate``'s per-token time (the difference: the step loop), and one
+    AMORTIZE (its host side; R's prefill runs on the step thread). Each with torch.profiler's
+    top ops by self CPU time and the calls that wait for the device."""
+    import random
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from leyline_agent.engine.engine import SamplingParams
+    from leyline_agent.engine.model.runner import StepInput
+    from leyline_agent.wire import DirectivesRequest
+
+    from .shapes import engine_for
+
+    n, dec, half = (256, 4, 64) if dry else (33792, 32, 16384)
+    eng = engine_for("llama-1b", device, "bfloat16", 4 * n + 4096, small=dry)
+    rng = random.Random(0)
+    ids = [rng.randrange(100, eng.vocab_size) for _ in range(n)]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn: Any) -> float:
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t
+
+    def show(label: str, prof: Any, per: int = 1) -> None:
+        ev = prof.key_averages()
+        waits = {e.key: e.count for e in ev if e.key in _SYNC_OPS}
+        launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                         "cudaLaunchKernelExC"))  # fmt: skip
+        print(f"{label}: kernel launches {launches}, waits {waits} (per {per} unit(s))")
+        print("| op | calls | self CPU ms | device ms |")
+        print("|---|---|---|---|")
+        top = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:14]
+        by_dev = sorted(ev, key=lambda e: -getattr(e, "self_device_time_total", 0.0))[:8]
+        for e in top + [e for e in by_dev if e not in top and device == "cuda"]:
+            dev_us = getattr(e, "self_device_time_total", 0.0)
+            print(f"| {e.key[:60]} | {e.count} | {e.self_cpu_time_total / 1e3:.1f} "
+                  f"| {dev_us / 1e3:.1f} |")  # fmt: skip
+
+    # prefill: warm, then timed and profiled, transformers beside it
+    with torch.inference_mode():
+        warm = ids[:1024]
+        eng.allocator.free(eng.runner.prefill([], warm, want_logits=True)[0])
+        eng.model(input_ids=torch.tensor([warm], device=eng.device), logits_to_keep=1)
+        x = torch.tensor([ids], device=eng.device)
+        hf_s = timed(lambda: eng.model(input_ids=x, logits_to_keep=1))
+        slots: list[int] = []
+        e_s = timed(lambda: slots.extend(eng.runner.prefill([], ids, want_logits=True)[0]))
+        eng.allocator.free(slots)
+        print(
+            f"prefill {n} tokens: runner {e_s * 1e3:.0f} ms (chunk {eng.runner.chunk}), "
+            f"transformers forward {hf_s * 1e3:.0f} ms, runner/transformers {e_s / hf_s:.2f}x"
+        )
+        with profile(activities=acts) as prof:
+            fresh = eng.runner.prefill([], ids, want_logits=True)[0]
+            sync()
+        show(f"prefill {n} tokens (runner)", prof)
+        # decode steps of the runner alone, over the prompt just prefilled (batch 1)
+        rows = eng.allocator.alloc(dec)
+        tok = [rng.randrange(100, eng.vocab_size) for _ in range(dec)]
+
+        def steps() -> None:
+            for i in range(dec):
+                logits = eng.runner.run([StepInput([tok[i]], fresh + rows[: i + 1])])
+                int(torch.argmax(logits[0]))
+
+        steps()
+        step_s = timed(steps) / dec
+        with profile(activities=acts) as prof:
+            steps()
+        eng.allocator.free(fresh + rows)
+    p = SamplingParams(max_tokens=dec + 1, stop_token_ids=[])
+    short = ids[:2048]
+    eng.generate(short, p)
+    r = eng.generate(short[:-1] + [short[0]], p)
+    gen_s = (r.e2e_s - r.ttft_s) / max(1, len(r.output_ids) - 1)
+    print(
+        f"decode, batch 1, {len(fresh)}-token context: runner step {step_s * 1e3:.1f} ms; "
+        f"Engine.generate at 2048 tokens {gen_s * 1e3:.1f} ms/token"
+    )
+    show(f"decode ({dec} runner steps)", prof, dec)
+    # one AMORTIZE at 2 * half + 256 tokens
+    T = [rng.randrange(100, eng.vocab_size) for _ in range(2 * half + 256)]
+    R = [rng.randrange(100, eng.vocab_size) for _ in range(16)]
+    eng.generate(T, SamplingParams(max_tokens=0))
+
+    def amortize() -> None:
+        d = {"start": half, "end": half + 256, "replacement": R, "mode": "amortize"}
+        eng.apply_directives(DirectivesRequest(tokens=T, directives=[d]))
+
+    amortize()
+    a_s = timed(amortize)
+    with profile(activities=acts) as prof:
+        amortize()
+        sync()
+    print(f"AMORTIZE at {len(T)} tokens: {a_s * 1e3:.1f} ms")
+    show("AMORTIZE (the calling thread)", prof)
+    return "(profile: in experiments/gpu_check.py)"
