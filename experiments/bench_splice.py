@@ -1,7 +1,9 @@
-"""Benchmark (not a test): an edit in the middle of the context, AMORTIZE vs FORGET vs a forward.
+"""Benchmark (not a test): an edit in the middle of the context, AMORTIZE vs REPAIR vs FORGET
+vs a forward.
 
     .venv/bin/python -m leyline_agent.experiments.bench_splice [--archs deepseek_v2,llama]
         [--halves 2048,4096,8192] [--span 256] [--replacement 16] [--reps 3] [--forget-reps 1]
+        [--repair-budget 0.02]
         [--switch] [--drift] [--shapes llama-1b,dsv2-lite --device cuda --dtype bfloat16]
 
 For each ``mini`` model (built once, seeded) and each half length H, the cached sequence is
@@ -10,11 +12,14 @@ cases), and the directive replaces the span by 16 new tokens (delta = -240):
 
 - AMORTIZE: ``Engine.apply_directives``: R (16 tokens) prefilled over the prefix, the tail's
   rows copied to fresh slots with their rotary band turned by delta, ``T'`` cached;
+- REPAIR: the same directive in REPAIR mode at ``--repair-budget``: AMORTIZE, then that
+  fraction of the tail's rows recomputed in place (the engine's default selector; random
+  tokens share no bigram with the span, so these are the first tail rows after R);
 - FORGET: the same directive in FORGET mode: R + the tail prefilled over the prefix;
 - forward64: a plain forward of 64 new tokens after the whole cached ``T``
   (``Engine.logits_for``), the cost of an ordinary next turn.
 
-The three run interleaved in one loop (best of ``--reps``; FORGET best of ``--forget-reps``)
+They run interleaved in one loop (best of ``--reps``; FORGET best of ``--forget-reps``)
 on the same engine; the table gives their ratios. AMORTIZE is split into its parts, timed
 alone in the same loop: R's forward over the prefix, the tail move (``KVPool.copy_rotated``),
 and the rest (lookups, plan, tree insert, pin). ``--switch`` measures the MLA
@@ -33,6 +38,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from leyline_agent.directives.repair import DEFAULT_BUDGET, rows_for
 
 
 def _csv(text: str) -> list[str]:
@@ -78,7 +85,9 @@ def measure(arch: str, half: int, a: argparse.Namespace) -> dict[str, float]:
     cache_s = _best(lambda: eng.generate(T, SamplingParams(max_tokens=0)), 1)
 
     def directive(mode: str) -> None:
-        d = {"start": s, "end": e, "replacement": R, "mode": mode}
+        d: dict[str, Any] = {"start": s, "end": e, "replacement": R, "mode": mode}
+        if mode == "repair":
+            d["budget"] = a.repair_budget
         eng.apply_directives(DirectivesRequest(tokens=T, directives=[d]))
 
     def r_forward() -> None:
@@ -98,7 +107,8 @@ def measure(arch: str, half: int, a: argparse.Namespace) -> dict[str, float]:
     best: dict[str, float] = {}
     for rep in range(a.reps):
         parts = [("amortize", lambda: directive("amortize")), ("forward64", lambda: eng.logits_for(T + X)),
-                 ("r_forward", r_forward), ("tail_move", tail_move)]  # fmt: skip
+                 ("r_forward", r_forward), ("tail_move", tail_move),
+                 ("repair", lambda: directive("repair"))]  # fmt: skip
         if rep < a.forget_reps:
             parts.append(("forget", lambda: directive("forget")))
         for name, fn in parts:
@@ -111,9 +121,10 @@ def measure(arch: str, half: int, a: argparse.Namespace) -> dict[str, float]:
 def table(a: argparse.Namespace) -> None:
     print(
         "| model | T tokens (prefix+span+tail) | AMORTIZE ms | R forward ms | tail move ms "
-        "| other ms | FORGET ms | forward64 ms | FORGET/AMORTIZE | AMORTIZE/forward64 |"
+        "| other ms | REPAIR ms (rows) | FORGET ms | forward64 ms | FORGET/AMORTIZE "
+        "| REPAIR/FORGET | AMORTIZE/forward64 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for arch in _csv(a.shapes or a.archs):
         name = arch if "-" in arch else f"{arch} mini"
         for half in map(int, _csv(a.halves)):
@@ -122,8 +133,10 @@ def table(a: argparse.Namespace) -> None:
             print(
                 f"| {name} | {2 * half + a.span} ({half}+{a.span}+{half}) "
                 f"| {ms['amortize']:.1f} | {ms['r_forward']:.1f} | {ms['tail_move']:.1f} "
-                f"| {ms['other']:.1f} | {ms['forget']:.0f} | {ms['forward64']:.1f} "
-                f"| {m['forget'] / m['amortize']:.0f}x | {m['amortize'] / m['forward64']:.2f}x |",
+                f"| {ms['other']:.1f} | {ms['repair']:.1f} ({rows_for(a.repair_budget, half)}) "
+                f"| {ms['forget']:.0f} | {ms['forward64']:.1f} "
+                f"| {m['forget'] / m['amortize']:.0f}x | {m['repair'] / m['forget']:.3f}x "
+                f"| {m['amortize'] / m['forward64']:.2f}x |",
                 flush=True,
             )
 
@@ -289,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replacement", type=int, default=16, help="tokens of R")
     ap.add_argument("--reps", type=int, default=3, help="best of this many (AMORTIZE, forward)")
     ap.add_argument("--forget-reps", type=int, default=1, help="best of this many FORGETs")
+    ap.add_argument(
+        "--repair-budget", type=float, default=DEFAULT_BUDGET, help="REPAIR's fraction of the tail"
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--shapes", default=None, help="model shapes for the table (shapes.py)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the table only)")

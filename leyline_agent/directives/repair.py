@@ -5,12 +5,15 @@ directive recomputes ``rows_for(budget, tail_len)`` of them under the edited con
 selector decides which:
 
 - ``ngram`` (the default): tail tokens in a bigram that also occurs in the removed span (a
-  quote of the removed text: a number, a file name), in order of position; the rest of the
-  budget goes to the first tail rows after the splice;
+  quote of the removed text: a file name, a setting's name), in order of position, then the
+  rows that follow them (one row after each, then two, ...: the rest of a quote, such as
+  the number after the name); with no match, or budget left when they run out, the first
+  tail rows after the splice;
+- ``ngram-first``: the bigram rows, then the first tail rows after the splice;
 - ``first``: the first tail rows after the splice (EPIC / LegoLink's choice).
 
 The measured ablation (other selectors included: CacheBlend's K/V deviation, which needs
-tensors) is ``experiments/reports/repair_quality.py``.
+tensors) is ``experiments/repair_ablation.py``.
 """
 
 from __future__ import annotations
@@ -75,9 +78,23 @@ def _first(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
     return list(range(span.tail_start, span.tail_start + n))
 
 
-def _ngram(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
+def _ngram_first(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
     picked = ngram_rows(tokens, span)[:n]
     return _fill_by_position(picked, span, n)
+
+
+def _ngram(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
+    matched = ngram_rows(tokens, span)
+    chosen = dict.fromkeys(matched[:n])
+    d = 1
+    while len(chosen) < n and matched and d < span.tail_len:
+        for m in matched:
+            if len(chosen) >= n:
+                break
+            if m + d < span.tail_end:
+                chosen.setdefault(m + d)
+        d += 1
+    return _fill_by_position(list(chosen), span, n)
 
 
 def _fill_by_position(picked: list[int], span: RepairSpan, n: int) -> list[int]:
@@ -90,7 +107,7 @@ def _fill_by_position(picked: list[int], span: RepairSpan, n: int) -> list[int]:
 
 
 Selector = Callable[[Sequence[int], RepairSpan, int], list[int]]
-SELECTORS: dict[str, Selector] = {"ngram": _ngram, "first": _first}
+SELECTORS: dict[str, Selector] = {"ngram": _ngram, "ngram-first": _ngram_first, "first": _first}
 
 
 def select_rows(

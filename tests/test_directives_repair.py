@@ -1,0 +1,37 @@
+"""REPAIR's row selection (pure), against selections written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from leyline_agent.directives.modes import rule_of
+from leyline_agent.directives.repair import RepairSpan, rows_for, select_rows
+from leyline_agent.errors import UnsupportedModeError
+
+
+def test_rows_for_budget_bounds():
+    assert [rows_for(b, 200) for b in (0.0, 0.001, 0.02, 0.5, 1.0)] == [0, 1, 4, 100, 200]
+    with pytest.raises(ValueError, match="budget"):
+        rows_for(1.5, 10)
+
+
+def test_selectors_pick_the_quote_and_its_continuation():
+    # tail T'[10:40]; the removed span held (5, 6, 7, 8); the tail quotes (5, 6) at 15-16
+    # and (7, 8) at 30-31
+    t = list(range(100, 140))
+    t[15], t[16], t[30], t[31] = 5, 6, 7, 8
+    span = RepairSpan(10, 40, (5, 6, 7, 8), 0.2)  # ceil(0.2 * 30) = 6 rows
+    assert select_rows(t, [span], "ngram") == [15, 16, 17, 30, 31, 32]
+    assert select_rows(t, [span], "ngram-first") == [10, 11, 15, 16, 30, 31]
+    assert select_rows(t, [span], "first") == [10, 11, 12, 13, 14, 15]
+    no_match = RepairSpan(10, 40, (1, 2, 3), 0.1)
+    assert select_rows(t, [no_match], "ngram") == [10, 11, 12]
+    with pytest.raises(ValueError, match="selector"):
+        select_rows(t, [span], "nope")
+
+
+def test_a_mode_a_backend_does_not_execute_is_refused_by_name():
+    with pytest.raises(UnsupportedModeError, match=r"directives\[0\].mode: 'repair'"):
+        rule_of("repair", {rule_of("amortize").mode}, where="directives[0].mode")
+    with pytest.raises(UnsupportedModeError, match="reserved"):
+        rule_of("pin")
