@@ -10,6 +10,7 @@ messages and tools the request stands for; the server's prompt is read from
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import httpx
@@ -219,3 +220,83 @@ def test_chat_refuses_and_lists_by_name(http, name):
     assert [n["field"] for n in r.json()["leyline"]["ignored"]] == ["user"]
     r = post(http, "/v1/completions", {"model": name, "prompt": "a", "max_tokens": 1, "x": 1})
     assert field_of(r) == "x"
+
+
+# ---- sampling: vLLM's options against transformers' own logits processors --------------
+PROMPT_IDS = [5, 17, 300, 41, 9, 77, 301, 12]
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from leyline_agent.reference.hf_reference import hf_model
+
+    return hf_model(model_dir)
+
+
+def hf_text(hf, tok, ids, n, **kw):
+    """transformers' generate (its own logits processors) from the token ids ``ids``."""
+    import torch
+
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, **kw)
+    return tok.decode(out[0, len(ids) :], skip_special_tokens=False)
+
+
+def complete(http, name, ids, n, **extra):
+    body = {"model": name, "prompt": ids, "max_tokens": n, "temperature": 0, **extra}
+    r = post(http, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_repetition_penalty_top_k_and_min_p_as_transformers_computes_them(http, name, hf, tok):
+    plain = complete(http, name, PROMPT_IDS, 8)["text"]
+    penalised = complete(http, name, PROMPT_IDS, 8, repetition_penalty=0.05)["text"]
+    assert penalised == hf_text(hf, tok, PROMPT_IDS, 8, repetition_penalty=0.05)
+    assert penalised != plain  # the penalty changed the answer: the check can fail
+    # top_k 1 and min_p 1 keep only the top token: sampling at temperature 1.5 is greedy
+    for extra, kw in (({"top_k": 1}, {"top_k": 1}), ({"min_p": 1.0}, {"min_p": 1.0})):
+        texts = {
+            complete(http, name, PROMPT_IDS, 8, temperature=1.5, seed=s, **extra)["text"]
+            for s in range(3)
+        }
+        assert texts == {hf_text(hf, tok, PROMPT_IDS, 8, **kw)}, extra
+    free = {complete(http, name, PROMPT_IDS, 8, temperature=1.5, seed=s)["text"] for s in range(3)}
+    assert len(free) > 1  # without them the seeds give different answers
+
+
+def test_min_tokens_and_ignore_eos_hold_back_the_stop_token(http, name, hf, tok):
+    # a prompt of stop tokens and a penalty below 1 make the stop token the greedy choice
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    ids, boost = [eos] * 4, {"repetition_penalty": 0.01}
+    first = complete(http, name, ids, 6, **boost)
+    assert (first["text"], first["finish_reason"]) == ("", "stop")
+    assert hf_text(hf, tok, ids, 6, **boost) == "<|im_end|>"  # transformers agrees
+    held = complete(http, name, ids, 6, min_tokens=3, **boost)
+    want = hf_text(hf, tok, ids, 6, min_new_tokens=3, **boost).removesuffix("<|im_end|>")
+    assert held["text"] == want and len(tok.encode(want, add_special_tokens=False)) >= 3
+    loose = complete(http, name, ids, 6, ignore_eos=True, **boost)
+    assert loose["finish_reason"] == "length"
+
+
+def test_structured_outputs_and_guided_fields_constrain_the_answer(http, name):
+    msgs = [{"role": "user", "content": "pick"}]
+    base = {"model": name, "messages": msgs, "max_tokens": 24, "temperature": 0}
+    cases = [
+        ({"structured_outputs": {"choice": ["alpha", "beta"]}}, lambda t: t in ("alpha", "beta")),
+        ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+        ({"guided_regex": "[a-c]{5}"}, lambda t: len(t) == 5 and set(t) <= set("abc")),
+        ({"structured_outputs": {"grammar": 'root ::= "ok" | "ko"'}}, lambda t: t in ("ok", "ko")),
+        ({"guided_json": {"type": "object", "properties": {"n": {"type": "boolean"}},
+                          "required": ["n"]}}, lambda t: json.loads(t)["n"] in (True, False)),
+    ]  # fmt: skip
+    for extra, ok in cases:
+        r = post(http, "/v1/chat/completions", {**base, **extra})
+        assert r.status_code == 200, r.text
+        assert ok(r.json()["choices"][0]["message"]["content"]), extra
+    r = post(http, "/v1/completions", {"model": name, "prompt": "x", "max_tokens": 8,
+                                       "temperature": 0, "guided_choice": ["one", "two"]})  # fmt: skip
+    assert r.json()["choices"][0]["text"] in ("one", "two")
+    two = {**base, "guided_regex": "a", "guided_choice": ["a"]}
+    assert field_of(post(http, "/v1/chat/completions", two)) == "guided_choice"
+    bad = {**base, "structured_outputs": {"whitespace_pattern": " "}}
+    assert field_of(post(http, "/v1/chat/completions", bad)) == "structured_outputs.whitespace_pattern"

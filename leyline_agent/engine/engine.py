@@ -227,7 +227,8 @@ class Engine:
         if self._stopped is not None:
             raise GenerationStopped(self._stopped)
         on_token = self._stoppable(on_token)
-        stop_ids = frozenset(self.stop_token_ids) | frozenset(extra_stop)
+        own = frozenset() if params.ignore_eos else frozenset(self.stop_token_ids)
+        stop_ids = own | frozenset(extra_stop)
         constraint = self._constraint(params, stop_ids)  # compiled outside the engine lock
         t0 = time.perf_counter()
         with self.stepper.exclusive():
@@ -236,7 +237,8 @@ class Engine:
             self.cache.hold(m)
             seq = sequence.Sequence(
                 prompt_ids=ids, params=params, namespace=namespace, match=m,
-                sampler=Sampler(params, self.device, constraint), detok=Detokenizer(self.tokenizer, params.stop),
+                sampler=Sampler(params, self.device, constraint, prompt_ids=ids, stop_ids=stop_ids),
+                detok=Detokenizer(self.tokenizer, params.stop),
                 stop_ids=stop_ids, t0=t0, splice_lost=splice_lost, on_token=on_token,
                 logprobs=[] if params.logprobs else None,
             )  # fmt: skip

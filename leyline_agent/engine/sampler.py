@@ -32,14 +32,25 @@ def mask_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> None:
 
 
 class Sampler:
-    """Greedy at temperature 0 (or below ``GREEDY_BELOW``); otherwise temperature + nucleus
-    with a per-request generator."""
+    """Greedy at temperature 0 (or below ``GREEDY_BELOW``); otherwise temperature, top-k,
+    nucleus and min-p with a per-request generator. ``repetition_penalty`` and
+    ``min_tokens`` (``SamplingParams``) apply to both; ``prompt_ids`` are the tokens the
+    penalty counts before the answer's own, ``stop_ids`` those ``min_tokens`` holds back."""
 
     def __init__(
-        self, params: SamplingParams, device: torch.device, constraint: Constraint | None = None
+        self,
+        params: SamplingParams,
+        device: torch.device,
+        constraint: Constraint | None = None,
+        *,
+        prompt_ids: Sequence[int] = (),
+        stop_ids: Sequence[int] = (),
     ) -> None:
         self.params = params
         self.constraint = constraint  # the sequence's grammar state, if it has one
+        self.seen: set[int] = set(prompt_ids) if params.repetition_penalty != 1.0 else set()
+        self.stop_ids = sorted(stop_ids)
+        self.chosen = 0  # answer tokens so far
         self.greedy = params.temperature < GREEDY_BELOW
         self.gen: torch.Generator | None = None
         if not self.greedy:
@@ -51,21 +62,45 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from ``logits`` (already masked when there is a constraint)."""
-        tok = self._pick(logits)
+        tok = self._pick(self._adjusted(logits))
         if self.constraint is not None:
             self.constraint.accept(tok)
+        self.chosen += 1
+        if self.params.repetition_penalty != 1.0:
+            self.seen.add(tok)
         return tok
+
+    def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with the repetition penalty and ``min_tokens``' mask applied (a copy)."""
+        p = self.params
+        held = self.chosen < p.min_tokens and self.stop_ids
+        if p.repetition_penalty == 1.0 and not held:
+            return logits
+        out = logits.float().cpu().clone()
+        if self.seen and p.repetition_penalty != 1.0:
+            idx = torch.tensor(sorted(self.seen), dtype=torch.long)
+            sel = out[idx]
+            out[idx] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
+        if held:
+            out[torch.tensor(self.stop_ids, dtype=torch.long)] = float("-inf")
+        return out
 
     def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
         if self.greedy:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float().cpu() / p.temperature, dim=-1)
+        scores = logits.float().cpu() / p.temperature
+        if 0 < p.top_k < scores.numel():
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
         if p.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p
             keep[0] = True
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return int(torch.multinomial(probs, 1, generator=self.gen))
 
     def logprob(self, logits: torch.Tensor, token_id: int, tokenizer) -> TokenLogprob:

@@ -158,7 +158,18 @@ def sampling_params(
         logprobs=want_logprobs,
         top_logprobs=top,
         grammar=grammar,
+        top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_tokens=_min_tokens(req.min_tokens, max_tokens),
+        ignore_eos=bool(req.ignore_eos),
     )
+
+
+def _min_tokens(min_tokens: int | None, max_tokens: int) -> int:
+    if min_tokens is not None and min_tokens > max_tokens:
+        raise RequestError(f"{min_tokens} is more than max_tokens ({max_tokens})", "min_tokens")
+    return min_tokens or 0
 
 
 def check_messages(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:

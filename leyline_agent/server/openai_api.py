@@ -63,6 +63,18 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's sampling options (``engine.params.SamplingParams``); top_k -1 or 0: no cut
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+    # vLLM's answer constraints (``structured_outputs.structured_format``)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -69,6 +69,7 @@ from leyline_agent.server.response_format import answer_grammar
 from leyline_agent.server.session_names import name_session
 from leyline_agent.server.state import ServerState, state
 from leyline_agent.server.streaming import DONE, StreamedText, sse
+from leyline_agent.server.structured_outputs import completion_grammar, structured_format
 from leyline_agent.server.template_options import template_options
 from leyline_agent.server.tenants import namespace
 from leyline_agent.server.tool_calls import ParsedOutput, ResponseStream, served_format
@@ -137,6 +138,9 @@ def _finish(result: GenerationResult, called_tools: bool = False) -> str:
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     name_session(request, req.prompt_cache_key, "prompt_cache_key")
     st, ns = _request_context(request, req.model)
+    fmt = structured_format(req)  # vLLM's structured_outputs / guided_* (structured_outputs.py)
+    if fmt is not None:
+        req = req.model_copy(update={"response_format": fmt})
     tools = check_messages(req)
     render, notes = template_options(req, st.worker.engine)  # template_options.py
     ignore(request, notes)
@@ -294,7 +298,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         check_prompt_length(len(prompt), st.model, "prompt")
         ids = prompt  # token ids are used as given: no BOS, no template
     check_prompt_ids(ids, st.model.limits, "prompt")
-    params = sampling_params(req, len(ids), st.model)
+    params = sampling_params(req, len(ids), st.model, completion_grammar(st.worker.engine, req))
     if req.stream:
         text = StreamedText()
         events = await _started(request, _generate(st, ids, params, text, ns))
