@@ -14,6 +14,7 @@ Two parts:
   are the rest of the engine's splice counts.
 - ``SpliceSources``: that per-source count (thread-safe), fed with each chat turn's
   ``leyline`` answer field.
+- ``stats_text``: those families in Prometheus' text format (what a ``/metrics`` appends).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
 
 from leyline_agent.wire import StatsResponse
 
-__all__ = ["SOURCES", "SpliceSources", "stats_metrics"]
+__all__ = ["SOURCES", "SpliceSources", "stats_metrics", "stats_text"]
 
 SOURCES = ("directive", "client_edit", "body_edit", "context_management", "drift")
 _TOKENS = {
@@ -121,3 +123,18 @@ def stats_metrics(
         g = GaugeMetricFamily(f"{prefix}_{key}", doc)
         g.add_metric([], float(getattr(stats, key)))
         yield g
+
+
+class _Families:
+    """A registry-shaped view of ready metric families (for ``generate_latest``)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def stats_text(stats: StatsResponse, sources: dict[tuple[str, str], int] | None = None) -> bytes:
+    """``stats_metrics`` in Prometheus' text format."""
+    return generate_latest(_Families(list(stats_metrics(stats, sources))))  # type: ignore[arg-type]

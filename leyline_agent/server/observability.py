@@ -13,7 +13,7 @@ Prometheus ``/metrics``.
   process never share one): requests by route, method and status, their duration, a
   generation's time to first token and end to end (``generation(result)``), and the chat
   turns' splices by source (``metrics.SpliceSources``).
-- ``GET /metrics``: those series, then ``metrics.stats_metrics`` of the engine's whole
+- ``GET /metrics``: those series, then ``metrics.stats_text`` of the engine's whole
   counters (the same numbers as ``/leyline/v1/stats``), in Prometheus' text format.
 """
 
@@ -22,17 +22,15 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
 
 from leyline_agent.logs import get_logger
-from leyline_agent.metrics import SpliceSources, stats_metrics
+from leyline_agent.metrics import SpliceSources, stats_text
 from leyline_agent.namespaces import DEFAULT_TENANT
 from leyline_agent.server.disconnect import run_connected
 from leyline_agent.server.tenants import SCOPE_SESSION, SCOPE_TENANT
@@ -150,21 +148,10 @@ class AccessLog:
             metrics.request(route, str(scope.get("method")), status, seconds)
 
 
-class _Collected:
-    """A registry-shaped view of ready metric families (for ``generate_latest``)."""
-
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self.families)
-
-
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     st = request.app.state.leyline
     stats = await run_connected(request, st.worker, lambda e: e.stats())
     live: ServerMetrics = st.metrics
-    counted = _Collected(list(stats_metrics(stats, live.sources.snapshot())))
-    text = generate_latest(live.registry) + generate_latest(counted)  # type: ignore[arg-type]
+    text = generate_latest(live.registry) + stats_text(stats, live.sources.snapshot())
     return Response(text, media_type=CONTENT_TYPE_LATEST)

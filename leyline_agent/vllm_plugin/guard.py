@@ -30,6 +30,8 @@ vLLM checks ``--api-key`` only on its own path prefixes (``/v1``, ``/v2``, ...),
 - **Anthropic's Messages API** (``/v1/messages``, ``/v1/messages/count_tokens``) is served
   by the Leyline front (``messages``), not vLLM's own Anthropic routes: a message request
   goes on as the chat request it becomes, through the chat handling above.
+- **``GET /metrics``**: vLLM's own series, then Leyline's (``leyline_agent.metrics``: the
+  counters of ``/leyline/v1/stats`` and the chat turns' splices by source).
 
 The limit is ``LEYLINE_MAX_BODY_BYTES`` (bytes; default 16 MiB, ``leyline serve``'s).
 """
@@ -44,6 +46,7 @@ from leyline_agent.directives import http_guards
 from leyline_agent.directives.answers import error_content
 from leyline_agent.directives.http_guards import GuardError
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.metrics import SpliceSources, stats_text
 from leyline_agent.namespaces import SESSION_HEADER, Namespace, check_session_id
 from leyline_agent.vllm_plugin.chat_front import MODES, ChatFront, annotate
 from leyline_agent.vllm_plugin.messages import (
@@ -55,12 +58,15 @@ from leyline_agent.vllm_plugin.messages import (
 )
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, salt_for
 from leyline_agent.vllm_plugin.replies import ReplyReader
+from leyline_agent.wire import StatsResponse
 
 __all__ = ["BODY_KEY", "FRONT_STATE", "KEYS_STATE", "LeylineGuard", "api_keys", "max_body_bytes"]
 
 BODY_KEY = "leyline.body"  # the scope key of a Leyline route's parsed body
 KEYS_STATE = "leyline_api_keys"  # app.state: the key digests (set by init_state)
 FRONT_STATE = "leyline_chat"  # app.state: the ``chat_front.ChatFront`` (set by init_state)
+SOURCES_STATE = "leyline_splice_sources"  # app.state: ``metrics.SpliceSources``
+METRICS_PATH = "/metrics"
 CHAT_PATH = "/v1/chat/completions"
 LEYLINE_PREFIX = "/leyline"
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware
@@ -113,6 +119,8 @@ class LeylineGuard:
                 await self._leyline(scope, receive, send)
             elif path in (MESSAGES_PATH, COUNT_PATH) and scope.get("method") == "POST":
                 await self._messages(scope, receive, send, path)
+            elif path == METRICS_PATH and scope.get("method") == "GET":
+                await self._metrics(scope, receive, send)
             else:
                 await self._other(scope, receive, send, path)
         except GuardError as e:
@@ -141,6 +149,16 @@ class LeylineGuard:
         raw = await http_guards.read_body(receive, self.limit)
         scope[BODY_KEY] = http_guards.parse_json(raw) if raw.strip() else None
         await self.app(scope, http_guards.replay(raw, receive), send)
+
+    async def _metrics(self, scope: Any, receive: Any, send: Any) -> None:
+        """vLLM's ``/metrics`` with Leyline's series after its own (``metrics.stats_text``)."""
+        route = getattr(getattr(scope.get("app"), "state", None), "leyline", None)
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        stats = StatsResponse.model_validate(await route.stats())
+        extra = stats_text(stats, _sources(scope).snapshot())
+        await self.app(scope, receive, _appending(send, extra))
 
     async def _messages(self, scope: Any, receive: Any, send: Any, path: str) -> None:
         """Anthropic's Messages API as a chat request through ``_other`` (``messages``)."""
@@ -191,6 +209,8 @@ class LeylineGuard:
         if chat:
             done = await _front(scope).splice(data, sid)  # the turn's edits and drift
             data, fields, commit = done.body, done.fields, done.commit
+            if fields is not None:  # its splices by source (/metrics)
+                _sources(scope).turn(fields.get("leyline"), fields["usage"]["leyline"])
         else:
             data = {k: v for k, v in data.items() if k != "leyline"}
         body = json.dumps(data).encode()
@@ -247,6 +267,36 @@ def _salt(data: dict[str, Any], sid: str | None) -> None:
             "cache_salt",
         )
     data["cache_salt"] = salt
+
+
+def _sources(scope: Any) -> SpliceSources:
+    """The app's count of the chat turns' splices by source (made on first use)."""
+    state = scope["app"].state
+    sources = getattr(state, SOURCES_STATE, None)
+    if sources is None:
+        sources = SpliceSources()
+        setattr(state, SOURCES_STATE, sources)
+    return sources
+
+
+def _appending(send: Any, extra: bytes) -> Any:
+    """An ASGI ``send`` that adds ``extra`` at the end of a 200 answer's body."""
+    ok = False
+
+    async def appended(message: dict[str, Any]) -> None:
+        nonlocal ok
+        if message["type"] == "http.response.start":
+            ok = message.get("status") == 200
+            if ok:
+                headers = [
+                    h for h in message.get("headers", ()) if h[0].lower() != b"content-length"
+                ]
+                message = {**message, "headers": headers}
+        elif message["type"] == "http.response.body" and ok and not message.get("more_body"):
+            message = {**message, "body": message.get("body", b"") + extra}
+        await send(message)
+
+    return appended
 
 
 def _front_of(scope: Any) -> ChatFront | None:
