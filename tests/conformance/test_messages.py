@@ -86,6 +86,8 @@ def test_clear_tool_uses_is_spliced_alike(both):
         ]
         assert spliced >= 3, (srv.name, spliced)
         total_edited, total_plain = sum(p for _, p in edited), sum(p for _, p in plain)
+        print(f"{srv.name} block {both[1].block}: prefilled {total_edited} vs {total_plain} "
+              f"unedited = {total_edited / total_plain:.3f}x, {spliced} splices")  # fmt: skip
         assert total_edited <= 1.10 * total_plain, (srv.name, total_edited, total_plain)
     assert edits["leyline"] == edits["vllm"]
     assert edits["leyline"][5] == [("clear_tool_uses_20250919", 3)]
