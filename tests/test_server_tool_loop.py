@@ -121,3 +121,17 @@ def test_the_template_setting_refuses_tools_naming_them(smol):
         assert e.value.body["param"] == "messages[1]"
     finally:
         set_setting(engine.tokenizer, "hermes")
+
+
+def test_logprobs_and_usage_leave_out_the_stop_token(smol):
+    """As OpenAI and vLLM: the answer ends on ``<|im_end|>``, which neither ``logprobs.content``
+    lists nor ``completion_tokens`` counts; the listed tokens spell the content."""
+    engine, _, client = smol
+    r = client.chat.completions.create(
+        model=engine.model_name, messages=[{"role": "user", "content": "What is 2 + 2?"}],
+        max_tokens=24, temperature=0, logprobs=True,
+    )  # fmt: skip
+    c = r.choices[0]
+    tokens = [t.token for t in c.logprobs.content]
+    assert c.finish_reason == "stop" and "<|im_end|>" not in tokens
+    assert r.usage.completion_tokens == len(tokens) and "".join(tokens) == c.message.content
