@@ -157,7 +157,7 @@ def _gqa_decode_kernel(
     """The decoding sequences (one new token each) in one kernel call: ``out[q_start]`` of
     each; False (nothing written) where the kernel does not apply."""
     dec = [s for s in ctx.seqs if s.q_len == 1]
-    if not dec or not USE_DECODE_KERNEL:
+    if not dec or not _decode_kernel_on(query):
         return False
     h, d, kvh = query.shape[1], query.shape[-1], pk.shape[0]
     rows = torch.tensor([s.q_start for s in dec], device=query.device)
@@ -168,6 +168,12 @@ def _gqa_decode_kernel(
     o = decode_attn.decode_attention([q], [pk], pv, [s.kv_runs for s in dec], scale)
     out.index_copy_(0, rows, o.view(len(dec), h, -1).to(out.dtype))
     return True
+
+
+def _decode_kernel_on(x: torch.Tensor) -> bool:
+    """Whether the decode kernel may take this forward: a CPU kernel, so never on another
+    device (asking there would cost a host-to-device copy and a sync per layer)."""
+    return USE_DECODE_KERNEL and x.device.type == "cpu"
 
 
 def _gqa_decode(
@@ -358,7 +364,7 @@ def _mla_decode_kernel(
     """The decoding sequences among ``latent`` (their rows of ``q_lat [H, *, r]`` / ``q_pe``
     in ``latent``'s order) in one kernel call into ``o_lat``; False (nothing written) where
     the kernel does not apply."""
-    if not USE_DECODE_KERNEL:
+    if not _decode_kernel_on(q_lat):
         return False
     at, rows, dec = 0, [], []
     for s in latent:

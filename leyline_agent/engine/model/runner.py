@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from leyline_agent.engine.cache.allocator import SlotAllocator
@@ -154,13 +155,16 @@ def _seq_rows(q_start: int, q_len: int, slots: Sequence[int], dev: torch.device)
 
 
 def slot_runs(slots: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """``slots`` (1-d long) as runs of consecutive indices: ``((first, length), ...)``."""
+    """``slots`` (1-d long) as runs of consecutive indices: ``((first, length), ...)``.
+    In numpy on the host: every step asks it of every sequence's rows (a 33k-row context:
+    about 4 ms a step in torch's CPU ops on a GPU machine, measured by gpu_check's profile)."""
     n = int(slots.shape[0])
     if n == 0:
         return ()
-    breaks = (torch.nonzero(slots.diff() != 1).flatten() + 1).tolist()
+    a = slots.cpu().numpy()
+    breaks = (np.flatnonzero(np.diff(a) != 1) + 1).tolist()
     if not breaks:
-        return ((int(slots[0]), n),)
+        return ((int(a[0]), n),)
     cuts = [0, *breaks, n]
-    firsts = slots[cuts[:-1]].tolist()
+    firsts = a[cuts[:-1]].tolist()
     return tuple((f, b - a) for f, a, b in zip(firsts, cuts[:-1], cuts[1:], strict=True))
