@@ -195,34 +195,49 @@ _PLAIN = (int, bool, type(None))  # JSON values with nothing to check
 
 def check_json_text(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
     """``GuardError`` naming the first lone surrogate, non-finite number or level past
-    ``max_depth`` of a parsed body (iterative: a deep body cannot exhaust the stack)."""
-    stack: list[tuple[str, int, Any]] = [("", 0, body)]
+    ``max_depth`` of a parsed body (iterative: a deep body cannot exhaust the stack).
+
+    Linear in the body: a value's path is kept as a link to its parent's (``_Where``) and
+    spelled out only for the error, never built for every value."""
+    stack: list[tuple[_Where | None, int, Any]] = [(None, 0, body)]
     while stack:
-        path, depth, value = stack.pop()
+        where, depth, value = stack.pop()
         if isinstance(value, str):
             if _SURROGATE.search(value):
                 raise GuardError(
                     "contains a lone UTF-16 surrogate (\\ud800-\\udfff); text must be Unicode",
-                    path or "body",
+                    _path(where),
                 )
         elif isinstance(value, float):
             if not math.isfinite(value):
-                raise GuardError(f"{value} is not a JSON number", path or "body")
+                raise GuardError(f"{value} is not a JSON number", _path(where))
         elif isinstance(value, dict | list):
             if depth >= max_depth:
                 raise GuardError(f"nested deeper than {max_depth} levels", "body")
             if isinstance(value, dict):
                 for key in value:
                     if _SURROGATE.search(key):
-                        raise GuardError("a key contains a lone UTF-16 surrogate", path or "body")
+                        raise GuardError("a key contains a lone UTF-16 surrogate", _path(where))
                 pairs: Iterable[tuple[Any, Any]] = value.items()
             else:
                 pairs = enumerate(value)
-            # ints, booleans and nulls need no check: skipped before a path is built for them
-            # (a token list of 10k ids otherwise costs 10k path strings, ~15 ms with the GIL
-            # held on the event loop, which every stream's events then wait for)
-            items = [(_join(path, k), depth + 1, v) for k, v in pairs if type(v) not in _PLAIN]
+            # ints, booleans and nulls need no check: skipped before anything is kept for them
+            items = [((where, k), depth + 1, v) for k, v in pairs if type(v) not in _PLAIN]
             stack.extend(reversed(items))
+
+
+_Where = tuple[Any, Any]  # (the parent's _Where or None, this value's key or index)
+
+
+def _path(where: _Where | None) -> str:
+    keys = []
+    while where is not None:
+        where, key = where
+        keys.append(key)
+    path = ""
+    for key in reversed(keys):
+        path = _join(path, key)
+    return path or "body"
 
 
 # -- answers -----------------------------------------------------------------------------

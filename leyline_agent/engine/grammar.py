@@ -7,7 +7,11 @@ Three levels, as in vLLM's and SGLang's structured outputs:
   larger than the tokenizer's) and the engine's stop tokens, and a ``GrammarCompiler``
   (which caches what it compiled, by schema); ``constraint(spec, stop_ids)`` compiles a
   ``GrammarSpec`` and gives a fresh ``Constraint``. A schema or tag the compiler refuses is
-  an ``InvalidRequestError`` naming the spec's field.
+  an ``InvalidRequestError`` naming the spec's field, and so is one whose compile takes
+  longer than ``compile_deadline_s`` (``COMPILE_DEADLINE_S``; some schemas compile in time
+  quadratic in their size: 600 optional properties take 10 s here). Compiles run on
+  ``COMPILE_THREADS`` threads of their own; one past its deadline finishes there in the
+  background (its result is cached), the request waiting on it is refused.
 - ``Constraint`` (one per sequence): a ``GrammarMatcher`` that accepts each sampled token.
   Its stop tokens are the sequence's own (the engine's and the request's ``stop_token_ids``):
   once the grammar is complete the mask allows only them, so a finished answer ends there
@@ -27,6 +31,8 @@ import contextlib
 import functools
 import json
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -40,6 +46,9 @@ __all__ = ["Constraint", "GrammarViolation", "Grammars", "check_spec", "mask_log
 COMPILER_CACHE_BYTES = 256 << 20  # what xgrammar's compiler keeps of compiled grammars
 MASK_THREADS = 2  # xgrammar's threads filling a batch's bitmask
 MIN_MASK_ROWS = 8  # the bitmask buffer is grown, never shrunk, from this many rows
+COMPILE_DEADLINE_S = 5.0
+COMPILE_THREADS = 2
+_COMPILES = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="leyline-grammar")
 
 
 class GrammarViolation(RuntimeError):
@@ -76,14 +85,26 @@ def check_spec(spec: GrammarSpec) -> None:
         if spec.kind == "json_schema":
             _schema_ebnf(spec.value)
         elif spec.kind == "structural_tag":
-            xgr.Grammar.from_structural_tag(_compact_tag(spec.value))
+            _tag_grammar(spec.value)
+
+
+@functools.lru_cache(maxsize=256)
+def _tag_grammar(tag_json: str) -> xgr.Grammar:
+    return xgr.Grammar.from_structural_tag(_compact_tag(tag_json))
 
 
 class Grammars:
     """The engine's grammar compiler and its step's bitmask buffer."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        compile_deadline_s: float = COMPILE_DEADLINE_S,
+    ) -> None:
         self.vocab_size = vocab_size
+        self.compile_deadline_s = compile_deadline_s
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
@@ -94,7 +115,20 @@ class Grammars:
         self.bitmask = xgr.allocate_token_bitmask(MIN_MASK_ROWS, vocab_size)
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """``spec`` compiled (thread-safe; a request compiles before it enters the engine)."""
+        """``spec`` compiled (thread-safe; a request compiles before it enters the engine),
+        within ``compile_deadline_s``."""
+        future = _COMPILES.submit(self._compile, spec)
+        try:
+            return future.result(timeout=self.compile_deadline_s)
+        except FutureTimeout:
+            future.cancel()  # still queued: never runs
+            raise InvalidRequestError(
+                f"cannot constrain the answer to it: its grammar did not compile within "
+                f"{self.compile_deadline_s:g} s",
+                spec.field,
+            ) from None
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         with _refused(spec):
             if spec.kind == "json_schema":  # compact JSON: (", ", ": "), no free whitespace
                 compiled = self.compiler.compile_grammar(_schema_ebnf(spec.value))

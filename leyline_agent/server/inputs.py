@@ -7,7 +7,9 @@ Python's ``json`` module accepts what strict JSON parsers refuse: an escaped lon
 fails on) and the non-standard ``NaN`` / ``Infinity`` literals (and numbers such as
 ``1e400`` that overflow to infinity). ``check_json_text`` walks the whole body, iteratively
 (a deeply nested body cannot exhaust the stack), and refuses the first such value with a
-400 naming its path (``messages[0].content``), before any field is used.
+400 naming its path (``messages[0].content``), before any field is used. The walk, and the
+parse of a body a route parses itself, run off the event loop (``offload``): a 16 MiB body
+takes a core for a second, during which the loop answers other requests.
 
 Bounds and shapes of message lists (``messages``, a directive's ``old_messages`` /
 ``new_messages``, the Responses API's ``input``), checked by ``check_message_lists`` before
@@ -36,6 +38,7 @@ from pydantic import BaseModel
 from leyline_agent.directives import http_guards
 from leyline_agent.directives.validate import check_text_bound, message_text_bytes
 from leyline_agent.server.errors import RequestError
+from leyline_agent.server.offload import off_loop
 
 __all__ = [
     "DEFAULT_MAX_MESSAGES",
@@ -102,7 +105,7 @@ async def check_json_body(request: Request) -> None:
     limits = getattr(getattr(request.app.state, "leyline", None), "inputs", None)
     limits = limits if isinstance(limits, InputLimits) else InputLimits()
     if takes_raw:
-        body = http_guards.parse_json(raw) if raw.strip() else None
+        body = await off_loop(http_guards.parse_json, raw) if raw.strip() else None
         request.state.json_body = body
         check_message_lists(body, limits)
         return
@@ -117,7 +120,7 @@ async def check_json_body(request: Request) -> None:
     if not takes_body and body != {}:
         raise RequestError("this route takes no fields; send no body or {}", "body")
     check_message_lists(body, limits)
-    check_json_text(body)
+    await off_loop(check_json_text, body)
 
 
 def raw_json_body(model: type[BaseModel]) -> dict[str, Any]:

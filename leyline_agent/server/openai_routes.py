@@ -65,7 +65,7 @@ from leyline_agent.server.request_fields import (
     ignore,
     ignored,
 )
-from leyline_agent.server.response_format import answer_grammar
+from leyline_agent.server.schema_work import answer_constraints
 from leyline_agent.server.session_names import name_session
 from leyline_agent.server.state import ServerState, state
 from leyline_agent.server.streaming import DONE, StreamedText, sse
@@ -77,7 +77,6 @@ from leyline_agent.server.tool_choice import (
     ToolChoice,
     answer_stream,
     check_met,
-    parse_tool_choice,
 )
 from leyline_agent.server.worker import ServedEngine, StreamEnd, session_key
 
@@ -144,14 +143,19 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     tools = check_messages(req)
     render, notes = template_options(req, st.worker.engine)  # template_options.py
     ignore(request, notes)
-    choice = parse_tool_choice(req.tool_choice, tools)  # see tool_choice.py
-    forced = choice.forced_prefix() if tools is not None else ""
-    call = choice.grammar(tools, req.parallel_tool_calls)
-    grammar = answer_grammar(st.worker.engine, call, req.response_format)  # response_format.py
     edits = request_edits(req.leyline, req.messages)  # leyline.edits checked and applied
     messages = messages_for_template(edits.messages)
     longest, limit = st.model.limits.longest_token_bytes, st.model.max_prompt_tokens
     check_text_bound(message_text_bytes(messages), longest, limit, "messages")
+    done = await answer_constraints(  # schema_work.py: off the event loop, bounded
+        st.worker.engine,
+        req.tool_choice,
+        tools,
+        req.parallel_tool_calls,
+        req.response_format,
+        getattr(request.app.state, "leyline_schema_limits", None),
+    )
+    choice, forced, grammar = done.choice, done.forced, done.grammar
     cm, opts, declared = req.context_management, edits.options, edits.declared
     ctx = None
     if render.plain:  # a conversation is tracked as the template renders it by default
