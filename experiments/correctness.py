@@ -14,8 +14,9 @@ first-token argmax after the next user turn ``Q``:
 splice vs ground truth must agree exactly (fp32); splice vs full context measures the
 approximation AMORTIZE makes (the tail keeps values computed over the old span).
 
-Drift (bf16, MLA models): k = 1..K chained AMORTIZE splices on a bf16 engine, each moving
-the tail by a small delta; the tail's cached rotary band against the float64 rotation of
+Drift (bf16; MLA: the k_pe band, GQA: the whole post-RoPE keys): k = 1..K chained AMORTIZE
+splices on a bf16 engine, each moving the tail by a small delta; the tail's cached rotary
+band against the float64 rotation of
 the band as first stored by the cumulative delta: rel-L2 = ||band - exact|| / ||exact||.
 "fp32 rotation" is the engine (rotate_band, fp32 math); "bf16 rotation" applies the same
 deltas to the stored band with cos/sin and products in bf16 (what a rotation written in the
@@ -182,20 +183,25 @@ def drift(model_dir: Path, max_chain: int = 64, seed: int = 0) -> dict[str, Any]
     from leyline_agent.wire import DirectivesRequest
 
     eng = Engine.from_pretrained(model_dir, dtype="bfloat16")
-    if not eng.config.model_type.startswith("deepseek"):
-        raise LeylineError("--model: the drift report reads the MLA k_pe band (deepseek_v2/v3)")
+    mla = eng.config.model_type.startswith("deepseek")
     spec = eng.rope_spec
     inv_freq, layout = spec.inv_freq_tensor().cpu(), spec.layout
+    if not mla and 2 * inv_freq.numel() != eng.pool.keys.shape[-1]:
+        raise LeylineError("--model: the drift report reads whole GQA keys (no partial rotary)")
     rng = random.Random(seed)
     T = _prompts(eng, 1, 2048, seed)[0][0]
     eng.generate(T, SamplingParams(max_tokens=0))
     s, width = 16, 8  # every splice rewrites T[16:24]; the tail after it is rotated
+    tail = len(T) - s - width
 
     def band(tokens: list[int]) -> Any:
         m = eng.cache.tree.match_prefix(tokens)
         if m.length != len(tokens):
             raise LeylineError("drift: the spliced sequence is not cached")
-        return torch.stack([v[0, 0, s + width :] for _, v in eng.pool.as_cache_data(m.slots)])
+        rows = eng.pool.as_cache_data(m.slots[-tail:])  # the tail: T's rows after the span
+        if mla:  # the MLA cache's second tensor is the rotary band k_pe
+            return torch.stack([v[0, 0] for _, v in rows])
+        return torch.stack([k[0] for k, _ in rows])  # GQA: post-RoPE keys
 
     stored = band(T)
     naive = stored.clone()

@@ -236,7 +236,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/quality"), help="output folder")
 
 
-def _select(convs: list[dict[str, Any]], quick: bool) -> list[dict[str, Any]]:
+def select_conversations(convs: list[dict[str, Any]], quick: bool) -> list[dict[str, Any]]:
     if not quick:
         return convs
     general = [c for c in convs if c["kind"] == "general"][:8]
@@ -260,7 +260,7 @@ def main(args: argparse.Namespace) -> int:
     variants = ["stub"] if args.quick else args.variants.split(",")
     greedy = min(args.greedy, 8) if args.quick else args.greedy
     tok = AutoTokenizer.from_pretrained(model)
-    convs = _select(load_conversations(), args.quick)
+    convs = select_conversations(load_conversations(), args.quick)
     cases = build_cases(tok, convs, variants)
     args.out.mkdir(parents=True, exist_ok=True)
     n_gen = sum(c["kind"] == "general" for c in convs)
