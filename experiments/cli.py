@@ -5,6 +5,7 @@
     leyline bench report         every recorded run (runs/**/report.json) into docs/results.md
     leyline check correctness    first-token agreement and bf16 drift of splices
     leyline check quality        real model: first token, greedy answers, fact recall per arm
+    leyline check bf16           real model: bf16 logits error, key drift, cache-state dependence
     leyline check gpu OUTDIR     the prepared GPU check (scripts/gpu_check.sh; --dry-run on CPU)
     leyline eval mini-nightmare  debug-gym's froggy through Leyline, per arm
     leyline demo                 mini model + quick mechanism benchmark + correctness report
@@ -171,6 +172,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=recorded("check quality", _module_main("quality", whole=True),
                                  Path("runs/quality")))  # fmt: skip
 
+    from .bf16_facts import add_arguments as bf16_arguments  # no torch at import
+
+    p = check.add_parser("bf16", help="real model: bf16 logits error, key drift, cache-state dependence")
+    bf16_arguments(p)
+    p.set_defaults(func=recorded("check bf16", _module_main("bf16_facts", whole=True), Path("runs/bf16")))
+
     ev = sub.add_parser("eval", help="agent evaluations").add_subparsers(
         dest="eval", metavar="WHAT"
     )
@@ -228,6 +235,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--arch", default="deepseek_v2", help="model architecture (make-model --arch)")
     p.add_argument("--size", default="mini", choices=["tiny", "mini"], help="model size")
+    p.add_argument("--no-real-model", dest="real_model", action="store_false",
+                   help="skip the real-model section (SmolLM2: quick quality report, a spliced chat)")  # fmt: skip
     p.set_defaults(func=_demo)
 
     tr = sub.add_parser("trajectories", help="agent trajectories").add_subparsers(
