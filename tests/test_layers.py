@@ -51,6 +51,7 @@ CONTRACTS = {
     "leyline_agent.trajectory",
     "leyline_agent.chat_input",
     "leyline_agent.chat_shapes",
+    "leyline_agent.responses_items",
     "leyline_agent.http_errors",
     "leyline_agent.logs",
     "leyline_agent.directives",  # the package namespace: core's names (for the layers above)

@@ -9,7 +9,8 @@ sessions behind a sync and an async client: LangChain's ``http_client`` and
 ``http_async_client``). Because it sits below the SDK, the SDK's copies (``with_options``,
 ``copy``), ``with_raw_response`` and ``with_streaming_response`` keep it, and every reply is
 observed: the body passes through unchanged and is read as it goes (JSON or server-sent
-events). Other requests than ``POST .../chat/completions`` pass through untouched.
+events). Other requests than ``POST .../chat/completions`` and ``POST .../responses`` pass
+through untouched.
 
 For a chat request it does what ``wrap_openai`` does, with the same ``ContextSession``:
 run the policies on the body's ``messages``, send the edited body with ``X-Leyline-Session``
@@ -34,6 +35,15 @@ last turn the request repeats (preferring one whose observed reply it echoes), n
 sessions with a call in flight; none -> a new session. So concurrent runs on one client get
 their own sessions and their own directives. The sessions live in a
 ``registry.SessionRegistry`` (``wrap_openai``'s too), which keeps a bounded number of them.
+
+A Responses request (the OpenAI Agents SDK's default model, ``OpenAIResponsesModel``) is
+read as the chat messages it stands for (``instructions`` as the system message at the head,
+then its ``input`` items, ``responses_items``), the policies run on those, and their edits
+are written back into the items (a tool result's ``output``, a message's text, a call's
+arguments); the edits ride in the body as on chat (the server serves Responses through its
+chat route). One the transport cannot read that way (a ``previous_response_id``, whose
+history only the server has; an item type it does not know) goes through as the SDK built
+it, counted in ``failures`` and logged.
 
 Failures of the middleware (a policy error, an unreadable body) are logged and counted and
 the request goes through as the SDK built it; ``strict=True`` raises them.
@@ -66,6 +76,7 @@ from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 from leyline_agent.logs import get_logger
 from leyline_agent.namespaces import SESSION_HEADER
 from leyline_agent.protocols import Runtime
+from leyline_agent.responses_items import edited_items, input_messages, reply_message
 
 __all__ = ["LeylineTransport"]
 
@@ -73,6 +84,7 @@ log = get_logger(__name__)  # silent until configured (leyline_agent.logs)
 
 SESSION_KEY = "leyline_session"
 CHAT_PATH = "/chat/completions"
+RESPONSES_PATH = "/responses"
 _LIBS: tuple[ModuleType, ...] = (httpx,) if httpx2 is None else (httpx, httpx2)
 _TRANSPORTS = tuple(c for lib in _LIBS for c in (lib.BaseTransport, lib.AsyncBaseTransport))
 _STREAMS = tuple(c for lib in _LIBS for c in (lib.SyncByteStream, lib.AsyncByteStream))
@@ -96,6 +108,7 @@ class _Exchange:
     session: ContextSession
     stream: bool
     done: Callable[[], None] = field(default=lambda: None)
+    responses: bool = False  # a Responses call: its reply is a Response
 
 
 class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx2's bases
@@ -161,7 +174,7 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         inner = self._inner(request, is_async=True)
-        if _is_chat(request):
+        if _is_chat(request) or _is_responses(request):
             await request.aread()
             request, ex = await asyncio.to_thread(self._before, request)  # runtime I/O is sync
         else:
@@ -192,13 +205,20 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
 
     # -- around one call (shared by sync and async) ---------------------------------------------
     def _before(self, request: httpx.Request) -> tuple[httpx.Request, _Exchange | None]:
-        if not _is_chat(request):
+        responses = _is_responses(request)
+        if not (responses or _is_chat(request)):
             return request, None
         try:
             body = json.loads(request.read())
-            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            if not isinstance(body, dict):
                 return request, None
-            session = self._session(request, body)
+            if responses:
+                messages, tools, head = _responses_view(body)
+            elif isinstance(body.get("messages"), list):
+                messages, tools, head = body["messages"], body.get("tools"), 0
+            else:
+                return request, None
+            session = self._session(request, body, messages)
             root = _root(request)
         except Exception as e:  # noqa: BLE001 - an unreadable body is the server's to refuse
             if self.strict or isinstance(e, LeylineError):
@@ -210,19 +230,24 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
 
         session.runtime = self._runtime(root, request)
         rides = rides_in_body(session.runtime) and self._runtime_spec in (None, "auto")
-        tools = body.get("tools")
         args = (
-            body["messages"],
+            messages,
             tools if isinstance(tools, list) else None,
             body.get("model") if isinstance(body.get("model"), str) else None,
         )
         try:
             if rides:  # the edits go in the body: no directive request
                 plan = session.plan(*args)
-                body["messages"] = plan.messages_to_send
+                sent = plan.messages_to_send
                 with_leyline_field(body, "leyline", session.leyline_field(plan))
             else:
-                body["messages"] = session.prepare(*args)
+                sent = session.prepare(*args)
+            if not responses:
+                body["messages"] = sent
+            elif sent[:head] != messages[:head]:
+                raise ValueError("a policy edited the instructions")
+            elif sent[head:] != messages[head:]:  # the edits written back into the items
+                body["input"] = edited_items(body["input"], messages[head:], sent[head:])
         except Exception as e:  # noqa: BLE001 - let the user's call through
             if self.strict:
                 self._release(_Exchange(session, False))
@@ -245,7 +270,7 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
             content=json.dumps(body).encode(),
             extensions=request.extensions,
         )
-        return out, _Exchange(session, body.get("stream") is True)
+        return out, _Exchange(session, body.get("stream") is True, responses=responses)
 
     def _after(self, ex: _Exchange | None, response: httpx.Response) -> httpx.Response:
         if ex is None:
@@ -258,7 +283,7 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
         def on_body(raw: bytes | None) -> None:
             try:
                 if raw is not None:
-                    reply = _reply(raw, response, ex.stream)
+                    reply = _reply(raw, response, ex.stream, ex.responses)
                     if reply is not None:
                         session.observe_reply(reply)
             except Exception as e:  # noqa: BLE001 - observing must not break the call
@@ -274,7 +299,9 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
             self._registry.release(ex.session)
 
     # -- sessions -------------------------------------------------------------------------------
-    def _session(self, request: httpx.Request, body: dict[str, Any]) -> ContextSession:
+    def _session(
+        self, request: httpx.Request, body: dict[str, Any], messages: list[dict[str, Any]]
+    ) -> ContextSession:
         """The session of this request (marked busy): named, or found by content, or new."""
         from leyline_agent.agent.wrappers import client_session_id
 
@@ -290,7 +317,7 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
         root = _root(request)
         if sid is not None:
             return self._registry.named(sid, root, busy=True)
-        return self._registry.by_content(body["messages"], root)
+        return self._registry.by_content(messages, root)
 
     def _new_session(self, sid: str) -> ContextSession:
         return ContextSession(
@@ -329,14 +356,40 @@ def _is_chat(request: httpx.Request) -> bool:
     return request.method == "POST" and request.url.path.rstrip("/").endswith(CHAT_PATH)
 
 
-def _reply(raw: bytes, response: Any, stream: bool) -> dict[str, Any] | None:
-    """The assistant message of choice 0 in a reply body (JSON, or server-sent events)."""
+def _is_responses(request: httpx.Request) -> bool:
+    return request.method == "POST" and request.url.path.rstrip("/").endswith(RESPONSES_PATH)
+
+
+def _responses_view(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any] | None, int]:
+    """The chat messages a Responses body stands for (``instructions`` first), its function
+    tools in chat's shape, and how many head messages came from ``instructions``;
+    ``LeylineError`` for a body whose history the transport cannot see."""
+    if body.get("previous_response_id") is not None:
+        raise LeylineError("previous_response_id: the history is stored on the server")
+    instructions = body.get("instructions")
+    head = [{"role": "system", "content": instructions}] if instructions else []
+    tools = [
+        {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                          if k in t}}
+        for t in body.get("tools") or ()
+        if isinstance(t, dict) and t.get("type") == "function"
+    ]  # fmt: skip
+    return [*head, *input_messages(body.get("input", []))], tools or None, len(head)
+
+
+def _reply(
+    raw: bytes, response: Any, stream: bool, responses: bool = False
+) -> dict[str, Any] | None:
+    """The assistant message of choice 0 in a reply body (JSON, or server-sent events); of a
+    Response's output items for a Responses call."""
     headers = response.headers
     enc = headers.get("content-encoding")
     if enc and enc != "identity":  # decode as the response's own library would
         lib = _lib(response)
         raw = lib.Response(200, headers={"content-encoding": enc}, content=raw).content
     text = raw.decode("utf-8", errors="replace")
+    if responses:
+        return _response_reply(text, stream)
     if not stream and "text/event-stream" not in headers.get("content-type", ""):
         choices = json.loads(text).get("choices") or []
         return choices[0].get("message") if choices else None
@@ -347,6 +400,18 @@ def _reply(raw: bytes, response: Any, stream: bool) -> dict[str, Any] | None:
             if data and data != "[DONE]":
                 asm.add(json.loads(data))
     return asm.message()
+
+
+def _response_reply(text: str, stream: bool) -> dict[str, Any] | None:
+    """The assistant message of a Response (JSON) or of its stream's last event."""
+    if not stream:
+        return reply_message(json.loads(text).get("output") or [])
+    for line in reversed(text.splitlines()):
+        if line.startswith("data:"):
+            event = json.loads(line[len("data:") :].strip() or "{}")
+            if event.get("type") in ("response.completed", "response.incomplete"):
+                return reply_message(event["response"].get("output") or [])
+    return None
 
 
 class _ObservedBody(*_STREAMS):  # type: ignore[misc]  # httpx's and httpx2's stream bases

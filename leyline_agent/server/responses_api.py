@@ -8,14 +8,8 @@ applies to a response unchanged. A client that replays its items itself (statele
 Agents SDK's ``store=False`` way) and edits an earlier one is an in-place edit of the
 conversation the server cached, spliced as chat splices it.
 
-Input items and the chat messages they become:
-
-- a message (``{"role", "content"}``, ``type: "message"`` optional): ``developer`` and
-  ``system`` become a system message, ``user`` a user message, ``assistant`` an assistant
-  message; content a string or a list of ``input_text`` / ``output_text`` parts (joined);
-- ``function_call`` items (``call_id``, ``name``, ``arguments``) join the assistant message
-  before them (or open one with ``content: null``) as its ``tool_calls``, ids = ``call_id``;
-- ``function_call_output`` (``call_id``, ``output``) becomes a ``tool`` message.
+Input items become chat messages by ``responses_items.input_messages`` (the rules the
+agent-side wrappers read them by too).
 
 ``instructions`` is a system message at the head (not carried over from a previous
 response, as OpenAI does). Tools: ``function`` tools, and ``namespace`` tools flattened into
@@ -37,6 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from leyline_agent.responses_items import input_messages
 from leyline_agent.server.errors import RequestError
 from leyline_agent.server.request_fields import Ignored, check_effort
 
@@ -50,9 +45,6 @@ __all__ = [
 ]
 
 _REQUEST = ConfigDict(frozen=True, extra="ignore", strict=True)
-_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-_MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
-_MESSAGE_ROLES["developer"] = "system"
 _NO_REASONING = "the served model writes no reasoning items"
 HOSTED_LEFT_OUT = frozenset({"web_search", "web_search_preview"})  # left out of the prompt
 
@@ -135,66 +127,6 @@ def _refuse_unsupported(req: ResponsesRequest, effort_in_template: bool) -> list
         if getattr(req, name) is not None:
             raise RequestError(f"{name} objects are not supported", name)
     return notes
-
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError("must be a string or a list of text parts", where)
-    out = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise RequestError(f"{kind!r} parts are not supported (text only)", f"{where}[{j}]")
-        if not isinstance(part.get("text"), str):
-            raise RequestError("must be a string", f"{where}[{j}].text")
-        out.append(part["text"])
-    return "".join(out)
-
-
-def _str_field(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str) or (key != "arguments" and not value):
-        raise RequestError("must be a non-empty string", f"{where}.{key}")
-    return value
-
-
-def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> list[dict[str, Any]]:
-    """The chat messages of a request's ``input`` (see the module doc)."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    out: list[dict[str, Any]] = []
-    for k, item in enumerate(items):
-        at = f"{where}[{k}]"
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = _MESSAGE_ROLES.get(item.get("role"))  # type: ignore[arg-type]
-            if role is None:
-                raise RequestError(f"unknown role {item.get('role')!r}", f"{at}.role")
-            out.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
-        elif kind == "function_call":
-            call = {
-                "id": _str_field(item, "call_id", at),
-                "type": "function",
-                "function": {
-                    "name": _str_field(item, "name", at),
-                    "arguments": _str_field(item, "arguments", at),
-                },
-            }
-            last = out[-1] if out else None
-            if last is None or last["role"] != "assistant":
-                last = {"role": "assistant", "content": None}
-                out.append(last)
-            last.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
-            output = _text(item.get("output"), f"{at}.output")
-            out.append(
-                {"role": "tool", "tool_call_id": _str_field(item, "call_id", at), "content": output}
-            )
-        else:
-            raise RequestError(f"{kind!r} items are not supported", f"{at}.type")
-    return out
 
 
 def _function_tools(

@@ -4,7 +4,8 @@
 ``message`` item with one ``output_text`` part (when the answer has text, or has neither text
 nor calls), then one ``function_call`` item per tool call (``call_id`` is the chat call's id,
 so a client that sends the items back echoes the ids the server's conversation matching
-checks). ``reply_message(items)`` is the inverse, the chat message a later turn continues.
+checks). ``responses_items.reply_message(items)`` is the inverse, the chat message a later
+turn continues.
 
 ``ResponseEvents`` reads the chat route's stream (``chat.completion.chunk`` payloads) and
 writes the Responses event sequence the OpenAI SDK reads: ``response.created``,
@@ -26,6 +27,8 @@ import time
 import uuid
 from collections.abc import Callable
 from typing import Any
+
+from leyline_agent.responses_items import reply_message
 
 __all__ = [
     "ResponseEvents",
@@ -89,26 +92,6 @@ def output_items(
         items.append(message_item(new_item_id("msg"), text or ""))
     items.extend(call_item(new_item_id("fc"), c, namespaces=namespaces) for c in calls)
     return items
-
-
-def reply_message(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat assistant message of ``items`` (what the chat route committed as the reply:
-    ``content`` None for calls without text)."""
-    texts = [p["text"] for i in items if i["type"] == "message" for p in i["content"]]
-    calls = [
-        {
-            "id": i["call_id"],
-            "type": "function",
-            "function": {"name": i["name"], "arguments": i["arguments"]},
-        }
-        for i in items
-        if i["type"] == "function_call"
-    ]
-    text = "".join(texts) if texts else None
-    out: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
-    if calls:
-        out["tool_calls"] = calls
-    return out
 
 
 def responses_usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
