@@ -91,3 +91,37 @@ def test_clear_tool_uses_is_spliced_alike(both):
         assert total_edited <= 1.10 * total_plain, (srv.name, total_edited, total_plain)
     assert edits["leyline"] == edits["vllm"]
     assert edits["leyline"][5] == [("clear_tool_uses_20250919", 3)]
+
+
+def test_clear_thinking_is_spliced_alike(both):
+    """``clear_thinking_20251015`` (keep 1): the earlier turn's thinking block (a ``<think>``
+    span the template renders) is cleared and spliced on both servers alike."""
+    views = {}
+    for srv in both:
+        client, salt = sdk(srv), f"think{both[1].block}{srv.name}"
+
+        def turn(think: str, text: str) -> dict:
+            return {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": think, "signature": ""},
+                {"type": "text", "text": text}]}  # fmt: skip
+
+        first = [{"role": "user", "content": f"Pick an option {salt}."},
+                 turn("First I weigh options one, two and three carefully.", "Option one."),
+                 {"role": "user", "content": "Sure?"}]  # fmt: skip
+        kw = {"model": srv.model, "max_tokens": 2, "extra_body": GREEDY,
+              "betas": ["context-management-2025-06-27"],
+              "extra_headers": {"X-Leyline-Session": salt}}  # fmt: skip
+        client.beta.messages.create(messages=first, **kw)
+        before = srv.stats()["splices"]["amortize"]
+        msgs = [*first, turn("Now option two looks best.", "Option two."),
+                {"role": "user", "content": "Why?"}]  # fmt: skip
+        cm = {"edits": [{"type": "clear_thinking_20251015",
+                         "keep": {"type": "thinking_turns", "value": 1}}]}  # fmt: skip
+        m = client.beta.messages.create(messages=msgs, context_management=cm, **kw)
+        (edit,) = m.context_management.applied_edits
+        spliced = srv.stats()["splices"]["amortize"] - before
+        assert spliced >= 1, srv.name
+        views[srv.name] = (edit.type, edit.cleared_thinking_turns, edit.cleared_input_tokens,
+                           m.usage.input_tokens + m.usage.cache_read_input_tokens)  # fmt: skip
+    assert views["leyline"] == views["vllm"]
+    assert views["leyline"][:2] == ("clear_thinking_20251015", 1)
