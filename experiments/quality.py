@@ -132,7 +132,7 @@ def run_arms(server: QualityServer, arms: list[Arm], cases: list[Case], tok: Any
              log: Path | None = None) -> list[ArmResult]:  # fmt: skip
     """Every arm on every case, arms interleaved case by case."""
     out, unedited = [], {}
-    with open(log, "w") if log else open("/dev/null", "w") as f:  # noqa: SIM115
+    with open(log, "w", buffering=1) if log else open("/dev/null", "w") as f:  # noqa: SIM115
         for case in cases:
             for arm in arms:
                 if not arm.edited and (case.id, arm.name) in unedited:
@@ -227,12 +227,13 @@ def report(results: list[ArmResult], names: list[str], dtype: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder (default: leyline fetch-model smollm2)")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="comma list: float32, bfloat16")
+    p.add_argument("--dtypes", default=None,
+                   help="comma list: float32, bfloat16 (default: both; --quick: float32)")  # fmt: skip
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     p.add_argument("--variants", default="stub,delete", help="comma list: stub, delete")
     p.add_argument("--greedy", type=int, default=32, help="greedy answer length compared")
     p.add_argument("--quick", action="store_true",
-                   help="8 conversations and 6 fact cases, stub only, float32, greedy 8 (the demo's form)")  # fmt: skip
+                   help="8 conversations and 6 fact cases, stub only, greedy 8 (the demo's form)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/quality"), help="output folder")
 
 
@@ -256,7 +257,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--arms: unknown {unknown}; known: {', '.join(ARMS)}")
     arms = [ARMS[a] for a in args.arms.split(",")]
     names = [a.name for a in arms]
-    dtypes = ["float32"] if args.quick else args.dtypes.split(",")
+    dtypes = (args.dtypes or ("float32" if args.quick else "float32,bfloat16")).split(",")
     variants = ["stub"] if args.quick else args.variants.split(",")
     greedy = min(args.greedy, 8) if args.quick else args.greedy
     tok = AutoTokenizer.from_pretrained(model)
