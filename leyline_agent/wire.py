@@ -159,6 +159,12 @@ class StatsResponse(BaseModel):
         description="request fields accepted as OpenAI hints and not acted on, by field "
         "(each answer lists its own in leyline.ignored)",
     )
+    stored_responses: int = Field(
+        default=0, description="the tenant's stored Responses (/v1/responses, store: true)"
+    )
+    stored_response_bytes: int = Field(
+        default=0, description="their size, as compact JSON (bounded per tenant)"
+    )
     tenant: str | None = Field(default=None, description="whose counters these are (per key)")
     features: tuple[str, ...] = Field(
         default=(),

@@ -30,6 +30,7 @@ from leyline_agent.directives.idempotence import check_request_id
 from leyline_agent.directives.validate import checked, parse_directives
 from leyline_agent.server.disconnect import run_connected
 from leyline_agent.server.inputs import raw_json_body
+from leyline_agent.server.responses_routes import responses_store
 from leyline_agent.server.state import state
 from leyline_agent.server.tenants import key_owner, namespace
 from leyline_agent.server.worker import ServedEngine, session_key
@@ -73,17 +74,20 @@ async def directives(request: Request) -> DirectivesResponse:
 async def stats(request: Request) -> StatsResponse:
     st, tenant = state(request), namespace(request).tenant
     counts = await run_connected(request, st.worker, lambda e: e.stats(tenant=tenant))
+    stored, stored_bytes = responses_store(request).stats(tenant)
     return counts.model_copy(
         update={
             "features": (BODY_EDITS, CLIENT_EDITS),  # chat_context
             "ignored_fields": st.ignored.of(tenant),  # request_fields
+            "stored_responses": stored,  # responses_store
+            "stored_response_bytes": stored_bytes,
         }
     )
 
 
 @router.post("/leyline/v1/flush", response_model=FlushResponse)
 async def flush(request: Request) -> FlushResponse:
-    st = state(request)
+    st, responses = state(request), responses_store(request)
     tenant = namespace(request).tenant
 
     def job(engine: ServedEngine) -> FlushResponse:  # on the worker: between two engine steps
@@ -94,6 +98,7 @@ async def flush(request: Request) -> FlushResponse:
             kept_tokens=rep.kept_tokens,
             dropped_pins=rep.dropped_pins,
             dropped_conversations=st.conversations.forget_tenant(tenant),
+            dropped_responses=responses.forget_tenant(tenant),
         )
 
     return await run_connected(request, st.worker, job)

@@ -9,9 +9,10 @@ into a Response (or the Responses event stream, ``responses_output``), and, unle
 ``store`` is false, the response and its conversation are stored for the tenant.
 
 ``GET /v1/responses/{id}`` answers a stored response; ``DELETE`` forgets it. An unknown id is
-a 404 (``not_found_error``). The store is bounded per tenant (``DEFAULT_STORED_RESPONSES``,
-least recently used first out): a chain whose head was forgotten is a 400, never a silent
-fresh start.
+a 404 (``not_found_error``). The store is bounded per tenant in entries, bytes and time
+(``responses_store.StoreLimits``, least recently used first out): a chain whose head was
+forgotten is a 400, never a silent fresh start; a request that would store more than an entry
+may hold, or ``metadata`` / ``user`` / ``text`` past OpenAI's bounds, is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ from leyline_agent.server.responses_output import (
     response_object,
     responses_usage,
 )
-from leyline_agent.server.responses_store import ResponseStore, StoredResponse
+from leyline_agent.server.responses_store import (
+    ResponseStore,
+    StoredResponse,
+    check_request,
+    entry_bytes,
+)
 from leyline_agent.server.session_names import name_session
 from leyline_agent.server.state import state
 from leyline_agent.server.template_options import template_reads
@@ -89,6 +95,14 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
                 "previous_response_id",
             )
         history = previous.conversation
+    check_request(  # what it would store, bounded before it runs (responses_store)
+        store=req.store,
+        metadata=req.metadata,
+        user=req.user,
+        text=req.text,
+        stored_bytes=entry_bytes(req.input, history) if req.store else 0,
+        limits=store.limits,
+    )
     effort = template_reads(st.worker.engine, "reasoning_effort")
     body, conversation, notes = chat_request(
         req, history, set(ChatCompletionRequest.model_fields), effort

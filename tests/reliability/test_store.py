@@ -1,0 +1,126 @@
+"""The Responses store, bounded: over HTTP on a live ``leyline serve`` watched by the harness,
+and its byte budget and TTL on the store itself (sizes computed here with ``json``).
+
+- ``metadata`` as OpenAI caps it (16 pairs, keys of 64 characters, values of 512): at the caps
+  it is stored and echoed; one past any of them, a 10 MB value, 5,000 keys, a 1 MB unknown key
+  in ``text`` and a 10 KB ``user`` are each a 400 naming the field; 16 MiB of metadata is
+  refused (the body limit, or the metadata cap, whichever reads it first);
+- a response that would store more than an entry may hold is a 400 naming ``store``;
+- ``/leyline/v1/stats`` counts the tenant's stored responses and bytes; ``/leyline/v1/flush``
+  drops them (``dropped_responses``) and they read as unknown afterwards; the other tenant's
+  are untouched;
+- ``ResponseStore``: entries past the tenant's byte budget go least recently used first, the
+  bytes it counts are the entries' compact JSON, and an entry past its TTL reads as unknown.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from leyline_agent.server.responses_store import ResponseStore, StoredResponse, StoreLimits
+from leyline_agent.testing.reliability import ALICE, MALLORY, MALLORY_2
+
+RESPONSES = "/v1/responses"
+
+
+def _body(name: str, **extra) -> dict:
+    return {"model": name, "input": "Hi.", "max_output_tokens": 2, "temperature": 0, **extra}
+
+
+def test_metadata_at_openais_caps_is_stored_and_echoed(post, http, as_key, served_name):
+    metadata = {f"{k:02d}" + "k" * 62: "v" * 512 for k in range(16)}
+    r = post(RESPONSES, _body(served_name, metadata=metadata))
+    assert r.status_code == 200, r.text
+    got = http.get(f"{RESPONSES}/{r.json()['id']}", headers=as_key(MALLORY))
+    assert got.status_code == 200 and got.json()["metadata"] == metadata
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"metadata": {f"k{k}": "v" for k in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+        ({"metadata": {"big": "v" * 10_000_000}}, "metadata.big"),
+        ({"metadata": {f"k{k}": "v" for k in range(5000)}}, "metadata"),
+        ({"text": {"format": {"type": "text"}, "x" * 16: "y" * 1_000_000}}, "text.xxxx"),
+        ({"user": "u" * 10_000}, "user"),
+        ({"input": "word " * 1_000_000}, "store"),
+    ],
+    ids=[
+        "17-pairs",
+        "long-key",
+        "long-value",
+        "10MB-value",
+        "5000-keys",
+        "text-key",
+        "user",
+        "entry",
+    ],
+)
+def test_what_the_store_would_not_keep_is_refused(hostile, post, served_name, extra, field):
+    hostile(lambda: post(RESPONSES, _body(served_name, **extra)), field=field)
+
+
+def test_16_mib_of_metadata_is_refused(hostile, post, served_name):
+    metadata = {"big": "v" * (16 << 20)}
+    answer = hostile(lambda: post(RESPONSES, _body(served_name, metadata=metadata)))
+    assert answer.error_field in ("body", "metadata.big")
+
+
+def test_stats_count_the_store_and_flush_clears_it(post, http, as_key, served_name):
+    def stats(key: str) -> dict:
+        return http.get("/leyline/v1/stats", headers=as_key(key)).json()
+
+    assert http.post("/leyline/v1/flush", headers=as_key(MALLORY)).status_code == 200
+    ours = [post(RESPONSES, _body(served_name, input=f"Hi {k}.")).json() for k in range(3)]
+    theirs = post(RESPONSES, _body(served_name), key=ALICE).json()
+    counted = stats(MALLORY_2)  # another key of the same tenant
+    assert counted["stored_responses"] == 3
+    assert counted["stored_response_bytes"] > sum(len(json.dumps(r)) // 2 for r in ours)
+    flushed = http.post("/leyline/v1/flush", headers=as_key(MALLORY_2)).json()
+    assert flushed["dropped_responses"] == 3
+    assert stats(MALLORY)["stored_responses"] == 0
+    assert stats(MALLORY)["stored_response_bytes"] == 0
+    for r in ours:
+        assert http.get(f"{RESPONSES}/{r['id']}", headers=as_key(MALLORY)).status_code == 404
+    assert http.get(f"{RESPONSES}/{theirs['id']}", headers=as_key(ALICE)).status_code == 200
+
+
+def _entry(k: int, size: int) -> StoredResponse:
+    return StoredResponse({"id": f"r{k}", "pad": "x" * size}, [{"role": "user", "content": "hi"}])
+
+
+def _size(e: StoredResponse) -> int:
+    return sum(
+        len(json.dumps(v, separators=(",", ":")).encode()) for v in (e.response, e.conversation)
+    )
+
+
+def test_the_store_keeps_its_byte_budget_lru_first():
+    budget = 10_000
+    store = ResponseStore(limits=StoreLimits(tenant_bytes=budget))
+    entries = [_entry(k, 900) for k in range(50)]
+    sizes = [_size(e) for e in entries]
+    for k, e in enumerate(entries):
+        store.put("t", f"r{k}", e)
+        if k == 5:
+            store.get("t", "r0")  # r0 is now the most recently used
+    n, nbytes = store.stats("t")
+    kept = [k for k in range(50) if store.get("t", f"r{k}") is not None]
+    assert nbytes == sum(sizes[k] for k in kept) <= budget
+    assert kept == list(range(50 - n, 50))  # the newest, r0 too old by now
+    store.put("u", "other", _entry(99, 10))
+    assert store.stats("t") == (n, nbytes)  # another tenant's budget is its own
+
+
+def test_an_entry_past_its_ttl_is_gone():
+    store = ResponseStore(limits=StoreLimits(ttl_s=0.05))
+    store.put("t", "r", _entry(0, 10))
+    assert store.get("t", "r") is not None
+    time.sleep(0.1)
+    assert store.get("t", "r") is None
+    assert store.stats("t") == (0, 0)
