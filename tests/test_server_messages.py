@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import pytest
 
-anthropic = pytest.importorskip("anthropic")
-
-from leyline_agent.engine.checkpoints.store import tiny_model_dir  # noqa: E402
-from leyline_agent.testing.server import serve_in_thread  # noqa: E402
+from leyline_agent.testing.server import serve_in_thread
 
 ARCH = "llama"
 TOOL = {
@@ -33,18 +31,6 @@ CLEAR_TOOLS = {"edits": [{"type": "clear_tool_uses_20250919",
                           "keep": {"type": "tool_uses", "value": 2}}]}  # fmt: skip
 BETA = ["context-management-2025-06-27"]
 GREEDY = {"temperature": 0}  # the SDK no longer takes temperature; older clients send it
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir(ARCH)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.server import serve_in_process, serve_in_thread
 
 ARCH = "llama"
 CM = {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens",
        "value": 1}, "keep": {"type": "tool_uses", "value": 1}}]}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir(ARCH)
 
 
 @pytest.fixture(scope="module")

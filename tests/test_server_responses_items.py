@@ -1,8 +1,8 @@
 """The Responses API's smaller routes on a real ``leyline serve``, through the ``openai`` SDK:
 ``input_items``, ``input_tokens``, ``cancel`` and ``compact`` (served, or refused by name).
 
-Expected token counts are the tokenizer's own chat template over the chat messages the
-items stand for, built here.
+The server, client and tokenizer are conftest's (``ARCH``'s tiny model). Expected token
+counts are the tokenizer's own chat template over the chat messages the items stand for.
 """
 
 from __future__ import annotations
@@ -11,30 +11,7 @@ import httpx
 import openai
 import pytest
 
-from leyline_agent.engine.checkpoints.store import tiny_model_dir
-from leyline_agent.testing.server import serve_in_thread
-
 ARCH = "llama"
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir(ARCH)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    from leyline_agent.engine.engine import Engine
-
-    with serve_in_thread(Engine.from_pretrained(model_dir)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def rendered(tok, messages) -> int:
