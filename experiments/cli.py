@@ -1,7 +1,8 @@
 """CLI verbs of the experiments layer.
 
     leyline bench mechanism      replay trajectories against the runtime, arms interleaved
-    leyline bench splice|soak|drift|splice-stream|directive  modules with their own options (-h), recorded
+    leyline bench splice|soak|soak-hostile|drift|splice-stream|directive  modules with their own
+                                 options (-h), recorded
     leyline bench report         every recorded run (runs/**/report.json) into docs/results.md
     leyline check correctness    first-token agreement and bf16 drift of splices
     leyline check quality        real model: first token, greedy answers, fact recall per arm
@@ -125,6 +126,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for verb, module, help_text in (
         ("splice", "bench_splice", "splice vs FORGET vs a forward, in-process (mini models)"),
         ("soak", "soak_rss", "RSS of leyline serve over rounds of streaming clients"),
+        ("soak-hostile", "soak_hostile", "normal clients' latency beside hostile ones, 5xx, RSS"),
         ("drift", "bench_drift", "reasoning-agent replay: plain cache, drift splices, kept"),
         ("splice-stream", "bench_splice_stream", "a stream's gaps while another session splices"),
         ("directive", "bench_directive", "one directive's cost over HTTP, on every server"),
