@@ -228,6 +228,22 @@ def responses_field(field: str | None) -> str | None:
     return field
 
 
+def _check_outputs_follow_calls(items: Any, history: list[dict[str, Any]]) -> None:
+    """Each ``function_call_output`` answers a ``function_call`` before it (in ``items`` or
+    in the previous response's conversation); else a 400 naming its ``call_id``."""
+    if isinstance(items, str):
+        return
+    calls = {c.get("id") for m in history for c in m.get("tool_calls") or ()}
+    for k, item in enumerate(items):
+        if item.get("type") == "function_call":
+            calls.add(item.get("call_id"))
+        elif item.get("type") == "function_call_output" and item.get("call_id") not in calls:
+            raise RequestError(
+                f"no function_call with call_id {item.get('call_id')!r} comes before it",
+                f"input[{k}].call_id",
+            )
+
+
 def chat_request(
     req: ResponsesRequest,
     history: list[dict[str, Any]],
@@ -240,6 +256,7 @@ def chat_request(
     ``reasoning_effort``, so ``reasoning.effort`` goes there."""
     notes = _refuse_unsupported(req, effort_in_template)
     conversation = [*history, *input_messages(req.input)]
+    _check_outputs_follow_calls(req.input, history)
     if not conversation:
         raise RequestError("must hold at least one item", "input")
     head = [{"role": "system", "content": req.instructions}] if req.instructions else []
