@@ -31,7 +31,8 @@ lint: setup
 
 # The quick tier for a contributor (75 s on an idle 2-core machine, under 3 minutes with other
 # work running): ruff, then the main suite without its end-to-end files (real servers, agent
-# loops, benchmarks, fuzzing: each over 5 s here) and without tests/vllm and tests/conformance.
+# loops, benchmarks, fuzzing: each over 5 s here) and without tests/vllm, tests/conformance and
+# tests/reliability (a live leyline serve per module, watched while hostile requests run).
 # A new test file runs here unless it is added to SLOW_TESTS; `make test` runs everything.
 SLOW_TESTS := cache_provenance_fuzz client_codex engine_paged gpu_check engine_pool_shrink engine_splice eval_harness \
 	experiments_mechanism experiments_trajectories framework_debug_gym framework_pydantic_ai \
@@ -42,4 +43,4 @@ SLOW_TESTS := cache_provenance_fuzz client_codex engine_paged gpu_check engine_p
 check: setup
 	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests --ignore=tests/vllm --ignore=tests/conformance \
-		$(foreach t,$(SLOW_TESTS),--ignore=tests/test_$(t).py)
+		--ignore=tests/reliability $(foreach t,$(SLOW_TESTS),--ignore=tests/test_$(t).py)
