@@ -10,7 +10,8 @@ policies on chat messages; both read a request's ``input`` with the same rules:
   before them (or open one with ``content: null``) as its ``tool_calls``, ids = ``call_id``;
 - ``function_call_output`` (``call_id``, ``output``) becomes a ``tool`` message.
 
-``input_messages(items)`` is that reading (``RequestError`` naming the item at fault);
+``responses_messages(body)`` is what a whole request stands for on the agent side (the
+``instructions`` as a system message first). ``input_messages(items)`` is that reading (``RequestError`` naming the item at fault);
 ``message_of_item(items)`` says which message each item landed in, so ``edited_items`` can
 write a policy's edits of those messages back into the items. ``reply_message(output)`` is
 the chat assistant message of a response's output items (what a later turn continues).
@@ -22,9 +23,15 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from leyline_agent.errors import RequestError
+from leyline_agent.errors import LeylineError, RequestError
 
-__all__ = ["edited_items", "input_messages", "message_of_item", "reply_message"]
+__all__ = [
+    "edited_items",
+    "input_messages",
+    "message_of_item",
+    "reply_message",
+    "responses_messages",
+]
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
@@ -156,3 +163,23 @@ def reply_message(output: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if calls:
         out["tool_calls"] = calls
     return out
+
+
+def responses_messages(
+    body: dict[str, Any],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, int]:
+    """The chat messages a Responses request ``body`` stands for (``instructions`` first),
+    its function tools in chat's shape, and how many head messages came from
+    ``instructions``; ``LeylineError`` for a body whose history only the server has
+    (``previous_response_id``), ``RequestError`` for items it cannot read."""
+    if body.get("previous_response_id") is not None:
+        raise LeylineError("previous_response_id: the history is stored on the server")
+    instructions = body.get("instructions")
+    head = [{"role": "system", "content": instructions}] if instructions else []
+    tools = [
+        {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                          if k in t}}
+        for t in body.get("tools") or ()
+        if isinstance(t, dict) and t.get("type") == "function"
+    ]  # fmt: skip
+    return [*head, *input_messages(body.get("input", []))], tools or None, len(head)

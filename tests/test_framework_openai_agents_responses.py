@@ -1,5 +1,6 @@
 """The OpenAI Agents SDK on its default model class (``OpenAIResponsesModel``: the Responses
-API) with ``LeylineTransport(stale-tool)``, against a real ``leyline serve`` app on loopback.
+API) with ``LeylineTransport(stale-tool)``, and with a ``wrap_openai`` client, against a real
+``leyline serve`` app on loopback.
 
 The model is the tiny engine answering a script (``ScriptedEngine``) of seven tool calls and
 an answer, so one ``Runner.run`` is a tool loop long enough for stale-tool (keep 2) to act.
@@ -15,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import agents  # noqa: F401  -- the frameworks extra (scripts/setup.sh): fail, never skip
 import httpx
+import pytest
 from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 from openai import AsyncOpenAI
 
+from leyline_agent import wrap_openai
 from leyline_agent.agent.transport import LeylineTransport
 from leyline_agent.testing.frameworks import scripted_server, stats
 from leyline_agent.testing.scripted_engine import tool_call
@@ -49,15 +53,20 @@ class Forwarded(httpx.AsyncBaseTransport):
         return await self.inner.handle_async_request(request)
 
 
-def run_loop(policies: list) -> tuple[dict, list[dict], LeylineTransport]:
-    """One agent run on a fresh server: its stats, the bodies it got, the transport."""
+def run_loop(policies: list, wrapper: str = "transport") -> tuple[dict, list[dict], Any]:
+    """One agent run on a fresh server: its stats, the bodies it got, the wrapper's state
+    (``failures``): ``LeylineTransport`` or ``wrap_openai``."""
     forwarded = Forwarded()
     with scripted_server(SCRIPT) as (srv, engine):
-        transport = LeylineTransport(policies, async_transport=forwarded)
-        client = AsyncOpenAI(
-            base_url=srv.base_url, api_key="none", max_retries=0,
-            http_client=httpx.AsyncClient(transport=transport),
-        )  # fmt: skip
+        if wrapper == "transport":
+            state = LeylineTransport(policies, async_transport=forwarded)
+            http = httpx.AsyncClient(transport=state)
+            client = AsyncOpenAI(base_url=srv.base_url, api_key="none", max_retries=0, http_client=http)  # fmt: skip
+        else:
+            http = httpx.AsyncClient(transport=forwarded)
+            plain = AsyncOpenAI(base_url=srv.base_url, api_key="none", max_retries=0, http_client=http)  # fmt: skip
+            client = wrap_openai(plain, policies)
+            state = client.leyline
         agent = Agent(
             name="reader", instructions="Read the files you are asked to.", tools=[read_file],
             model=OpenAIResponsesModel(model=engine.model_name, openai_client=client),
@@ -69,7 +78,7 @@ def run_loop(policies: list) -> tuple[dict, list[dict], LeylineTransport]:
 
         asyncio.run(run())
         counts = stats(srv)
-    return counts, forwarded.bodies, transport
+    return counts, forwarded.bodies, state
 
 
 def stale_outputs(items: list[dict]) -> list[int]:
@@ -78,11 +87,12 @@ def stale_outputs(items: list[dict]) -> list[int]:
     return list(range(max(0, n - KEEP), n))
 
 
-def test_stale_tool_splices_on_the_responses_api():
+@pytest.mark.parametrize("wrapper", ["transport", "wrap_openai"])
+def test_stale_tool_splices_on_the_responses_api(wrapper):
     set_tracing_disabled(True)
-    edited, bodies, transport = run_loop([{"name": "stale-tool", "keep": KEEP}])
-    plain, plain_bodies, _ = run_loop([])
-    assert transport.failures == 0
+    edited, bodies, state = run_loop([{"name": "stale-tool", "keep": KEEP}], wrapper)
+    plain, plain_bodies, _ = run_loop([], wrapper)
+    assert state.failures == 0
     assert len(bodies) == len(plain_bodies) == CALLS + 1
     for body in bodies:
         outputs = [i["output"] for i in body["input"] if i.get("type") == "function_call_output"]

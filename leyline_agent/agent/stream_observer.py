@@ -3,7 +3,8 @@
 ``ObservedStream`` / ``AsyncObservedStream`` wrap an OpenAI ``Stream`` / ``AsyncStream``:
 iteration yields the same chunks; when the stream ends the deltas of choice 0 (content and
 tool calls, by tool-call index) are assembled into an assistant message and passed to
-``on_reply`` once. Everything else (``response``, ``close``, context manager) delegates.
+``on_reply`` once. A Responses stream's last event (``response.completed`` or
+``response.incomplete``) gives the reply from its output items instead. Everything else (``response``, ``close``, context manager) delegates.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from leyline_agent.logs import get_logger
+from leyline_agent.responses_items import reply_message
 
 __all__ = ["AsyncObservedStream", "ObservedStream", "ReplyAssembler"]
 
@@ -23,6 +25,11 @@ def _field(obj: Any, name: str) -> Any:
     return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
 
+def _dumped(obj: Any) -> Any:
+    """An SDK object as the plain JSON the server sent."""
+    return obj.model_dump(exclude_none=True) if hasattr(obj, "model_dump") else obj
+
+
 class ReplyAssembler:
     """Deltas of choice 0 assembled into an assistant message; chunks may be SDK objects
     (``ChatCompletionChunk``) or the parsed JSON of server-sent events (dicts)."""
@@ -30,8 +37,13 @@ class ReplyAssembler:
     def __init__(self) -> None:
         self.content: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
+        self.final: dict[str, Any] | None = None  # a Responses stream's reply
 
     def add(self, chunk: Any) -> None:
+        if _field(chunk, "type") in ("response.completed", "response.incomplete"):
+            output = _field(_field(chunk, "response"), "output") or []
+            self.final = reply_message([_dumped(o) for o in output])
+            return
         for choice in _field(chunk, "choices") or ():
             delta = _field(choice, "delta")
             if (_field(choice, "index") or 0) != 0 or delta is None:
@@ -51,6 +63,8 @@ class ReplyAssembler:
                     call["function"]["arguments"] += _field(fn, "arguments") or ""
 
     def message(self) -> dict[str, Any]:
+        if self.final is not None:
+            return self.final
         msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
         if self.calls:
             msg["tool_calls"] = [self.calls[k] for k in sorted(self.calls)]

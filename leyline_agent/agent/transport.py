@@ -76,7 +76,7 @@ from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 from leyline_agent.logs import get_logger
 from leyline_agent.namespaces import SESSION_HEADER
 from leyline_agent.protocols import Runtime
-from leyline_agent.responses_items import edited_items, input_messages, reply_message
+from leyline_agent.responses_items import edited_items, reply_message, responses_messages
 
 __all__ = ["LeylineTransport"]
 
@@ -213,7 +213,7 @@ class LeylineTransport(*_TRANSPORTS):  # type: ignore[misc]  # httpx's and httpx
             if not isinstance(body, dict):
                 return request, None
             if responses:
-                messages, tools, head = _responses_view(body)
+                messages, tools, head = responses_messages(body)
             elif isinstance(body.get("messages"), list):
                 messages, tools, head = body["messages"], body.get("tools"), 0
             else:
@@ -358,23 +358,6 @@ def _is_chat(request: httpx.Request) -> bool:
 
 def _is_responses(request: httpx.Request) -> bool:
     return request.method == "POST" and request.url.path.rstrip("/").endswith(RESPONSES_PATH)
-
-
-def _responses_view(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any] | None, int]:
-    """The chat messages a Responses body stands for (``instructions`` first), its function
-    tools in chat's shape, and how many head messages came from ``instructions``;
-    ``LeylineError`` for a body whose history the transport cannot see."""
-    if body.get("previous_response_id") is not None:
-        raise LeylineError("previous_response_id: the history is stored on the server")
-    instructions = body.get("instructions")
-    head = [{"role": "system", "content": instructions}] if instructions else []
-    tools = [
-        {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
-                                          if k in t}}
-        for t in body.get("tools") or ()
-        if isinstance(t, dict) and t.get("type") == "function"
-    ]  # fmt: skip
-    return [*head, *input_messages(body.get("input", []))], tools or None, len(head)
 
 
 def _reply(

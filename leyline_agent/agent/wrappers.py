@@ -5,7 +5,8 @@
 
 The result is a copy of the client (same class, same HTTP connection pool; the original is
 left untouched; its own copies, ``with_options(...)``, are wrapped alike and share its
-sessions) whose ``chat.completions.create`` runs the policies (a ``ContextSession``)
+sessions) whose ``chat.completions.create`` (and ``responses.create``, read as the chat
+messages its items stand for: ``responses_items``) runs the policies (a ``ContextSession``)
 on the incoming messages, sends the edited list with this turn's edits of already-cached
 messages in the request body itself (``{"leyline": {"client_edits": mode, "edits":
 [...]}}``: the server splices them in the turn's own job, before its prefill; no separate
@@ -70,6 +71,7 @@ from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 from leyline_agent.logs import get_logger
 from leyline_agent.namespaces import SESSION_HEADER, check_session_id
 from leyline_agent.protocols import AsyncRuntime, Runtime
+from leyline_agent.responses_items import edited_items, reply_message, responses_messages
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI, OpenAI
@@ -384,6 +386,125 @@ def _make_create(
     return create
 
 
+class _ResponsesCall:
+    """A ``responses.create`` call read as chat: the messages it stands for, its session,
+    and the kwargs to forward (``None`` session: passed through as the SDK built it)."""
+
+    def __init__(self, state: LeylineState, kwargs: dict[str, Any]) -> None:
+        self.state, self.stream = state, kwargs.get("stream") is True
+        given = {k: v for k, v in kwargs.items() if not _omitted(v)}
+        raw = given.get("input", [])
+        self.items = [_dumped(i) for i in raw] if isinstance(raw, list) else []
+        body = {k: given.get(k) for k in ("instructions", "tools", "previous_response_id")}
+        body["tools"] = [_dumped(t) for t in body["tools"] or ()]
+        body["input"] = self.items if isinstance(raw, list) else raw
+        self.session: ContextSession | None = None
+        try:
+            self.messages, self.tools, self.head = responses_messages(body)
+        except Exception as e:  # noqa: BLE001 - counted, logged, let through
+            if state.strict:
+                raise
+            state.failures += 1
+            log.warning("wrap_openai.responses_unhandled", error=f"{type(e).__name__}: {e}")
+            self.kwargs = kwargs
+            return
+        self.session, kw = state.split({**kwargs, "messages": self.messages})
+        kw.pop("messages")
+        self.kwargs = kw
+
+    def apply(self, sent: list[dict[str, Any]] | None, call: dict[str, Any]) -> None:
+        """The policies' list ``sent`` written back into the items; ``call``'s body fields."""
+        if "extra_body" in call:
+            self.kwargs["extra_body"] = call["extra_body"]
+        if sent is None or sent == self.messages:
+            return
+        if sent[: self.head] != self.messages[: self.head]:
+            raise ValueError("a policy edited the instructions")
+        h = self.head
+        self.kwargs["input"] = edited_items(self.items, self.messages[h:], sent[h:])
+
+    def plan_call(self) -> dict[str, Any]:
+        return {**self.kwargs, "messages": self.messages, "tools": self.tools}
+
+    def observe(self, response: Any, is_async: bool) -> Any:
+        assert self.session is not None
+        if self.stream:
+            cls = AsyncObservedStream if is_async else ObservedStream
+            return cls(response, self.session.observe_reply)
+        output = getattr(response, "output", None)
+        if output is not None:
+            self.session.observe_reply(reply_message([_dumped(o) for o in output]))
+        return response
+
+
+def _dumped(obj: Any) -> Any:
+    return obj.model_dump(exclude_none=True) if hasattr(obj, "model_dump") else obj
+
+
+def _omitted(value: Any) -> bool:
+    """The SDK's "not given" markers (``NOT_GIVEN``, ``omit``) in a call's keyword arguments."""
+    return type(value).__name__ in ("NotGiven", "Omit")
+
+
+def _make_responses_create(
+    original: Callable[..., Any], state: LeylineState, is_async: bool
+) -> Callable[..., Any]:
+    """The wrapped ``responses.create``: the policies run on the messages the request
+    stands for (``responses_items``), their edits written back into its items and riding
+    in the body as on chat. A request it cannot read so is counted and logged, then sent
+    as it is."""
+
+    if is_async:
+
+        @functools.wraps(original)
+        async def acreate(*args: Any, **kwargs: Any) -> Any:
+            rc = _ResponsesCall(state, kwargs)
+            if rc.session is None:
+                return await original(*args, **kwargs)
+            session = rc.session
+            session.runtime = await state.aresolve_runtime()
+            try:
+                call = rc.plan_call()
+                plan = _prepare(state, session, call)
+                sent = (
+                    plan.messages_to_send
+                    if plan is not None
+                    else await session.aprepare(*_call_args(call))
+                )
+                rc.apply(sent, call)
+            except Exception as e:  # noqa: BLE001
+                state.policy_failed(session, e)
+            _edits_spliced_here(rc.kwargs, session.runtime, state)
+            try:
+                return rc.observe(await original(*args, **rc.kwargs), is_async=True)
+            finally:
+                state.release(session)
+
+        return acreate
+
+    @functools.wraps(original)
+    def create(*args: Any, **kwargs: Any) -> Any:
+        rc = _ResponsesCall(state, kwargs)
+        if rc.session is None:
+            return original(*args, **kwargs)
+        session = rc.session
+        session.runtime = state.resolve_runtime()
+        try:
+            call = rc.plan_call()
+            plan = _prepare(state, session, call)
+            sent = plan.messages_to_send if plan is not None else session.prepare(*_call_args(call))
+            rc.apply(sent, call)
+        except Exception as e:  # noqa: BLE001 - let the user's call through
+            state.policy_failed(session, e)
+        _edits_spliced_here(rc.kwargs, session.runtime, state)
+        try:
+            return rc.observe(original(*args, **rc.kwargs), is_async=False)
+        finally:
+            state.release(session)
+
+    return create
+
+
 @overload
 def wrap_openai(
     client: OpenAI,
@@ -413,7 +534,8 @@ def wrap_openai(
     *,
     strict: bool = False,
 ) -> Any:
-    """A copy of ``client`` whose ``chat.completions.create`` applies ``policies``.
+    """A copy of ``client`` whose ``chat.completions.create`` and ``responses.create`` apply
+    ``policies``.
 
     ``policies``: ``Policy`` objects, names (``"stale-tool"``) or ``{"name": ..., **knobs}``.
     """
@@ -447,10 +569,13 @@ def leyline_state(client: object) -> LeylineState:
 
 
 def _install(wrapped: Any, state: LeylineState, is_async: bool) -> None:
-    """Wrap ``create`` of ``wrapped``; its copies (``with_options(timeout=...)``, ``copy``)
-    are wrapped too and share ``state`` (sessions, runtime)."""
+    """Wrap ``create`` of ``wrapped`` (chat, and Responses where the SDK has it); its copies
+    (``with_options(timeout=...)``, ``copy``) are wrapped too and share ``state``."""
     completions = wrapped.chat.completions
     completions.create = _make_create(completions.create, state, is_async)
+    responses = getattr(wrapped, "responses", None)
+    if responses is not None:
+        responses.create = _make_responses_create(responses.create, state, is_async)
     copy = wrapped.copy
 
     @functools.wraps(copy)
