@@ -5,7 +5,8 @@ sampled under a grammar (xgrammar, ``engine/grammar.py``). Every answer is check
 independent parser: ``json.loads`` and the ``jsonschema`` package's validator against the
 schema the client sent. The same requests served without a grammar (the same engine behind
 a proxy that says ``supports_grammar = False``) show that the random model does not write a
-parseable call by itself: the forced call is a 422, ``response_format`` a 400 naming it.
+parseable call by itself: the forced call runs out of tokens with no call (a 200 with
+``finish_reason`` ``length``), ``response_format`` is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -103,9 +104,13 @@ def test_required_returns_a_call_valid_under_its_schema(served, free, name, seed
     r = _chat(client, name, **kw)
     _check_calls(r.choices[0].message.tool_calls, {"read", "bash"})
     assert r.choices[0].finish_reason == "tool_calls"
-    with pytest.raises(openai.UnprocessableEntityError) as e:  # the same request, no grammar
-        _chat(plain, name, **kw)
-    assert e.value.param == "tool_choice"
+    _no_call(_chat(plain, name, **kw))  # the same request, no grammar
+
+
+def _no_call(r: Any) -> None:
+    """Without the grammar the random model writes no call: the budget runs out (a 200 with
+    ``finish_reason`` ``length``, as OpenAI answers it) and nothing it wrote is a call."""
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
 
 
 def test_a_named_tool_returns_exactly_its_call(served, free, name):
@@ -115,9 +120,7 @@ def test_a_named_tool_returns_exactly_its_call(served, free, name):
     calls = r.choices[0].message.tool_calls
     assert len(calls) == 1
     _check_calls(calls, {"read"})
-    with pytest.raises(openai.UnprocessableEntityError) as e:
-        _chat(plain, name, tools=TOOLS, tool_choice=choice)
-    assert e.value.param == "tool_choice"
+    _no_call(_chat(plain, name, tools=TOOLS, tool_choice=choice))
 
 
 def test_parallel_tool_calls_false_is_one_call(served, name):
@@ -134,7 +137,12 @@ def test_required_streamed_sends_a_valid_call(served, name):
     _, client = served
     stream = _chat(client, name, tools=TOOLS, tool_choice="required", stream=True)
     chunks = [c for c in stream if c.choices]
-    calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+    deltas = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+    calls = [tc for tc in deltas if tc.id]  # each call's head; its arguments in pieces
+    for tc in calls:
+        tc.function.arguments = "".join(
+            d.function.arguments or "" for d in deltas if d.index == tc.index
+        )
     _check_calls(calls, {"read", "bash"})
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
 
