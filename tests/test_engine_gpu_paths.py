@@ -88,3 +88,36 @@ def test_the_step_budget_and_chunk_are_the_devices():
         host = SimpleNamespace(runner=SimpleNamespace(device=torch.device(dev)))
         assert Stepper(host).step_tokens == want  # type: ignore[arg-type]
         assert Stepper(host, step_tokens=64).step_tokens == 64  # type: ignore[arg-type]
+
+
+def test_the_tail_moves_in_one_section_on_a_gpu_with_the_same_bytes(monkeypatch):
+    """``executor.move_rows_for``: CPU sections of ``MOVE_ROWS`` rows, one section on CUDA.
+    A splice whose tail moves in one section leaves the same cache, bitwise, as the CPU's
+    sections (here both on the CPU, the section size forced)."""
+    from leyline_agent.engine import executor
+    from leyline_agent.engine.checkpoints.store import tiny_model_dir
+    from leyline_agent.engine.engine import Engine, SamplingParams
+    from leyline_agent.engine.executor import GPU_MOVE_ROWS, MOVE_ROWS, move_rows_for
+    from leyline_agent.wire import DirectivesRequest
+
+    assert move_rows_for("cpu") == MOVE_ROWS and move_rows_for("cuda") == GPU_MOVE_ROWS
+    T = [3 + (i * 7919) % 500 for i in range(2600)]
+    d = {"start": 100, "end": 140, "replacement": [5, 6, 7], "mode": "amortize"}
+    out = []
+    for rows in (MOVE_ROWS, GPU_MOVE_ROWS):
+        monkeypatch.setattr(executor, "move_rows_for", lambda _t, rows=rows: rows)
+        eng = Engine.from_pretrained(tiny_model_dir("llama"), cache_budget_tokens=8192)
+        eng.generate(T, SamplingParams(max_tokens=0))
+        calls = []
+        real = eng.pool.copy_rotated
+        monkeypatch.setattr(
+            eng.pool, "copy_rotated", lambda *a, c=calls, f=real: c.append(1) or f(*a)
+        )
+        resp = eng.apply_directives(DirectivesRequest(tokens=T, directives=[d]))
+        m = eng.cache.tree.match_prefix(list(resp.tokens))
+        assert m.length == len(resp.tokens)
+        out.append((len(calls), eng.pool.snapshot(m.slots)))
+    tail = len(T) - 140
+    assert out[0][0] == -(-tail // MOVE_ROWS) and out[1][0] == 1
+    for a, b in zip(out[0][1], out[1][1], strict=True):
+        assert torch.equal(a, b)

@@ -124,7 +124,9 @@ class KVPool:
             return
         from leyline_agent.kernels import rotate_band
 
-        s, d = self._idx(src), self._idx(dst)
+        # the run checks below read the host's copies: on a GPU they would wait for the device
+        s_host, d_host = slot_tensor(src), slot_tensor(dst)
+        s, d = s_host.to(self.device), d_host.to(self.device)
         if isinstance(delta, int):
             dl = torch.full((len(src),), delta, dtype=torch.long, device=self.device)
         else:
@@ -135,7 +137,7 @@ class KVPool:
             else (self.keys, self.values)
         )
         rotate_band(rot, s, d, dl, self.rope_spec, band_offset=0)
-        s0, d0 = _run_start(s), _run_start(d)
+        s0, d0 = _run_start(s_host), _run_start(d_host)
         if s0 >= 0 and d0 >= 0:  # one run each (the usual tail -> fresh run): a single copy
             k = len(src)
             if abs(s0 - d0) >= k:  # disjoint (fresh destinations)
