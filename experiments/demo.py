@@ -3,7 +3,9 @@
 1. the ``mini`` model (``leyline make-model --size mini``) under ``--models-dir``, built once;
 2. the mechanism benchmark, ``--quick`` (C = 1 and 4, 4 sessions x 10 turns, all arms);
 3. the correctness report (3 prompts, 16 chained splices);
-then a short table and the plot paths. Everything lands under ``--out``.
+then a short table and the plot paths; then the real-model section (``demo_real``: SmolLM2,
+fetched on first use, the quick quality report and one chat through a splice; skipped with
+``--no-real-model``). Everything lands under ``--out``.
 """
 
 from __future__ import annotations
@@ -94,4 +96,12 @@ def main(args: Any) -> int:
     print(
         f"time: model {t['model']:.0f}s, mechanism {t['mechanism']:.0f}s, correctness {t['correctness']:.0f}s"
     )
+    if getattr(args, "real_model", True):
+        from .demo_real import real_model_section
+
+        t4 = time.perf_counter()
+        lines = real_model_section(args.out / "real-model")
+        print()
+        print("\n".join(lines))
+        print(f"time: real model {time.perf_counter() - t4:.0f}s")
     return 0
