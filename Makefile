@@ -36,7 +36,7 @@ lint: setup
 # loops, benchmarks, fuzzing: each over 5 s here) and without tests/vllm, tests/conformance and
 # tests/reliability (a live leyline serve per module, watched while hostile requests run).
 # A new test file runs here unless it is added to SLOW_TESTS; `make test` runs everything.
-SLOW_TESTS := cache_provenance_fuzz client_codex engine_paged gpu_check engine_pool_shrink engine_splice eval_harness \
+SLOW_TESTS := cache_provenance_fuzz client_codex engine_paged gpu_check engine_gpu_paths engine_pool_shrink engine_splice eval_harness \
 	experiments_mechanism experiments_trajectories framework_debug_gym framework_pydantic_ai \
 	framework_openai_agents_responses framework_self_editing framework_smolagents framework_table kernels_cbuild kernels_triton \
 	readme_commands serve_cli serve_shutdown server_anonymous_race server_concurrency server_constrained \
