@@ -107,13 +107,14 @@ def start_victim(server, name: str, seed: int) -> tuple[list[dict], str, dict]:
     return messages, first["choices"][0]["message"]["content"], first
 
 
-def test_a_client_chosen_server_prefix_is_refused(server, hf, tok, model_dir):
+def test_a_client_chosen_server_prefix_is_refused(server, hf, tok, model_dir, hostile):
     name = model_dir.name
     messages, reply, _ = start_victim(server, name, 1)
     evil = SERVER_SESSION_PREFIX + "0" * 32
     body = {"model": name, "messages": messages, "max_tokens": 2}
-    with http(server, A2, evil) as a2:
-        refused(a2.post("/v1/chat/completions", json=body), SESSION_HEADER)
+    with http(server, A2, evil) as a2:  # watched: /health and another tenant's stream
+        answer = hostile(lambda: a2.post("/v1/chat/completions", json=body), field=SESSION_HEADER)
+        refused(answer.response, SESSION_HEADER)
     with http(server, A2) as a2:
         d = {"model": name, "tokens": [5, 6, 7, 8], "session": evil,
              "directives": [{"start": 1, "end": 2, "replacement": [9], "mode": "amortize"}]}  # fmt: skip
