@@ -41,6 +41,7 @@ from leyline_agent.server.openai_routes import router as openai_router
 from leyline_agent.server.responses_items import router as responses_items_router
 from leyline_agent.server.responses_routes import router as responses_router
 from leyline_agent.server.responses_store import ResponseStore
+from leyline_agent.server.schema_work import SchemaLimits
 from leyline_agent.server.state import ServerState
 from leyline_agent.server.tenants import ApiKeys, BearerAuth, HostAllowlist, session_header
 from leyline_agent.server.worker import (
@@ -81,6 +82,7 @@ def create_app(
     client_edits: str = "off",
     concurrency: int | None = None,
     max_messages: int = DEFAULT_MAX_MESSAGES,
+    schema_limits: SchemaLimits | None = None,
 ) -> FastAPI:
     """The app serving one engine.
 
@@ -95,6 +97,7 @@ def create_app(
     ``client_edits``: how chat requests' in-place edits of a conversation the server has
     cached are spliced (``amortize``, ``forget``, ``off``; ``chat_context``). ``off`` (the
     library default) is the plain prefix cache; ``leyline serve`` defaults to ``amortize``.
+    ``schema_limits``: bounds on a request's tools and schemas (``schema_work``).
     ``max_messages``: a message list longer than this is refused before it is validated or
     rendered (``inputs``).
     """
@@ -154,6 +157,7 @@ def create_app(
     app.include_router(responses_items_router, dependencies=checks)
     app.include_router(messages_router, dependencies=checks)
     app.state.leyline_responses = ResponseStore()  # previous_response_id (responses_routes)
+    app.state.leyline_schema_limits = schema_limits or SchemaLimits()  # schema_work
     app.include_router(leyline_router, dependencies=checks)
     app.include_router(metrics_router, dependencies=checks)  # /metrics (observability)
 

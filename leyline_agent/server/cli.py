@@ -102,6 +102,8 @@ _EMBEDDED_ONLY = {
     "tenant_cache_share": None,
     "shutdown_timeout_s": 30.0,
     "max_messages": 4096,
+    "max_tools": 128,
+    "max_schema_bytes": 256 * 1024,
     "tool_format": None,
 }
 
@@ -191,6 +193,22 @@ def _add_limits_and_keys(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="a chat (or a message-form directive) with more messages gets 400 before it is "
         "rendered (default: 4096)",
+    )
+    g.add_argument(
+        "--max-tools",
+        type=int,
+        default=_EMBEDDED_ONLY["max_tools"],
+        metavar="N",
+        help="a request with more tools gets 400 naming tools (default: 128)",
+    )
+    g.add_argument(
+        "--max-schema-bytes",
+        type=int,
+        default=_EMBEDDED_ONLY["max_schema_bytes"],
+        metavar="N",
+        help="a request whose tool and response_format schemas pass this many bytes (compact "
+        "JSON) gets 400 naming the schema that passed it, before any grammar work "
+        "(default: 262144)",
     )
 
 

@@ -42,6 +42,11 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     from leyline_agent.server.app import create_app
     from leyline_agent.server.inputs import DEFAULT_MAX_MESSAGES
     from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES
+    from leyline_agent.server.schema_work import (
+        DEFAULT_MAX_SCHEMA_BYTES,
+        DEFAULT_MAX_TOOLS,
+        SchemaLimits,
+    )
     from leyline_agent.server.worker import DEFAULT_QUEUE_TIMEOUT_S
 
     kwargs = {
@@ -84,6 +89,12 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     max_messages = getattr(args, "max_messages", None) or DEFAULT_MAX_MESSAGES
     if max_messages < 1:
         raise ArgumentError(f"--max-messages: {max_messages} must be >= 1")
+    schema_limits = SchemaLimits(
+        max_tools=getattr(args, "max_tools", None) or DEFAULT_MAX_TOOLS,
+        max_schema_bytes=getattr(args, "max_schema_bytes", None) or DEFAULT_MAX_SCHEMA_BYTES,
+    )
+    if schema_limits.max_tools < 1 or schema_limits.max_schema_bytes < 1:
+        raise ArgumentError("--max-tools / --max-schema-bytes: must be >= 1")
     engine = Engine.from_pretrained(args.model, **kwargs)
     if getattr(args, "tool_format", None):  # the model folder's setting, overridden
         set_setting(engine.tokenizer, args.tool_format)
@@ -96,6 +107,7 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
         client_edits=getattr(args, "client_edits", None) or "amortize",
         concurrency=concurrency,
         max_messages=max_messages,
+        schema_limits=schema_limits,
         **limits,
     )
 

@@ -4,7 +4,8 @@ within 10 s while another tenant streams and ``/health`` answers.
 
 - 120 tools whose parameters nest an array 100 deep: a 400 naming the first over-deep schema;
 - ``response_format`` with 2,000 optional properties: a 400 naming the schema's properties;
-- 129 tools, and schemas over the byte limit: 400s naming ``tools`` / the schema passing it;
+- 121 tools (the server runs with ``--max-tools 120``), and schemas over the byte limit:
+  400s naming ``tools`` / the schema passing it;
 - a prompt over the length limit beside those tools: refused for its length (``messages``),
   before any schema work;
 - strictness: a remote or ``file:`` ``$ref`` is a 400 naming it; a tool schema the grammar
@@ -18,6 +19,7 @@ from __future__ import annotations
 import pytest
 
 CHAT = "/v1/chat/completions"
+SERVER_ARGS = ("--max-tools", "120")
 SCHEMA = "response_format.json_schema.schema"
 
 
@@ -54,7 +56,7 @@ def test_2000_optional_properties(hostile, post, served_name):
 
 
 def test_too_many_tools_and_too_many_bytes(hostile, post, served_name):
-    tools = [_tool(f"t{k}", _object(a={"type": "string"})) for k in range(129)]
+    tools = [_tool(f"t{k}", _object(a={"type": "string"})) for k in range(121)]
     hostile(lambda: post(CHAT, _chat(served_name, tools=tools)), field="tools")
     wide = _object(**{f"p{k}_{'x' * 200}": {"type": "string"} for k in range(400)})  # 170 KB
     tools = [_tool(f"t{k}", wide) for k in range(3)]
