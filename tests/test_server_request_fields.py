@@ -11,6 +11,7 @@ messages and tools the request stands for; the server's prompt is read from
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import httpx
@@ -300,3 +301,107 @@ def test_structured_outputs_and_guided_fields_constrain_the_answer(http, name):
     assert field_of(post(http, "/v1/chat/completions", two)) == "guided_choice"
     bad = {**base, "structured_outputs": {"whitespace_pattern": " "}}
     assert field_of(post(http, "/v1/chat/completions", bad)) == "structured_outputs.whitespace_pattern"
+
+
+# ---- every row of docs/server.md's field table, on each route ----------------------------
+_NS = {"type": "namespace", "name": "n", "tools": []}
+# field -> {route: (value, "ok" | "ignored" | "400")}; "ok": 200 and not listed as ignored
+TABLE = {
+    "stream": {r: (False, "ok") for r in ("chat", "completions", "responses")},
+    "instructions": {"chat": ("x", "400"), "completions": ("x", "400"), "responses": ("x", "ok")},
+    "max_tokens": {"chat": (1, "ok"), "completions": (1, "ok"), "responses": (1, "400")},
+    "max_completion_tokens": {"chat": (1, "ok"), "completions": (1, "400"), "responses": (1, "400")},
+    "max_output_tokens": {"chat": (1, "400"), "completions": (1, "400"), "responses": (1, "ok")},
+    "temperature": {r: (0.5, "ok") for r in ("chat", "completions", "responses")},
+    "top_p": {r: (0.9, "ok") for r in ("chat", "completions", "responses")},
+    "seed": {r: (3, "ok") for r in ("chat", "completions", "responses")},
+    "stop": {"chat": (["zz"], "ok"), "completions": (["zz"], "ok"), "responses": (["zz"], "400")},
+    "stream_options": {"chat": ({"include_usage": True}, "ok"),
+                       "completions": ({"include_usage": True}, "ok"),
+                       "responses": ({"include_obfuscation": False}, "ignored")},
+    "logprobs": {"chat": (True, "ok"), "completions": (1, "ok"), "responses": (True, "400")},
+    "top_logprobs": {"chat": (0, "ok"), "completions": (1, "400"), "responses": (2, "400")},
+    "tools": {"chat": ([], "ok"), "completions": ([], "400"), "responses": ([_NS], "ok")},
+    "tool_choice": {"chat": ("none", "ok"), "completions": ("none", "400"),
+                    "responses": ("none", "ok")},
+    "parallel_tool_calls": {"chat": (True, "ok"), "completions": (True, "400"),
+                            "responses": (True, "ok")},
+    "response_format": {"chat": ({"type": "text"}, "ok"), "completions": ({"type": "text"}, "400"),
+                        "responses": ({"type": "text"}, "400")},
+    "text": {"chat": ({}, "400"), "completions": ({}, "400"),
+             "responses": ({"format": {"type": "text"}}, "ok")},
+    **{f: {"chat": (v, "ok"), "completions": (v, "ok"), "responses": (v, "400")}
+       for f, v in (("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.1), ("min_tokens", 1),
+                    ("ignore_eos", False), ("structured_outputs", {"choice": ["a", "b"]}),
+                    ("guided_json", {"type": "object"}), ("guided_regex", "[ab]"),
+                    ("guided_choice", ["a"]), ("guided_grammar", 'root ::= "a"'))},
+    **{f: {"chat": (v, "ok"), "completions": (v, "400"), "responses": (v, "400")}
+       for f, v in (("chat_template_kwargs", {"enable_thinking": True}),
+                    ("add_generation_prompt", True), ("continue_final_message", False))},
+    "reasoning_effort": {"chat": ("low", "ok"), "completions": ("low", "400"),
+                         "responses": ("low", "400")},
+    "reasoning": {"chat": ({}, "400"), "completions": ({}, "400"),
+                  "responses": ({"summary": "auto", "effort": "low"}, "ignored")},
+    "include": {"chat": ([], "400"), "completions": ([], "400"),
+                "responses": (["reasoning.encrypted_content"], "ignored")},
+    "prompt_cache_key": {"chat": ("k", "ok"), "completions": ("k", "400"),
+                         "responses": ("k", "ok")},
+    "store": {"chat": (True, "ignored"), "completions": (True, "400"), "responses": (False, "ok")},
+    "metadata": {"chat": ({"a": "b"}, "ignored"), "completions": ({}, "400"),
+                 "responses": ({"a": "b"}, "ok")},
+    "previous_response_id": {"chat": ("r", "400"), "completions": ("r", "400")},
+    "user": {"chat": ("u", "ignored"), "completions": ("u", "ignored"), "responses": ("u", "ignored")},
+    **{f: {"chat": (v, "ignored"), "completions": (v, "400"), "responses": (v, "ignored")}
+       for f, v in (("safety_identifier", "s"), ("service_tier", "auto"),
+                    ("prompt_cache_retention", "in_memory"), ("prompt_cache_options", {}))},
+    **{f: {"chat": (v, "ignored"), "completions": (v, "400"), "responses": (v, "400")}
+       for f, v in (("prediction", {"type": "content", "content": "x"}), ("verbosity", "low"))},
+    "client_metadata": {"chat": ({}, "400"), "completions": ({}, "400"),
+                        "responses": ({"k": "v"}, "ignored")},
+    "context_management": {"chat": ({"edits": []}, "ok"), "completions": ({}, "400"),
+                           "responses": ({"edits": []}, "ok")},
+    "leyline": {"chat": ({"client_edits": "off"}, "ok"), "completions": ({}, "400"),
+                "responses": ({"client_edits": "off"}, "ok")},
+    "n": {"chat": (2, "400"), "completions": (2, "400"), "responses": (2, "400")},
+    **{f: {"chat": (v, "400"), "completions": (v, "400"), "responses": (v, "400")}
+       for f, v in (("frequency_penalty", 0.5), ("presence_penalty", 0.5),
+                    ("logit_bias", {"1": 1}), ("echo", True), ("best_of", 2), ("suffix", "s"),
+                    ("audio", {}), ("modalities", ["text"]), ("functions", []),
+                    ("function_call", "none"), ("web_search_options", {}), ("moderation", {}),
+                    ("background", True), ("truncation", "auto"), ("max_tool_calls", 1),
+                    ("conversation", "c"), ("prompt", {"id": "p"}), ("image", {}),
+                    ("background_options", {}), ("access_programs", {}),
+                    ("frobnicate", 1))},
+}  # fmt: skip
+TABLE["prompt"]["completions"] = ("hi", "ok")  # the completions route's prompt is its input
+
+
+def test_every_field_of_the_table_on_every_route(http, name):
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    section = doc.split("## Request fields: honoured, refused or ignored", 1)[1].split("\n## ")[0]
+    rows = [ln.split("|")[1] for ln in section.splitlines() if ln.startswith("| `")]
+    documented = {f for row in rows for f in re.findall(r"`([a-z_]+)", row)}
+    routes = {"messages", "input", "model", "frobnicate"}
+    assert documented - routes <= set(TABLE), documented - set(TABLE)  # every row is sent
+    bases = {
+        "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 1}),
+        "completions": ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+        "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+    }  # fmt: skip
+    for field, per_route in TABLE.items():
+        for route, (value, want) in per_route.items():
+            path, base = bases[route]
+            body = {"model": name, "temperature": 0, **base, field: value}
+            r = post(http, path, body)
+            where = (field, route)
+            if want == "400":
+                assert r.status_code == 400, (where, r.text)
+                assert r.json()["error"]["param"].split(".")[0].split("[")[0] == field, where
+                continue
+            assert r.status_code == 200, (where, r.text)
+            listed = {n["field"].split(".")[0].split("[")[0]
+                      for n in r.json().get("leyline", {}).get("ignored", [])}  # fmt: skip
+            assert (field in listed) == (want == "ignored"), (where, listed)
