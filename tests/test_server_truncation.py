@@ -46,7 +46,7 @@ def test_responses_forced_call_cut_by_the_budget_is_incomplete(client, name):
           "tools": [{"type": "function", **TOOLS[0]["function"]}]}  # fmt: skip
     r = client.responses.create(**kw)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    assert [i.type for i in r.output] == ["function_call"]
+    assert [(i.type, i.status) for i in r.output] == [("function_call", "incomplete")]
 
     with client.responses.stream(**kw) as stream:
         events = list(stream)
@@ -58,7 +58,7 @@ def test_responses_forced_call_cut_by_the_budget_is_incomplete(client, name):
     assert kinds.count("response.function_call_arguments.delta") > 1
     assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
     (item,) = final.output
-    assert item.type == "function_call" and item.name == "write_note"
+    assert (item.type, item.name, item.status) == ("function_call", "write_note", "incomplete")
     assert item.arguments == r.output[0].arguments
 
 

@@ -121,8 +121,11 @@ def response_object(
     finish_reason: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A Response: ``head`` (id, model, the request's echoed settings) with ``output``."""
+    """A Response: ``head`` (id, model, the request's echoed settings) with ``output``; cut
+    by the token budget, it is ``incomplete``, and so is a call it ends with."""
     incomplete = status == "completed" and finish_reason == "length"
+    if incomplete and output and output[-1].get("type") == "function_call":
+        output = [*output[:-1], {**output[-1], "status": "incomplete"}]
     body = {
         **head,
         "status": "incomplete" if incomplete else status,
