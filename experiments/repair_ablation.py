@@ -88,9 +88,10 @@ def tokenize(eng: Engine, c: dict[str, Any]) -> dict[str, Any]:
             "Q": full[len(T):], "target": target}  # fmt: skip
 
 
-@torch.inference_mode()
 def score(eng: Engine, slots: list[int], q: Sequence[int], target: Sequence[int]) -> dict:
-    """First-token log-probabilities after ``q`` and the answer's teacher-forced log P."""
+    """First-token log-probabilities after ``q`` and the answer's teacher-forced log P.
+    (Not under ``inference_mode``: a pool that grows here must grow as ordinary tensors,
+    which later splices write in place; the runner's forward is in inference mode itself.)"""
     runner, fresh = eng.runner, []
     try:
         rows, logits = runner.prefill(slots, list(q))
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--out", type=Path, default=Path("runs/repair-ablation"))
     p.add_argument("--general", type=int, default=30, help="general conversations used")
+    p.add_argument("--no-facts", dest="facts", action="store_false", help="general ones only")
     p.add_argument("--selectors", default=",".join(SELECTORS))
     p.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     budgets = [float(b) for b in a.budgets.split(",")]
     eng = Engine.from_pretrained(a.model, cache_budget_tokens=32768, pin_ttl_s=0)
     every = cases(a.data)  # fact cases first, then the general ones
-    convs = [c for c in every if c["kind"] != "general"]
+    convs = [c for c in every if c["kind"] != "general"] if a.facts else []
     convs += [c for c in every if c["kind"] == "general"][: a.general]
     t0 = time.perf_counter()
     per_case: dict[str, dict] = {}

@@ -35,3 +35,22 @@ def test_a_mode_a_backend_does_not_execute_is_refused_by_name():
         rule_of("repair", {rule_of("amortize").mode}, where="directives[0].mode")
     with pytest.raises(UnsupportedModeError, match="reserved"):
         rule_of("pin")
+
+
+def test_the_pipeline_refuses_repair_for_a_backend_without_it():
+    """What the vLLM and SGLang plugins pass (``EXECUTES``: amortize and forget): a REPAIR
+    directive is refused by name before any lookup, in either form."""
+    from leyline_agent.directives import Mode
+    from leyline_agent.directives.pipeline import compile_request
+    from leyline_agent.wire import DirectivesRequest
+
+    plugins = frozenset({Mode.AMORTIZE, Mode.FORGET})
+    req = DirectivesRequest(
+        tokens=[5, 6, 7, 8], directives=[{"start": 1, "end": 2, "replacement": [9], "mode": "repair"}]
+    )
+    with pytest.raises(UnsupportedModeError, match=r"directives\[0\]\.mode: 'repair'"):
+        compile_request(req, None, 100, None, plugins)
+    msgs = [{"role": "user", "content": "hi"}]
+    req = DirectivesRequest(old_messages=msgs, new_messages=msgs, mode="repair")
+    with pytest.raises(UnsupportedModeError, match=r"^mode: 'repair'"):
+        compile_request(req, None, 100, None, plugins)
