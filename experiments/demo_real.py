@@ -78,11 +78,11 @@ def real_model_section(out: Path) -> list[str]:
     from transformers import AutoTokenizer
 
     from leyline_agent.engine.checkpoints.fetch import smollm2_dir
-    from leyline_agent.testing.server import serve_in_process
 
     from .quality import build_cases, report, run_arms, select_conversations
     from .quality_arms import ARMS, QualityServer
     from .quality_data import load_conversations
+    from .side_by_side import leyline_serve
 
     print("real model: SmolLM2-135M-Instruct (leyline fetch-model smollm2) ...", flush=True)
     model = smollm2_dir()
@@ -90,12 +90,12 @@ def real_model_section(out: Path) -> list[str]:
     cases = build_cases(tok, select_conversations(load_conversations(), quick=True), ["stub"])
     arms = list(ARMS.values())
     out.mkdir(parents=True, exist_ok=True)
-    with serve_in_process(model, timeout=600, log_path=out / "serve.log") as srv:
-        server = QualityServer(srv.url, model.name)
+    with leyline_serve(model) as url:
+        server = QualityServer(url, model.name)
         try:
             results = run_arms(server, arms, cases, tok, 8, log=out / "cases-float32.jsonl")
         finally:
             server.close()
         lines = [f"Real model: {model}", *report(results, [a.name for a in arms], "float32"), ""]
-        lines += _splice_chat(srv.url, model.name)
+        lines += _splice_chat(url, model.name)
     return lines

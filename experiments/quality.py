@@ -249,7 +249,8 @@ def main(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from leyline_agent.engine.checkpoints.fetch import smollm2_dir
-    from leyline_agent.testing.server import serve_in_process
+
+    from .side_by_side import leyline_serve
 
     model = Path(args.model) if args.model else smollm2_dir()
     unknown = [a for a in args.arms.split(",") if a not in ARMS]
@@ -269,9 +270,8 @@ def main(args: argparse.Namespace) -> int:
           f"variants {', '.join(variants)}, arms {', '.join(names)}, greedy {greedy}")  # fmt: skip
     for dtype in dtypes:
         t0 = time.monotonic()
-        with serve_in_process(model, "--dtype", dtype, timeout=600,
-                              log_path=args.out / f"serve-{dtype}.log") as srv:  # fmt: skip
-            server = QualityServer(srv.url, model.name)
+        with leyline_serve(model, "--dtype", dtype) as url:
+            server = QualityServer(url, model.name)
             try:
                 results = run_arms(server, arms, cases, tok, greedy,
                                    log=args.out / f"cases-{dtype}.jsonl")  # fmt: skip

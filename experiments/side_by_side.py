@@ -36,7 +36,7 @@ from .mechanism import POLICIES, cap_messages
 from .mechanism import percentile as _pct
 from .trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
 
-__all__ = ["TARGETS", "main", "main_http", "run_target", "start_target"]
+__all__ = ["TARGETS", "leyline_serve", "main", "main_http", "run_target", "start_target"]
 
 TARGETS = {"vllm": ("radix",), "vllm-leyline": ("splice",), "leyline": ("splice", "radix")}
 _ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,9 @@ def run_target(
 
 
 @contextmanager
-def _leyline_serve(model_dir: Path) -> Iterator[str]:
+def leyline_serve(model_dir: Path, *args: str) -> Iterator[str]:
+    """``leyline serve --model model_dir *args`` (``.venv``'s) on a free port, up until the
+    block ends: its base URL (no ``/v1``)."""
     import httpx
 
     from leyline_agent.vllm_plugin.local_server import free_port
@@ -120,7 +122,7 @@ def _leyline_serve(model_dir: Path) -> Iterator[str]:
     exe = _ROOT / ".venv" / "bin" / "leyline"
     log = open(f"/tmp/leyline-serve-{port}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [str(exe), "serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu"],
+        [str(exe), "serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu", *args],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -243,7 +245,7 @@ def start_target(stack: ExitStack, name: str, model_dir: Path) -> tuple[str, str
 
     base, block = _target(name)
     if base == "leyline":
-        return stack.enter_context(_leyline_serve(model_dir)) + "/v1", model_dir.name
+        return stack.enter_context(leyline_serve(model_dir)) + "/v1", model_dir.name
     srv = stack.enter_context(serve_vllm(
         model_dir, leyline=base == "vllm-leyline", block_size=block, kv_cache_gib=2,
         max_model_len=8192, extra_args=["--enable-prefix-caching"],
