@@ -33,10 +33,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bf16"), help="output folder")
 
 
-def _rel(x: Any, ref: Any) -> float:
-    return float((x.double() - ref.double()).norm() / ref.double().norm())
-
-
 def _twice(engine: Any, prompt: list[int]) -> tuple[float, float]:
     """The greedy first token's logprob of ``prompt``, asked twice in a row."""
     from leyline_agent.engine.params import SamplingParams
@@ -56,6 +52,7 @@ def _measure(model_dir: Path, n: int) -> dict[str, Any]:
     from leyline_agent.reference.kv_reference import RefState, logits_from_kv
     from leyline_agent.wire import DirectivesRequest
 
+    from .correctness import rel_l2
     from .quality import build_cases
     from .quality_data import load_conversations
 
@@ -80,7 +77,7 @@ def _measure(model_dir: Path, n: int) -> dict[str, Any]:
             eng.apply_directives(DirectivesRequest(tokens=case.tokens, directives=[d]))
             spliced = eng.logits_for(prompt)
             a, b = _twice(eng, prompt)
-            row[name] = {"splice_vs_truth": _rel(spliced, truth), "plain_vs_fp32": _rel(fresh, plain32),
+            row[name] = {"splice_vs_truth": rel_l2(spliced, truth), "plain_vs_fp32": rel_l2(fresh, plain32),
                          "twice": [a, b]}  # fmt: skip
         rows.append(row)
     return {"rows": rows}

@@ -34,13 +34,14 @@ from leyline_agent.errors import LeylineError
 
 from .trajectories import DEFAULT_SET, load_trajectories
 
-__all__ = ["agreement", "drift", "main"]
+__all__ = ["agreement", "drift", "edit_spans", "main", "rel_l2"]
 
 STUB = "[stale output elided]"
 _MAX_CHARS = 600  # message contents are cut to this, to keep CPU prompts short
 
 
-def _edit_spans(old: list[int], new: list[int]) -> tuple[int, int, list[int]]:
+def edit_spans(old: list[int], new: list[int]) -> tuple[int, int, list[int]]:
+    """The edit ``old[start:end] -> replacement`` that makes ``new`` (common prefix and suffix kept)."""
     s = 0
     while s < min(len(old), len(new)) and old[s] == new[s]:
         s += 1
@@ -90,7 +91,7 @@ def agreement(model_dir: Path, n: int, max_tokens: int = 2048, seed: int = 0) ->
     Q = probe.render([{"role": "user", "content": "Continue."}], add_generation_prompt=True)
     rows = []
     for T, Tn in _prompts(probe, n, max_tokens, seed):
-        s, e, R = _edit_spans(T, Tn)
+        s, e, R = edit_spans(T, Tn)
         with torch.inference_mode():
             full = model(input_ids=torch.tensor([Tn + Q])).logits[0, -1].float()
         spl = Engine(model, probe.tokenizer)
@@ -172,7 +173,8 @@ def _bf16_rotation(band: Any, delta: int, inv_freq: Any, layout: str) -> Any:
     return torch.cat((na, nb), dim=-1)
 
 
-def _rel(x: Any, ref: Any) -> float:
+def rel_l2(x: Any, ref: Any) -> float:
+    """||x - ref|| / ||ref||, in float64."""
     return float((x.double() - ref).norm() / ref.norm())
 
 
@@ -224,8 +226,8 @@ def drift(model_dir: Path, max_chain: int = 64, seed: int = 0) -> dict[str, Any]
             {
                 "k": k,
                 "cumulative_delta": total,
-                "fp32_rotation": _rel(band(T), exact),
-                "bf16_rotation": _rel(naive, exact),
+                "fp32_rotation": rel_l2(band(T), exact),
+                "bf16_rotation": rel_l2(naive, exact),
             }
         )
     return {"tail_tokens": int(stored.shape[1]), "layers": int(stored.shape[0]), "curve": curve}

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .correctness import edit_spans
 from .quality_arms import ARMS, Arm, Case, Completion, QualityServer
 from .quality_data import load_conversations
 
@@ -64,17 +65,6 @@ def _render(tok: Any, msgs: list[dict[str, Any]], gen: bool = False) -> str:
     return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
 
-def _diff(a: list[int], b: list[int]) -> tuple[int, int, list[int]]:
-    """The edit ``a[start:end] -> repl`` that makes ``b``: common prefix and suffix kept."""
-    p = 0
-    while p < min(len(a), len(b)) and a[p] == b[p]:
-        p += 1
-    s = 0
-    while s < min(len(a), len(b)) - p and a[-1 - s] == b[-1 - s]:
-        s += 1
-    return p, len(a) - s, b[p : len(b) - s]
-
-
 def build_cases(tok: Any, convs: list[dict[str, Any]], variants: list[str]) -> list[Case]:
     """Token-level cases from the conversations, rendered with the model's chat template."""
     cases = []
@@ -94,7 +84,7 @@ def build_cases(tok: Any, convs: list[dict[str, Any]], variants: list[str]) -> l
                 edited = [*msgs[:k], *msgs[k + 1 :]]
             else:
                 raise ValueError(f"unknown variant {variant!r} (stub, delete)")
-            start, end, repl = _diff(tokens, _ids(tok, _render(tok, edited)))
+            start, end, repl = edit_spans(tokens, _ids(tok, _render(tok, edited)))
             target = _ids(tok, conv["answer"]) if "answer" in conv else []
             cases.append(Case(conv["id"], conv["kind"], variant, tokens, start, end, repl,
                               question, target))  # fmt: skip
