@@ -26,7 +26,9 @@ of the answer's tokens. Fact cases are the file's (``quoted_next``, ``quoted_lat
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     convs = [c for c in every if c["kind"] != "general"] if a.facts else []
     convs += [c for c in every if c["kind"] == "general"][: a.general]
     t0 = time.perf_counter()
+    started, load_before = dt.datetime.now(dt.UTC), os.getloadavg()
     per_case: dict[str, dict] = {}
     kinds = {c["id"]: c["kind"] for c in convs}
     a.out.mkdir(parents=True, exist_ok=True)
@@ -273,14 +276,29 @@ def main(argv: list[str] | None = None) -> None:
     for k, c in enumerate(convs):
         per_case[c["id"]] = run_case(eng, c, k, selectors, budgets)
         print(f"{k + 1}/{len(convs)} {c['id']} {time.perf_counter() - t0:.0f} s", flush=True)
-        summary = summarize(per_case, kinds)  # written after every case: a partial run counts
-        (a.out / "report.json").write_text(json.dumps(
-            {"command": cmd, "cases_done": k + 1, "cases": len(convs), "summary": summary,
-             "per_case": per_case, "kinds": kinds}, indent=1))  # fmt: skip
-        (a.out / "table.md").write_text(table(summary) + "\n")
-    plot(summary, a.out / "quality_vs_budget.png", selectors, budgets)
-    print(table(summary))
-    print(f"wrote {a.out}; {time.perf_counter() - t0:.0f} s; {len(convs)} cases")
+        # written after every case: a partial run counts, and says how far it got
+        (a.out / CASES).write_text(json.dumps(
+            {"command": cmd, "cases_done": k + 1, "cases": len(convs), "per_case": per_case,
+             "kinds": kinds, "selectors": selectors, "budgets": budgets}, indent=1))  # fmt: skip
+    finish(a.out, started, load_before)
+
+
+CASES = "cases.json"
+
+
+def finish(out: Path, started: Any, load_before: Any) -> None:
+    """The table and plot from ``out/cases.json``, recorded as a run (``report.json``,
+    rendered into docs/results.md by ``leyline bench report``)."""
+    from .results import write_record
+
+    rec = json.loads((out / CASES).read_text())
+    summary = summarize(rec["per_case"], rec["kinds"])
+    plot(summary, out / "quality_vs_budget.png", rec["selectors"], rec["budgets"])
+    text = (f"{rec['cases_done']} of {rec['cases']} conversations "
+            f"({', '.join(sorted(set(rec['kinds'].values())))})\n\n{table(summary)}\n"
+            f"plot: {out / 'quality_vs_budget.png'}\n")  # fmt: skip
+    print(text)
+    write_record(out, "check repair-ablation", rec["command"], started, load_before, text)
 
 
 if __name__ == "__main__":
