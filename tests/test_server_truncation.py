@@ -62,11 +62,6 @@ def test_responses_forced_call_cut_by_the_budget_is_incomplete(client, name):
     assert item.arguments == r.output[0].arguments
 
 
-@pytest.mark.xfail(
-    reason="front/messages.py's _tool_use refuses a call whose arguments the budget cut "
-    "(500 'arguments are not a JSON object'): the chat turn now hands such a call on",
-    raises=Exception,
-)
 def test_messages_forced_tool_use_cut_by_the_budget_is_max_tokens(server, name):
     """The same outcome on Anthropic's Messages route (a transport over the chat turn)."""
     import anthropic

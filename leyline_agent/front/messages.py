@@ -319,14 +319,19 @@ def _str(value: Any, where: str) -> str:
 
 
 # ---- chat -> message ----------------------------------------------------------------------
-def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+def _tool_use(call: dict[str, Any], cut: bool) -> dict[str, Any]:
+    """A chat tool call as a ``tool_use`` block. A call the token budget cut (``cut``) may hold
+    half-written arguments: its ``input`` is then ``{}``, as the answer's ``max_tokens`` stop
+    reason says (the stream's ``input_json_delta`` events carry what was written)."""
     f = call.get("function") or {}
     try:
         args = json.loads(f.get("arguments") or "{}")
     except ValueError:
         args = None
-    if not isinstance(args, dict):  # the chat parse hands on only well-formed calls
-        raise RuntimeError(f"tool call {call.get('id')!r}: arguments are not a JSON object")
+    if not isinstance(args, dict):
+        if not cut:  # a finished answer's calls are well-formed: the chat parse checks them
+            raise RuntimeError(f"tool call {call.get('id')!r}: arguments are not a JSON object")
+        args = {}
     return {"type": "tool_use", "id": call["id"], "name": f.get("name"), "input": args}
 
 
@@ -358,7 +363,8 @@ def message_answer(chat: dict[str, Any], model: str) -> dict[str, Any]:
         content.append({"type": "thinking", "thinking": m["reasoning_content"], "signature": ""})
     if m.get("content"):
         content.append({"type": "text", "text": m["content"]})
-    content.extend(_tool_use(c) for c in m.get("tool_calls") or [])
+    cut = choice["finish_reason"] == "length"
+    content.extend(_tool_use(c, cut) for c in m.get("tool_calls") or [])
     return {
         "id": new_message_id(),
         "type": "message",
