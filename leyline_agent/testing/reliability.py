@@ -15,6 +15,10 @@ tokens. ``Watch`` measures both from outside the server (its own threads, over H
 received its first token (it is streaming when the caller's request goes out); leaving the
 block stops them. ``w.report()`` gives a ``WatchReport``; ``bounded_answer`` times one
 request. The thresholds are the caller's (tests/reliability/conftest.py, the soak benchmark).
+
+Hostile bodies' parts shared by the tests and the soak benchmark: ``failing_call_history``
+(a chat whose tool result a ``failed_call`` edit reads), ``nested_array`` (a schema nested
+``depth`` arrays deep) and ``function_tool``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Any, Self
 
 import httpx
 
@@ -39,7 +43,10 @@ __all__ = [
     "Watch",
     "WatchReport",
     "bounded_answer",
+    "failing_call_history",
+    "function_tool",
     "key_file_text",
+    "nested_array",
 ]
 
 # Two tenants of two keys each: mallory sends hostile requests, alice is the bystander.
@@ -277,3 +284,30 @@ def bounded_answer(send: Callable[[], httpx.Response]) -> TimedAnswer:
     except httpx.HTTPError as e:
         return TimedAnswer(None, time.monotonic() - t0, f"{type(e).__name__}: {e}")
     return TimedAnswer(r, time.monotonic() - t0)
+
+
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "run", "arguments": "{}"}}
+
+
+def failing_call_history(result: str) -> list[dict[str, Any]]:
+    """A chat in which the tool call ``call_1`` returned ``result`` and the agent moved on."""
+    return [
+        {"role": "user", "content": "Run it."},
+        {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": result},
+        {"role": "assistant", "content": "It printed something."},
+        {"role": "user", "content": "Go on."},
+    ]
+
+
+def nested_array(depth: int) -> dict[str, Any]:
+    """A JSON schema of strings nested ``depth`` arrays deep."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def function_tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A chat request's function tool."""
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}

@@ -18,20 +18,12 @@ from __future__ import annotations
 
 import pytest
 
+from leyline_agent.testing.reliability import function_tool as _tool
+from leyline_agent.testing.reliability import nested_array as _nested
+
 CHAT = "/v1/chat/completions"
 SERVER_ARGS = ("--max-tools", "120")
 SCHEMA = "response_format.json_schema.schema"
-
-
-def _nested(depth: int) -> dict:
-    s: dict = {"type": "string"}
-    for _ in range(depth):
-        s = {"type": "array", "items": s}
-    return s
-
-
-def _tool(name: str, parameters: dict) -> dict:
-    return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
 
 def _object(**props) -> dict:
