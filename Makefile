@@ -37,7 +37,7 @@ lint: setup
 # tests/reliability (a live leyline serve per module, watched while hostile requests run).
 # A new test file runs here unless it is added to SLOW_TESTS; `make test` runs everything.
 SLOW_TESTS := cache_provenance_fuzz client_codex engine_paged gpu_check engine_gpu_paths engine_pool_shrink engine_repair engine_splice eval_harness \
-	experiments_mechanism experiments_trajectories framework_debug_gym framework_pydantic_ai \
+	experiments_mechanism experiments_quality experiments_trajectories framework_debug_gym framework_pydantic_ai \
 	framework_langchain_responses framework_openai_agents_responses framework_self_editing framework_smolagents framework_table kernels_cbuild kernels_triton \
 	readme_commands serve_cli server_repair serve_shutdown server_anonymous_race server_concurrency server_constrained \
 	server_context_edits server_drift server_limits server_provenance server_request_fields server_security server_sessions server_splice_scheduling \
