@@ -4,8 +4,8 @@ API) with ``LeylineTransport(stale-tool)``, and with a ``wrap_openai`` client, a
 
 The model is the tiny engine answering a script (``ScriptedEngine``) of seven tool calls and
 an answer, so one ``Runner.run`` is a tool loop long enough for stale-tool (keep 2) to act.
-The same loop runs twice on fresh servers: with the policy, and without one
-(``LeylineTransport([])``, the SDK's requests as built). Checks: the Responses bodies the
+The same loop runs on fresh servers with the policy (through each wrapper) and, once, without
+one (``LeylineTransport([])``, the SDK's requests as built). Checks: the Responses bodies the
 server got carry stale-tool's stubs in their ``function_call_output`` items, exactly where
 stale-tool's rule (computed here) puts them; the server spliced each newly stale result
 (AMORTIZE count in ``/leyline/v1/stats``, at least 3); the edited loop prefilled at most
@@ -15,6 +15,7 @@ stale-tool's rule (computed here) puts them; the server spliced each newly stale
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import Any
 
@@ -81,6 +82,13 @@ def run_loop(policies: list, wrapper: str = "transport") -> tuple[dict, list[dic
     return counts, forwarded.bodies, state
 
 
+@functools.cache
+def unedited() -> tuple[dict, list[dict]]:
+    """The loop without a policy (``LeylineTransport([])``), run once for both wrappers."""
+    counts, bodies, _ = run_loop([])
+    return counts, bodies
+
+
 def stale_outputs(items: list[dict]) -> list[int]:
     """Indices (among the function_call_output items) stale-tool keeps whole: the newest KEEP."""
     n = sum(1 for i in items if i.get("type") == "function_call_output")
@@ -91,7 +99,7 @@ def stale_outputs(items: list[dict]) -> list[int]:
 def test_stale_tool_splices_on_the_responses_api(wrapper):
     set_tracing_disabled(True)
     edited, bodies, state = run_loop([{"name": "stale-tool", "keep": KEEP}], wrapper)
-    plain, plain_bodies, _ = run_loop([], wrapper)
+    plain, plain_bodies = unedited()
     assert state.failures == 0
     assert len(bodies) == len(plain_bodies) == CALLS + 1
     for body in bodies:
