@@ -118,9 +118,9 @@ def _record(
     name: str, commit: str | None,
 ) -> bool:  # fmt: skip
     """Run one section with its output captured and write its record, failed or not."""
-    from .results import _load, _Tee, write_record
+    from .results import Tee, load_average, write_record
 
-    started, load_before, tee = dt.datetime.now(dt.UTC), _load(), _Tee(sys.stdout)
+    started, load_before, tee = dt.datetime.now(dt.UTC), load_average(), Tee(sys.stdout)
     ok, command = True, ""
     print(f"== check gpu: {section} on {name}", flush=True)
     with contextlib.redirect_stdout(tee):
@@ -314,9 +314,9 @@ def _extend_check(device: str, dry: bool) -> None:
         )
         s = SeqRows(0, t, slots.to(device), slot_runs(slots))
         q = torch.randn(1, h, t, d, generator=g).to(dt).to(device)
-        path = "flash" if attention._flash(q) is attention._flash_cuda else "cpu flash"
+        path = {"cuda": "flash", "cpu": "cpu flash"}.get(attention.flash_path(q), "dense")
         try:
-            got = attention._gqa_extend(q, pk, pv, s, d**-0.5).double().cpu()
+            got = attention.extend_attention(q, pk, pv, s, d**-0.5).double().cpu()
             k = pk[:, slots.to(device)].double().cpu().repeat_interleave(h // kvh, 0)
             v = pv[:, slots.to(device)].double().cpu().repeat_interleave(h // kvh, 0)
             n = k.shape[1]

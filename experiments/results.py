@@ -51,7 +51,7 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib, "system": platform.system()}
 
 
-def _load() -> list[float] | None:
+def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -69,7 +69,7 @@ def _commit() -> str | None:
     return out.stdout.strip() or None
 
 
-class _Tee(io.TextIOBase):
+class Tee(io.TextIOBase):
     """Writes to the real stream and keeps a copy."""
 
     def __init__(self, stream: Any) -> None:
@@ -96,7 +96,7 @@ def recorded(verb: str, handler: Callable[[Any], int], default_out: Path) -> Cal
         if out_dir.suffix:  # an output file: record beside it
             out_dir = out_dir.parent
         argv = sys.argv[1:]
-        started, load_before, tee = dt.datetime.now(dt.UTC), _load(), _Tee(sys.stdout)
+        started, load_before, tee = dt.datetime.now(dt.UTC), load_average(), Tee(sys.stdout)
         with contextlib.redirect_stdout(tee):
             rc = int(handler(args) or 0)
         if rc == 0:
@@ -126,7 +126,7 @@ def write_record(
         "commit": _commit(),
         "machine": machine(),
         "load_before": load_before,
-        "load_after": _load(),
+        "load_after": load_average(),
         "output": output,
         **extra,
     }

@@ -54,6 +54,8 @@ CONTRACTS = {
     "leyline_agent.responses_items",
     "leyline_agent.http_errors",
     "leyline_agent.logs",
+    "leyline_agent.text_match",  # linear-time matching of client text (policies, the front)
+    "leyline_agent.metrics",  # Prometheus families of the stats contract (both servers)
     "leyline_agent.directives",  # the package namespace: core's names (for the layers above)
     "leyline_agent.directives.core",  # Directive, Mode, MessageEdit: wire contracts
 }

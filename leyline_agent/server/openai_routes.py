@@ -60,8 +60,7 @@ from leyline_agent.server.openai_api import (
     usage,
 )
 from leyline_agent.server.request_fields import (
-    check_chat_fields,
-    check_completion_fields,
+    fields_check,
     ignore,
     ignored,
 )
@@ -133,7 +132,9 @@ def _finish(result: GenerationResult, called_tools: bool = False) -> str:
 
 
 # ---- chat ------------------------------------------------------------------------------
-@router.post("/v1/chat/completions", dependencies=[Depends(check_chat_fields)])
+@router.post(
+    "/v1/chat/completions", dependencies=[Depends(fields_check("chat", ChatCompletionRequest))]
+)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     name_session(request, req.prompt_cache_key, "prompt_cache_key")
     st, ns = _request_context(request, req.model)
@@ -183,7 +184,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
                 e.render(messages, tools=tools, add_generation_prompt=True)
                 if render.plain
                 else e.render(
-                    messages, tools=tools, add_generation_prompt=render.add_generation_prompt,
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=render.add_generation_prompt,
                     template_kwargs=render.kwargs,
                 )
             )
@@ -288,7 +291,9 @@ def _delta(name: str, value: Any) -> dict[str, Any]:
 
 
 # ---- completions -----------------------------------------------------------------------
-@router.post("/v1/completions", dependencies=[Depends(check_completion_fields)])
+@router.post(
+    "/v1/completions", dependencies=[Depends(fields_check("completions", CompletionRequest))]
+)
 async def completions(req: CompletionRequest, request: Request) -> Any:
     st, ns = _request_context(request, req.model)
     prompt = completion_prompt(req)
@@ -312,7 +317,9 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     choice = {
         "index": 0,
         "text": result.text,
-        "logprobs": lp.legacy(_listed(result, st), params.top_logprobs) if params.logprobs else None,
+        "logprobs": lp.legacy(_listed(result, st), params.top_logprobs)
+        if params.logprobs
+        else None,
         "finish_reason": _finish(result),
     }
     body = {

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 from openai.types.shared import ReasoningEffort
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from leyline_agent.logs import get_logger
 from leyline_agent.server.errors import RequestError
@@ -41,10 +41,8 @@ __all__ = [
     "HINTS",
     "Ignored",
     "IgnoredCounts",
-    "check_chat_fields",
-    "check_completion_fields",
+    "fields_check",
     "check_effort",
-    "check_responses_fields",
     "ignore",
     "ignored",
 ]
@@ -181,27 +179,16 @@ def fields_notes(route: str, body: Any, own: Iterable[str]) -> list[Ignored]:
     return notes
 
 
-async def _check(request: Request, route: str, own: Iterable[str]) -> None:
-    try:
-        body = await request.json()
-    except ValueError:
-        return  # the route's body model names the problem
-    ignore(request, fields_notes(route, body, own))
+def fields_check(route: str, model: type[BaseModel]) -> Callable[[Request], Awaitable[None]]:
+    """The route dependency that checks a body's fields against ``model`` (the route's own
+    request model) and OpenAI's lists for ``route`` (``fields_notes``), noting the hints."""
+    own = frozenset(model.model_fields)
 
+    async def check(request: Request) -> None:
+        try:
+            body = await request.json()
+        except ValueError:
+            return  # the route's body model names the problem
+        ignore(request, fields_notes(route, body, own))
 
-async def check_chat_fields(request: Request) -> None:
-    from leyline_agent.server.openai_api import ChatCompletionRequest
-
-    await _check(request, "chat", ChatCompletionRequest.model_fields)
-
-
-async def check_completion_fields(request: Request) -> None:
-    from leyline_agent.server.openai_api import CompletionRequest
-
-    await _check(request, "completions", CompletionRequest.model_fields)
-
-
-async def check_responses_fields(request: Request) -> None:
-    from leyline_agent.server.responses_api import ResponsesRequest
-
-    await _check(request, "responses", ResponsesRequest.model_fields)
+    return check

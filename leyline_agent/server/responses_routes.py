@@ -33,7 +33,7 @@ from leyline_agent.http_errors import field_path
 from leyline_agent.server.errors import RequestError
 from leyline_agent.server.openai_api import ChatCompletionRequest
 from leyline_agent.server.openai_routes import chat_completions
-from leyline_agent.server.request_fields import check_responses_fields, ignore
+from leyline_agent.server.request_fields import fields_check, ignore
 from leyline_agent.server.responses_api import (
     ResponsesRequest,
     chat_request,
@@ -77,7 +77,7 @@ def responses_store(request: Request) -> ResponseStore:
     return store
 
 
-@router.post("/v1/responses", dependencies=[Depends(check_responses_fields)])
+@router.post("/v1/responses", dependencies=[Depends(fields_check("responses", ResponsesRequest))])
 async def create_response(req: ResponsesRequest, request: Request) -> Any:
     st, tenant = state(request), namespace(request).tenant
     st.model.check(req.model)

@@ -119,7 +119,7 @@ def forwarded(
 _EDITABLE = ("role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content")
 
 
-class _Engine:
+class FrontTurnEngine:
     """``front.turns.TurnEngine`` on vLLM, for a turn's job on a worker thread: renders with
     vLLM's renderer what would be forwarded, runs directives on the route, both through the
     event loop."""
@@ -199,7 +199,7 @@ class ChatFront:
             return Spliced({**rest, "messages": edits.messages}, None)
         kwargs = {k: body[k] for k in _RENDER_KEYS if k in body}
         loop = asyncio.get_running_loop()
-        engine = _Engine(self.runner, loop, edits.messages, turn.messages, kwargs)
+        engine = FrontTurnEngine(self.runner, loop, edits.messages, turn.messages, kwargs)
         async with self._lock(turn.namespace):  # one turn of a conversation at a time
             out = await asyncio.to_thread(turn.run, engine)
             ready = turn.prepared(out)

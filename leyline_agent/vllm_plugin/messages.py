@@ -35,7 +35,7 @@ from leyline_agent.front.messages import (
     parse_request,
 )
 from leyline_agent.front.turns import plan_turn
-from leyline_agent.vllm_plugin.chat_front import ChatFront, _Engine
+from leyline_agent.vllm_plugin.chat_front import ChatFront, FrontTurnEngine
 
 __all__ = ["COUNT_PATH", "MESSAGES_PATH", "count_tokens", "messages_request", "translating"]
 
@@ -56,7 +56,7 @@ async def count_tokens(front: ChatFront, raw: bytes) -> dict[str, Any]:
     body = chat_body(req, CHAT_FIELDS)
     messages, tools = body["messages"], body.get("tools")
     canon = canonical_messages(messages)
-    engine = _Engine(front.runner, asyncio.get_running_loop(), messages, canon, {})
+    engine = FrontTurnEngine(front.runner, asyncio.get_running_loop(), messages, canon, {})
 
     def counted() -> dict[str, Any]:
         def n(ms: list[dict[str, Any]]) -> int:

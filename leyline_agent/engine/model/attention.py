@@ -202,6 +202,21 @@ def _gqa_decode(
     return _sum_by_runs(p, vs).reshape(q.shape[0], -1)
 
 
+def flash_path(q: torch.Tensor) -> str:
+    """Which flash path a chunk after cached rows takes for ``q``: ``"cuda"`` (CUDA's flash op,
+    half precision), ``"cpu"`` (the CPU op, any dtype) or ``"dense"`` (SDPA with a mask)."""
+    op = _flash(q)
+    return "cuda" if op is _flash_cuda else "cpu" if op is _FLASH_CPU else "dense"
+
+
+def extend_attention(
+    q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, s: SeqRows, scaling: float | None
+) -> torch.Tensor:
+    """The attention of a chunk of new tokens after cached rows, as the engine runs it (for
+    checks against an independent computation): ``q [1, H, t, d]`` -> ``[t, H, dv]``."""
+    return _gqa_extend(q, pk, pv, s, scaling)
+
+
 def _flash(q: torch.Tensor) -> Any:
     """The flash-attention op that returns each query row's log-sum-exp for ``q``'s device
     and dtype: ``f(q, k, v, is_causal=, scale=) -> (out, lse)``; None where there is none
