@@ -209,7 +209,7 @@ def drift(model_dir: Path, max_chain: int = 64, seed: int = 0) -> dict[str, Any]
     naive = stored.clone()
     total, curve = 0, []
     for k in range(1, max_chain + 1):
-        n_r = width + rng.choice([-3, -2, -1, 1, 2, 3])
+        n_r = width + rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if width + d >= 1])
         R = [rng.randrange(100, eng.vocab_size) for _ in range(n_r)]
         resp = eng.apply_directives(
             DirectivesRequest(
