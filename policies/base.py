@@ -24,21 +24,42 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from leyline_agent.directives import MessageEdit
+from leyline_agent.directives import MessageEdit, Mode
+from leyline_agent.directives.core import ImplementedMode
 from leyline_agent.errors import PolicyError
 from leyline_agent.trajectory import Trajectory
 
 from .view import PipelineView
 
-__all__ = ["Policy", "PolicyConfig", "validate_knobs"]
+__all__ = ["Policy", "PolicyConfig", "SpliceKnobs", "validate_knobs"]
 
 
 class PolicyConfig(BaseModel):
     """Base of policy knob models: frozen, unknown knobs rejected."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+
+class SpliceKnobs(PolicyConfig):
+    """The ``mode`` and ``budget`` knobs of a policy whose edits choose their splice:
+    ``amortize``, ``repair`` (``budget``: the fraction of the tail recomputed; none: the
+    server's default) or ``forget``; none: the session's or server's mode. Every edit the
+    policy makes carries them (``MessageEdit.mode`` / ``budget``)."""
+
+    mode: ImplementedMode | None = None
+    budget: float | None = Field(default=None, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _budget_with_repair(self) -> SpliceKnobs:
+        if self.budget is not None and self.mode is not Mode.REPAIR:
+            raise ValueError("budget applies to mode 'repair' only")
+        return self
+
+    def splice(self) -> dict[str, Any]:
+        """``mode`` / ``budget`` as ``MessageEdit`` fields (the ones set)."""
+        return {k: v for k, v in (("mode", self.mode), ("budget", self.budget)) if v is not None}
 
 
 class Policy(ABC):

@@ -39,7 +39,7 @@ from leyline_agent.directives import MessageEdit
 from leyline_agent.text_match import compile_pattern, fills_template
 from leyline_agent.trajectory import ToolCall, Trajectory
 
-from .base import Policy, PolicyConfig, validate_knobs
+from .base import Policy, SpliceKnobs, validate_knobs
 from .observations import result_content
 
 __all__ = ["DEFAULT_PATTERNS", "MAX_PATTERNS", "FailedCallConfig", "FailedCallDetector"]
@@ -63,7 +63,7 @@ DEFAULT_PATTERNS: tuple[str, ...] = (
 _TRACEBACK = "Traceback (most recent call last)"
 
 
-class FailedCallConfig(PolicyConfig):
+class FailedCallConfig(SpliceKnobs):
     patterns: tuple[str, ...] = Field(default=DEFAULT_PATTERNS, max_length=MAX_PATTERNS)
     after: int = Field(default=1, ge=1)
     placeholder: str = Field(default="[failed call elided] {tool}: {error}", min_length=1)
@@ -158,6 +158,7 @@ class FailedCallDetector(Policy):
                         trajectory, call.result_index, self.stub(call.name, text)
                     ),
                     policy=self.name,
+                    **cfg.splice(),
                     reason=f"{call.name} ({call.id}) failed and the agent moved past it",
                 )
             )
@@ -173,6 +174,7 @@ class FailedCallDetector(Policy):
                         index=index,
                         tool_calls=tool_calls,
                         policy=self.name,
+                        **cfg.splice(),
                         reason="arguments of failed calls elided",
                     )
                 )

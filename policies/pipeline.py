@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from leyline_agent.directives import MessageEdit
+from leyline_agent.directives import MessageEdit, Mode
+from leyline_agent.directives.modes import turn_mode
 from leyline_agent.errors import PolicyError
 from leyline_agent.logs import get_logger
 from leyline_agent.trajectory import Trajectory, apply_edit
@@ -77,6 +78,7 @@ class PolicyPipeline:
         current = [dict(m) for m in original]
         touched: dict[int, list[str]] = {}
         reasons: dict[int, list[str]] = {}
+        asked: dict[int, list[tuple[Mode, float | None]]] = {}  # index -> the modes asked
         for position, policy in enumerate(self.policies):
             view = PipelineView.of(
                 trajectory if not touched else Trajectory.parse(current), self.policies
@@ -90,6 +92,8 @@ class PolicyPipeline:
                     continue
                 current[edit.index] = new
                 touched.setdefault(edit.index, []).append(edit.policy)
+                if edit.mode is not None:
+                    asked.setdefault(edit.index, []).append((edit.mode, edit.budget))
                 if edit.reason:
                     reasons.setdefault(edit.index, []).append(edit.reason)
             if deadline is not None and time.monotonic() > deadline:
@@ -110,6 +114,10 @@ class PolicyPipeline:
             if content is None and calls is None:
                 continue  # edited, then edited back
             names = list(dict.fromkeys(touched[index]))
+            splice: dict[str, Any] = {}
+            if index in asked:  # the most exact splice any of its policies asked for
+                mode, budget = turn_mode(asked[index], Mode.AMORTIZE)
+                splice = {"mode": mode, "budget": budget}
             edits.append(
                 MessageEdit(
                     index=index,
@@ -117,6 +125,7 @@ class PolicyPipeline:
                     tool_calls=calls,
                     policy="+".join(names),
                     reason="; ".join(reasons.get(index, [])),
+                    **splice,
                 )
             )
         if edits:

@@ -34,7 +34,7 @@ from pydantic import Field
 from leyline_agent.directives import MessageEdit
 from leyline_agent.trajectory import Trajectory, estimate_tokens
 
-from .base import Policy, PolicyConfig, validate_knobs
+from .base import Policy, SpliceKnobs, validate_knobs
 from .observations import result_content
 
 __all__ = ["StaleToolConfig", "StaleToolTruncation"]
@@ -42,7 +42,7 @@ __all__ = ["StaleToolConfig", "StaleToolTruncation"]
 EMPTY_ARGUMENTS = "{}"
 
 
-class StaleToolConfig(PolicyConfig):
+class StaleToolConfig(SpliceKnobs):
     keep: int = Field(default=2, ge=1)
     placeholder: str = Field(default="[stale output of {tool} elided]", min_length=1)
     exclude_tools: tuple[str, ...] = ()
@@ -105,6 +105,7 @@ class StaleToolTruncation(Policy):
                         index=call.result_index,
                         content=result_content(trajectory, call.result_index, stub),
                         policy=self.name,
+                        **cfg.splice(),
                         reason=f"result of {call.name} ({call.id}) from tool turn {call.turn} is stale",
                     )
                 )
@@ -135,6 +136,7 @@ class StaleToolTruncation(Policy):
                         index=index,
                         tool_calls=calls,
                         policy=self.name,
+                        **self.config.splice(),
                         reason="arguments of stale tool calls cleared",
                     )
                 )

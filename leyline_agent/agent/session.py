@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leyline_agent.directives import MessageEdit, Mode
+from leyline_agent.directives.modes import turn_mode
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 from leyline_agent.logs import get_logger
 from leyline_agent.policies.pipeline import PolicyPipeline
@@ -209,12 +210,14 @@ class ContextSession:
         if old:
             forwarded = _forwarded(old, to_send, limit, changed, new_edits)
             if forwarded:
+                mode, budget = self.turn_mode(forwarded)
                 request = DirectivesRequest(
                     model=model,
                     old_messages=old,
                     new_messages=apply_edits(old, forwarded),
                     tools=list(tools) if tools is not None else None,
-                    mode=self.mode,
+                    mode=mode,
+                    budget=budget,
                     fallback=self.fallback,
                     session=self.session_id,
                 )
@@ -243,11 +246,16 @@ class ContextSession:
         detects = bool(getattr(self.runtime, "client_edits", True))
         if not plan.forwarded and not detects:
             return {}
-        out: dict[str, Any] = {"client_edits": self.mode.value}
+        out: dict[str, Any] = {"client_edits": self.turn_mode(plan.forwarded)[0].value}
         if plan.forwarded:
-            out["edits"] = [e.model_dump(exclude_none=True) for e in plan.forwarded]
+            out["edits"] = [e.model_dump(mode="json", exclude_none=True) for e in plan.forwarded]
             self.stats.body_edits += 1
         return out
+
+    def turn_mode(self, edits: Sequence[MessageEdit]) -> tuple[Mode, float | None]:
+        """The mode (and REPAIR budget) ``edits`` are spliced in: the most exact one their
+        policies asked for (``directives.modes.turn_mode``), else the session's ``mode``."""
+        return turn_mode(((e.mode, e.budget) for e in edits), self.mode)
 
     def observe_reply(self, assistant_message: Any) -> None:
         """Record the assistant reply to the last planned list (a dict or an SDK message)."""

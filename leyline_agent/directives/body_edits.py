@@ -19,7 +19,8 @@ Each edit replaces the ``content`` (and, on an assistant message with tool calls
    the same list: applying is idempotent);
 3. turns client-edit splicing on for this request (``client_edits`` defaults to
    ``amortize`` when edits are sent; ``"off"`` beside edits is a 400, the edits could not
-   act) and tells the conversation matching that these messages are declared edits
+   act; an edit's own ``mode`` / ``budget`` counts too: the turn splices in the most exact
+   mode asked for, ``modes.turn_mode``, a REPAIR budget riding as ``repair_budget``) and tells the conversation matching that these messages are declared edits
    (``chat_context``), so the turn's own job splices them before its prefill: no separate
    ``POST /leyline/v1/directives``.
 
@@ -37,6 +38,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from leyline_agent.directives.core import MessageEdit
+from leyline_agent.directives.modes import turn_mode
 from leyline_agent.errors import RequestError
 from leyline_agent.http_errors import field_path
 from leyline_agent.logs import get_logger
@@ -84,6 +86,14 @@ def request_edits(leyline: Any, messages: list[dict[str, Any]]) -> RequestEdits:
             "edits need client_edits 'amortize' or 'forget' (with 'off' they could not act)",
             "leyline.client_edits",
         )
+    asked = [(e.mode, e.budget) for e in edits]
+    if mode is not None:
+        asked.append((mode, options.get("repair_budget")))
+    if any(m is not None for m, _ in asked):
+        splice, budget = turn_mode(asked, "amortize")
+        options["client_edits"] = splice.value
+        if budget is not None:
+            options["repair_budget"] = budget
     options.setdefault("client_edits", "amortize")
     return RequestEdits(options, apply_edits(messages, edits), edits, frozenset(seen))
 
@@ -100,7 +110,8 @@ def outcome(edits: RequestEdits, edited: list[int] | None, session: str) -> dict
             session=session,
             declared=declared,
             spliced=spliced,
-            why="no cached conversation of this session matched: served by a re-prefill",
+            why="no cached conversation of this session matched (a declared edit keeps its "
+            "message's role, a tool result its tool_call_id): served by a re-prefill",
         )
     return {"declared": declared, "spliced": spliced, "fallback": fallback}
 

@@ -19,7 +19,15 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from leyline_agent.errors import DirectiveError, UnsupportedModeError
 
@@ -66,6 +74,19 @@ def check_mode(mode: Mode) -> Mode:
             f"mode {mode.value!r} is reserved for a future release; use 'amortize', 'forget' or 'repair'"
         )
     return mode
+
+
+def _mode_of(value: Any) -> Any:
+    """A mode's string value as the ``Mode`` (also under strict validation); another string
+    is refused naming the implemented modes."""
+    if isinstance(value, str) and not isinstance(value, Mode):
+        try:
+            return Mode(value)
+        except ValueError:
+            raise ValueError(
+                f"{value!r} is not a mode; use 'amortize', 'forget' or 'repair'"
+            ) from None
+    return value
 
 
 # A mode that is implemented: a reserved one is refused by name.
@@ -191,6 +212,8 @@ class MessageEdit(BaseModel):
     ``content`` replaces the message's content; ``tool_calls`` (assistant messages only)
     replaces its tool calls (same ids, e.g. with stubbed arguments). At least one is set.
     Messages are never inserted or removed, so indices stay stable across turns.
+    ``mode`` / ``budget``: the splice the edit asks for (a policy's ``mode`` knob); one turn
+    splices its edits in one mode, the most exact one asked for (``modes.turn_mode``).
     """
 
     model_config = _FROZEN
@@ -200,11 +223,20 @@ class MessageEdit(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     policy: str = Field(min_length=1, description="name of the policy that made the edit")
     reason: str = ""
+    mode: Annotated[Mode, BeforeValidator(_mode_of), AfterValidator(check_mode)] | None = Field(
+        default=None,
+        description="the splice mode the edit asks for (none: the session's or server's)",
+    )
+    budget: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="mode 'repair' only: the tail fraction recomputed"
+    )
 
     @model_validator(mode="after")
     def _something_changes(self) -> MessageEdit:
         if self.content is None and self.tool_calls is None:
             raise ValueError("an edit must set content or tool_calls")
+        if self.budget is not None and self.mode is not Mode.REPAIR:
+            raise ValueError("budget applies to mode 'repair' only")
         return self
 
 

@@ -21,7 +21,7 @@ from typing import Literal
 from leyline_agent.directives.core import RESERVED_MODES, Mode
 from leyline_agent.errors import UnsupportedModeError
 
-__all__ = ["ALL_MODES", "ModeRule", "RULES", "check_modes", "rule_of"]
+__all__ = ["ALL_MODES", "ModeRule", "RULES", "check_modes", "rule_of", "turn_mode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +67,23 @@ def check_modes(modes: Iterable[tuple[str, Mode]], executes: Iterable[Mode]) -> 
     allowed = frozenset(executes)
     for where, mode in modes:
         rule_of(mode, allowed, where=where)
+
+
+_EXACTNESS = {Mode.AMORTIZE: 0, Mode.REPAIR: 1, Mode.FORGET: 2}
+
+
+def turn_mode(
+    asked: Iterable[tuple[Mode | str | None, float | None]], default: Mode | str
+) -> tuple[Mode, float | None]:
+    """The one mode (and REPAIR budget) a turn splices its edits in, from each edit's
+    ``(mode, budget)``: the most exact mode asked for (FORGET, then REPAIR with the largest
+    budget given, then AMORTIZE), so that no edit is spliced less exactly than it asked;
+    ``default`` (budget None: the server's) when no edit names a mode."""
+    modes = [(Mode(m), b) for m, b in asked if m is not None]
+    if not modes:
+        return Mode(default), None
+    mode = max((m for m, _ in modes), key=lambda m: _EXACTNESS.get(m, -1))
+    if mode is not Mode.REPAIR:
+        return mode, None
+    budgets = [b for m, b in modes if m is Mode.REPAIR and b is not None]
+    return mode, max(budgets) if budgets else None

@@ -37,6 +37,7 @@ from leyline_agent.chat_input import canonical_message, canonical_messages
 from leyline_agent.directives import Mode
 from leyline_agent.directives.drift_plan import DriftOutcome, plan_drift
 from leyline_agent.directives.modes import rule_of
+from leyline_agent.errors import RequestError
 from leyline_agent.front.context_management import (
     EditSpec,
     parse_context_management,
@@ -99,6 +100,7 @@ class ChatTurn:
     mode: str
     tools: list[dict[str, Any]] | None
     count: Callable[[str], int]
+    repair_budget: float | None = None  # the request's leyline.repair_budget
 
     @property
     def namespace(self) -> Namespace:
@@ -112,7 +114,15 @@ class ChatTurn:
         def prompt_tokens(ms: list[dict[str, Any]]) -> int:
             return len(engine.render(ms, tools=tools, add_generation_prompt=True))
 
-        plan = plan_turn(self.messages, match, self.specs, self.mode, prompt_tokens, tools)
+        plan = plan_turn(
+            self.messages,
+            match,
+            self.specs,
+            self.mode,
+            prompt_tokens,
+            tools,
+            repair_budget=self.repair_budget,
+        )
         edits = applied_edits(self.specs, self.messages, plan, self.count) if self.specs else []
         results = execute_turn(engine, plan, ns)
         drift = rendered = None
@@ -218,6 +228,10 @@ def begin_turn(
     opts = parse_leyline_options(leyline)
     specs = parse_context_management(context_management, count)
     mode = opts.client_edits or default_mode
+    if opts.repair_budget is not None and mode != "repair":
+        raise RequestError(
+            f"applies to client_edits 'repair' only, not {mode!r}", "leyline.repair_budget"
+        )
     if mode == "off" and not specs:
         return None
     messages = canonical_messages(raw_messages)
@@ -227,7 +241,9 @@ def begin_turn(
         ns.tenant, ns.session, messages, declared=declared, claim=ns.session is None, owner=owner
     )
     conv = match.conversation if match is not None else store.new(ns.tenant, ns.session, owner)
-    return ChatTurn(store, ns.tenant, messages, match, conv, specs, mode, tools, count)
+    return ChatTurn(
+        store, ns.tenant, messages, match, conv, specs, mode, tools, count, opts.repair_budget
+    )
 
 
 def drift_turn(

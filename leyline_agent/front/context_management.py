@@ -112,6 +112,8 @@ class ClearThinkingEdit(BaseModel):
 class LeylineOptions(BaseModel):
     model_config = _STRICT
     client_edits: ClientEdits | None = None
+    # client_edits 'repair': the fraction of each tail recomputed (none: the server's default)
+    repair_budget: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from leyline_agent.directives import Mode
 from leyline_agent.directives.drift_plan import DriftCounts
+from leyline_agent.directives.modes import turn_mode
 from leyline_agent.errors import RequestError
 from leyline_agent.front.context_management import EditSpec
 from leyline_agent.front.conversations import Conversation, Match
@@ -103,7 +104,11 @@ def plan_turn(
     prompt_tokens: Callable[[list[dict[str, Any]]], int],
     tools: list[dict[str, Any]] | None,
     budget_s: float = POLICY_BUDGET_S,
+    repair_budget: float | None = None,
 ) -> TurnPlan:
+    """The turn's served messages and directives. ``repair_budget``: the REPAIR budget of
+    the client edits (none: the server's); the policies' edits splice in the most exact mode
+    they ask for (their ``mode`` knob, ``modes.turn_mode``), else the turn's."""
     deadline = time.monotonic() + budget_s
     conv = match.conversation if match is not None else None
     base = [dict(m) for m in messages]
@@ -144,11 +149,24 @@ def plan_turn(
     splice_mode = splice_mode_of(mode, conv)
     assert splice_mode is not None  # "off" returned above
     cached = [*conv.served, messages[len(conv.raw)]]
-    steps = [("client_edits", cached, base[:n]), ("context_management", base[:n], served[:n])]
-    for kind, old, new in steps:
+    asked = [(e.mode, e.budget) for e in result.edits] if triggered else []
+    policy_mode = turn_mode(asked, splice_mode) if asked else (splice_mode, repair_budget)
+    if conv.exact:
+        policy_mode = (Mode.FORGET, None)
+    client_budget = repair_budget if splice_mode is Mode.REPAIR else None
+    steps = [
+        ("client_edits", cached, base[:n], (splice_mode, client_budget)),
+        ("context_management", base[:n], served[:n], policy_mode),
+    ]
+    for kind, old, new, (m, b) in steps:
         if old != new:
             req = DirectivesRequest(
-                old_messages=old, new_messages=new, tools=tools, mode=splice_mode, fallback=True
+                old_messages=old,
+                new_messages=new,
+                tools=tools,
+                mode=m,
+                budget=b if m is Mode.REPAIR else None,
+                fallback=True,
             )
             plan.directives.append((kind, req))
     return plan
