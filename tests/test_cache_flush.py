@@ -1,8 +1,13 @@
 """``PrefixCache.flush(tenant)`` and ``POST /leyline/v1/flush``: only the caller's tenant
-is emptied, rows a request holds stay, no slot leaks (``PrefixCache.check``), and the next
-request of the flushed tenant is prefilled from scratch while the other tenant's is not."""
+is emptied, rows a request holds stay, no slot leaks (``PrefixCache.check``), the next
+request of the flushed tenant is prefilled from scratch while the other tenant's is not, and
+memory freed before the flush leaves the resident size (read from ``/proc``)."""
 
 from __future__ import annotations
+
+import platform
+import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -124,3 +129,41 @@ def test_flush_route_flushes_the_callers_tenant_only(engine: Engine) -> None:
         assert cached("key-a") == 0  # a starts from an empty cache
         assert cached("key-a") == 79
         engine.cache.check()
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _free_in_a_thread(mb: int) -> list[bytes]:
+    """Allocate ``mb`` MB in 32 KB blocks on a fresh thread (its own glibc arena), free all but
+    the last block: the freed pages stay resident until something trims the arena."""
+    kept: list[bytes] = []
+
+    def churn() -> None:
+        blocks = [b"x" * 32768 for _ in range(mb * 32)]
+        kept.append(blocks[-1])  # the arena's top stays in use: free() alone cannot shrink it
+        del blocks
+
+    t = threading.Thread(target=churn)
+    t.start()
+    t.join()
+    return kept
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_flush_route_gives_freed_memory_back(engine: Engine) -> None:
+    with serve_in_thread(engine, api_keys=[("key-a", "a")]) as srv:
+        base = _rss_mb()
+        kept = _free_in_a_thread(256)
+        held = _rss_mb()
+        assert held - base > 200, (base, held)  # the freed blocks are still resident
+        r = httpx.post(srv.url + "/leyline/v1/flush", headers={"Authorization": "Bearer key-a"},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        after = _rss_mb()
+        assert held - after > 200, (base, held, after)
+        assert kept

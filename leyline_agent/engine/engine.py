@@ -39,7 +39,7 @@ from leyline_agent.directives.repair import DEFAULT_BUDGET, DEFAULT_SELECTOR, SE
 from leyline_agent.engine import sequence
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVLayout, KVPool
-from leyline_agent.engine.cache.prefix_cache import PrefixCache
+from leyline_agent.engine.cache.prefix_cache import FlushReport, PrefixCache
 from leyline_agent.engine.detokenizer import Detokenizer
 from leyline_agent.engine.executor import apply_request
 from leyline_agent.engine.memory import MemoryTrimmer
@@ -270,19 +270,33 @@ class Engine:
                 self._grammars = Grammars(self.tokenizer, self.vocab_size, self.stop_token_ids)
         return self._grammars.constraint(params.grammar, stop_ids)
 
-    def _shrink_pool(self) -> None:
+    def flush(self, tenant: str) -> FlushReport:
+        """Empty ``tenant``'s part of the cache (``PrefixCache.flush``) under the engine lock,
+        then give the memory back: the free top of the KV pool at once (``_shrink_pool``
+        without its interval) and the allocator's free pages (``MemoryTrimmer.trim_now``,
+        outside the lock). Memory that the requests before the flush freed (a huge prompt's
+        tokenization, refused bodies) then leaves the resident size instead of waiting in
+        glibc's arenas for the next generation's trim."""
+        with self.stepper.exclusive():
+            rep = self.cache.flush(tenant)
+            self._shrink_pool(now=True)
+        self.memory.trim_now()
+        return rep
+
+    def _shrink_pool(self, *, now: bool = False) -> None:
         """Under the lock, when no sequence is running and at most half the pool is in use:
         give back the free top of the pool, down to its first capacity (at most once per
-        ``SHRINK_INTERVAL_S``: finding the top is O(capacity)). Rows in use keep their slots."""
+        ``SHRINK_INTERVAL_S`` unless ``now``: finding the top is O(capacity)). Rows in use
+        keep their slots."""
         cap = self.pool.capacity
         if self.stepper.running or cap <= self._first_capacity:
             return
         if self.allocator.num_used > cap // 2:
             return
-        now = time.monotonic()
-        if now - self._last_shrink < SHRINK_INTERVAL_S:
+        t = time.monotonic()
+        if not now and t - self._last_shrink < SHRINK_INTERVAL_S:
             return
-        self._last_shrink = now
+        self._last_shrink = t
         self.pool.shrink(self.allocator.trim(self._first_capacity))
 
     def stop_generations(self, reason: str = "the server is shutting down") -> None:

@@ -91,7 +91,7 @@ async def flush(request: Request) -> FlushResponse:
     tenant = namespace(request).tenant
 
     def job(engine: ServedEngine) -> FlushResponse:  # on the worker: between two engine steps
-        rep = engine.cache.flush(tenant)
+        rep = engine.flush(tenant)  # the cache, then its memory
         return FlushResponse(
             tenant=tenant,
             flushed_tokens=rep.flushed_tokens,

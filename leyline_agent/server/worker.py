@@ -63,7 +63,7 @@ from leyline_agent.wire import Counters, StatsResponse
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from leyline_agent.engine.cache.prefix_cache import PrefixCache
+    from leyline_agent.engine.cache.prefix_cache import FlushReport
 
 log = structlog.get_logger(__name__)
 
@@ -98,11 +98,10 @@ class ServedEngine(TurnEngine, Protocol):
     of engines that are not) the worker runs one job at a time (``concurrency_for``).
 
     ``counters`` is read by a chat turn whose token drift is spliced
-    (``front.chat_turn.drift_turn``) and ``cache`` by ``POST /leyline/v1/flush``; doubles
+    (``front.chat_turn.drift_turn``) and ``flush`` by ``POST /leyline/v1/flush``; doubles
     that serve neither may leave them out."""
 
     model_name: str
-    cache: PrefixCache
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
@@ -117,6 +116,8 @@ class ServedEngine(TurnEngine, Protocol):
     ) -> GenerationResult: ...
 
     def stats(self, tenant: str | None = None) -> StatsResponse: ...
+
+    def flush(self, tenant: str) -> FlushReport: ...
 
     def counters(self, tenant: str) -> Counters: ...
 
