@@ -8,7 +8,7 @@ question is scored on it:
     FORGET    the edited history, prefilled fresh
     AMORTIZE  T prefilled, the edit spliced by a directive (mode amortize)
     REPAIR    T prefilled, the edit spliced by mode repair at a budget (a fraction of the
-              tail), with a selector: ngram / ngram-first / first (the engine's own,
+              tail), with a selector: ngram / ngram-first / first / match / match-first (the engine's own,
               ``directives.repair``), deviation (CacheBlend: the tail rows whose layer-1 K/V
               moved most under the edited context) and ngram+deviation (bigram rows, then by
               deviation); the last two recompute the rows the experiment picks through
@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from leyline_agent.directives.repair import SELECTORS as ENGINE_SELECTOR_NAMES
 from leyline_agent.directives.repair import RepairSpan, ngram_rows, rows_for
 from leyline_agent.engine.engine import Engine, SamplingParams
 from leyline_agent.engine.repair import repair_rows
@@ -44,8 +45,8 @@ from leyline_agent.wire import DirectivesRequest
 
 DATA = Path(__file__).resolve().parent / "data" / "quality_conversations.json"
 BUDGETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
-SELECTORS = ("ngram", "ngram-first", "first", "deviation", "ngram+deviation")
-ENGINE_SELECTORS = ("ngram", "ngram-first", "first")
+ENGINE_SELECTORS = tuple(ENGINE_SELECTOR_NAMES)
+SELECTORS = (*ENGINE_SELECTORS, "deviation", "ngram+deviation")
 
 
 def cases(path: Path) -> list[dict[str, Any]]:

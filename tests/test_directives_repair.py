@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from leyline_agent.directives.modes import rule_of
-from leyline_agent.directives.repair import RepairSpan, rows_for, select_rows
+from leyline_agent.directives.repair import SELECTORS, RepairSpan, match_runs, rows_for, select_rows
 from leyline_agent.errors import UnsupportedModeError
 
 
@@ -30,6 +30,27 @@ def test_selectors_pick_the_quote_and_its_continuation():
         select_rows(t, [span], "nope")
 
 
+def test_match_ranks_long_quotes_above_coincidences():
+    # tail T'[10:50]; the removed span held (1, 2, 3, 4, 5, 6, 6); the tail has two
+    # coincidental pairs, (6, 6) at 12-13 and (4, 5) at 20-21, and quotes (2, 3, 4, 5, 6)
+    # at 40-44 (runs written out by hand, longest first)
+    span_tokens = (1, 2, 3, 4, 5, 6, 6)
+    t = list(range(100, 150))
+    t[12], t[13] = 6, 6
+    t[20], t[21] = 4, 5
+    t[40:45] = [2, 3, 4, 5, 6]
+    span = RepairSpan(10, 50, span_tokens, 0.15)  # ceil(0.15 * 40) = 6 rows
+    assert match_runs(t, span) == [(40, 5), (12, 2), (20, 2)]
+    # the quote and the row after it; ngram takes the rows by position instead
+    assert select_rows(t, [span], "match") == [40, 41, 42, 43, 44, 45]
+    assert select_rows(t, [span], "ngram") == [12, 13, 20, 21, 40, 41]
+    # a quarter (one row) right after the splice, then the quote
+    assert select_rows(t, [span], "match-first") == [10, 40, 41, 42, 43, 44]
+    whole = RepairSpan(10, 50, span_tokens, 1.0)
+    for sel in SELECTORS:
+        assert select_rows(t, [whole], sel) == list(range(10, 50)), sel
+
+
 def test_a_mode_a_backend_does_not_execute_is_refused_by_name():
     with pytest.raises(UnsupportedModeError, match=r"directives\[0\].mode: 'repair'"):
         rule_of("repair", {rule_of("amortize").mode}, where="directives[0].mode")
@@ -46,7 +67,8 @@ def test_the_pipeline_refuses_repair_for_a_backend_without_it():
 
     plugins = frozenset({Mode.AMORTIZE, Mode.FORGET})
     req = DirectivesRequest(
-        tokens=[5, 6, 7, 8], directives=[{"start": 1, "end": 2, "replacement": [9], "mode": "repair"}]
+        tokens=[5, 6, 7, 8],
+        directives=[{"start": 1, "end": 2, "replacement": [9], "mode": "repair"}],
     )
     with pytest.raises(UnsupportedModeError, match=r"directives\[0\]\.mode: 'repair'"):
         compile_request(req, None, 100, None, plugins)

@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_SELECTOR",
     "SELECTORS",
     "RepairSpan",
+    "match_runs",
     "ngram_rows",
     "rows_for",
     "select_rows",
@@ -74,6 +75,53 @@ def ngram_rows(tokens: Sequence[int], span: RepairSpan) -> list[int]:
     return out
 
 
+MAX_MATCH = 16  # the longest quote of the span ``match_runs`` measures, in tokens
+
+
+def match_runs(tokens: Sequence[int], span: RepairSpan) -> list[tuple[int, int]]:
+    """Quotes of the removed span in the tail: ``(start, length)`` of each maximal run of
+    tail tokens that is also a run of the span (at least two tokens, at most ``MAX_MATCH``),
+    longest first, then by position. A long run (a setting's name with its value) is a quote;
+    a two-token run is often a coincidence (two digits, a newline pair)."""
+    rem = span.removed
+    subs: list[set[tuple[int, ...]]] = [set() for _ in range(MAX_MATCH + 1)]
+    for i in range(len(rem)):
+        for n in range(2, min(MAX_MATCH, len(rem) - i) + 1):
+            subs[n].add(tuple(rem[i : i + n]))
+    runs: list[tuple[int, int]] = []
+    i, hi = span.tail_start, span.tail_end
+    while i < hi - 1:
+        n = 1
+        while n < MAX_MATCH and i + n < hi and tuple(tokens[i : i + n + 1]) in subs[n + 1]:
+            n += 1
+        if n >= 2:
+            runs.append((i, n))
+            i += n
+        else:
+            i += 1
+    return sorted(runs, key=lambda r: (-r[1], r[0]))
+
+
+def _quoted_rows(tokens: Sequence[int], span: RepairSpan) -> list[int]:
+    """The rows of the span's quotes, longest quote first, each with the row after it (the
+    rest of the quote: the value after a setting's name)."""
+    out: dict[int, None] = {}
+    for start, length in match_runs(tokens, span):
+        for r in range(start, min(start + length + 1, span.tail_end)):
+            out.setdefault(r)
+    return list(out)
+
+
+def _match(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
+    return _fill_by_position(_quoted_rows(tokens, span)[:n], span, n)
+
+
+def _match_first(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
+    first = _first(tokens, span, n // 4)  # a quarter to the rows right after the splice
+    picked = list(dict.fromkeys([*first, *_quoted_rows(tokens, span)]))[:n]
+    return _fill_by_position(picked, span, n)
+
+
 def _first(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
     return list(range(span.tail_start, span.tail_start + n))
 
@@ -107,7 +155,13 @@ def _fill_by_position(picked: list[int], span: RepairSpan, n: int) -> list[int]:
 
 
 Selector = Callable[[Sequence[int], RepairSpan, int], list[int]]
-SELECTORS: dict[str, Selector] = {"ngram": _ngram, "ngram-first": _ngram_first, "first": _first}
+SELECTORS: dict[str, Selector] = {
+    "ngram": _ngram,
+    "ngram-first": _ngram_first,
+    "first": _first,
+    "match": _match,
+    "match-first": _match_first,
+}
 
 
 def select_rows(
