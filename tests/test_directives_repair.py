@@ -24,6 +24,7 @@ def test_selectors_pick_the_quote_and_its_continuation():
     assert select_rows(t, [span], "ngram") == [15, 16, 17, 30, 31, 32]
     assert select_rows(t, [span], "ngram-first") == [10, 11, 15, 16, 30, 31]
     assert select_rows(t, [span], "first") == [10, 11, 12, 13, 14, 15]
+    assert select_rows(t, [span], "first+ngram") == [10, 11, 12, 15, 16, 30]
     no_match = RepairSpan(10, 40, (1, 2, 3), 0.1)
     assert select_rows(t, [no_match], "ngram") == [10, 11, 12]
     with pytest.raises(ValueError, match="selector"):

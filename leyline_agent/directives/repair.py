@@ -131,9 +131,20 @@ def _ngram_first(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
     return _fill_by_position(picked, span, n)
 
 
-def _ngram(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
+def _first_ngram(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
+    half = _first(tokens, span, n // 2)  # half to the rows right after the splice
+    return _ngram(tokens, span, n, dict.fromkeys(half))
+
+
+def _ngram(
+    tokens: Sequence[int], span: RepairSpan, n: int, chosen: dict[int, None] | None = None
+) -> list[int]:
     matched = ngram_rows(tokens, span)
-    chosen = dict.fromkeys(matched[:n])
+    chosen = dict(chosen or {})
+    for m in matched:
+        if len(chosen) >= n:
+            break
+        chosen.setdefault(m)
     d = 1
     while len(chosen) < n and matched and d < span.tail_len:
         for m in matched:
@@ -161,6 +172,7 @@ SELECTORS: dict[str, Selector] = {
     "first": _first,
     "match": _match,
     "match-first": _match_first,
+    "first+ngram": _first_ngram,
 }
 
 
