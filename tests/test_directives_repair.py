@@ -47,6 +47,8 @@ def test_match_ranks_long_quotes_above_coincidences():
     assert select_rows(t, [span], "ngram") == [12, 13, 20, 21, 40, 41]
     # a quarter (one row) right after the splice, then the quote
     assert select_rows(t, [span], "match-first") == [10, 40, 41, 42, 43, 44]
+    # three rows of the longest quote, then ngram's by position
+    assert select_rows(t, [span], "match+ngram") == [12, 13, 20, 40, 41, 42]
     whole = RepairSpan(10, 50, span_tokens, 1.0)
     for sel in SELECTORS:
         assert select_rows(t, [whole], sel) == list(range(10, 50)), sel

@@ -10,7 +10,13 @@ selector decides which:
   the number after the name); with no match, or budget left when they run out, the first
   tail rows after the splice;
 - ``ngram-first``: the bigram rows, then the first tail rows after the splice;
-- ``first``: the first tail rows after the splice (EPIC / LegoLink's choice).
+- ``first``: the first tail rows after the splice (EPIC / LegoLink's choice);
+- ``first+ngram``: half the rows right after the splice, then ``ngram``'s;
+- ``match``: the span's quotes as maximal runs of tail tokens that are also runs of the
+  span, longest first, each with the row after it (a two-token run is often a coincidence:
+  two digits), then the first rows;
+- ``match-first``: a quarter of the rows right after the splice, then ``match``'s;
+- ``match+ngram``: half the rows to ``match``'s longest quotes, then ``ngram``'s.
 
 The measured ablation (other selectors included: CacheBlend's K/V deviation, which needs
 tensors) is ``experiments/repair_ablation.py``.
@@ -122,6 +128,11 @@ def _match_first(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
     return _fill_by_position(picked, span, n)
 
 
+def _match_ngram(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
+    half = _quoted_rows(tokens, span)[: n // 2]  # half to the longest quotes
+    return _ngram(tokens, span, n, dict.fromkeys(half))
+
+
 def _first(tokens: Sequence[int], span: RepairSpan, n: int) -> list[int]:
     return list(range(span.tail_start, span.tail_start + n))
 
@@ -173,6 +184,7 @@ SELECTORS: dict[str, Selector] = {
     "match": _match,
     "match-first": _match_first,
     "first+ngram": _first_ngram,
+    "match+ngram": _match_ngram,
 }
 
 
