@@ -10,7 +10,8 @@ tags, huge or deep schemas, 10,000 edits, a borrowed server session, a remote ``
 stored response with a large ``metadata``, malformed JSON). Printed: every status per kind
 of request with its time to answer (median and worst), the 5xx count, the normal requests' p50 / p99 in quiet and in hostile phases
 and their ratio, and the server's RSS before the run, after it, and after
-``/leyline/v1/flush`` of both tenants.
+``/leyline/v1/flush`` of both tenants (also flushed at the end of every hostile phase: the
+RSS after each of those flushes shows whether anything accumulates from cycle to cycle).
 
     leyline bench soak-hostile --model DIR                      # 32 clients, 10 minutes
     leyline bench soak-hostile --model DIR --clients 8 --phases 2 --phase-s 20
@@ -163,6 +164,12 @@ def hostile_client(url: str, seed: int, phase: list[str], until: float, t: Tally
             t.add(kind, status, s=time.perf_counter() - t0)
 
 
+def _flush(url: str) -> None:
+    for key in KEYS.values():
+        httpx.post(f"{url}/leyline/v1/flush", headers={"Authorization": f"Bearer {key}"},
+                   timeout=60).raise_for_status()  # fmt: skip
+
+
 def _p(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] if len(xs) >= 2 else float("nan")
 
@@ -196,16 +203,18 @@ def main(argv: list[str] | None = None) -> int:
         ]  # fmt: skip
         for th in threads:
             th.start()
+        rss_cycles = []  # after each hostile phase's flush: flat if nothing accumulates
         for k in range(2 * args.phases):
             phase[0] = ("quiet", "hostile")[k % 2]
             time.sleep(max(0.0, min(args.phase_s, until - time.monotonic())))
+            if k % 2 and k < 2 * args.phases - 1:
+                _flush(url)
+                rss_cycles.append(rss_mb(proc.pid))
         for th in threads:
             th.join()
         time.sleep(2.0)  # idle: the engine trims after its last request
         rss_after = rss_mb(proc.pid)
-        for key in KEYS.values():
-            httpx.post(f"{url}/leyline/v1/flush", headers={"Authorization": f"Bearer {key}"},
-                       timeout=60).raise_for_status()  # fmt: skip
+        _flush(url)
         time.sleep(2.0)
         rss_flushed = rss_mb(proc.pid)
     finally:
@@ -226,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
           f"p50 = {_p(h, 50) / _p(q, 50):.2f}x")  # fmt: skip
     print(f"RSS: start {rss_start:.0f} MB, after the run {rss_after:.0f} MB, "
           f"after flush {rss_flushed:.0f} MB")  # fmt: skip
+    cycles = [*rss_cycles, rss_flushed]
+    print("RSS after each hostile phase's flush: " + ", ".join(f"{x:.0f}" for x in cycles)
+          + " MB")  # fmt: skip
     return 0
 
 
