@@ -4,7 +4,7 @@ After an AMORTIZE the tail's rows still carry what they read from the removed sp
 directive recomputes ``rows_for(budget, tail_len)`` of them under the edited context; the
 selector decides which:
 
-- ``ngram`` (the default): tail tokens in a bigram that also occurs in the removed span (a
+- ``ngram``: tail tokens in a bigram that also occurs in the removed span (a
   quote of the removed text: a file name, a setting's name), in order of position, then the
   rows that follow them (one row after each, then two, ...: the rest of a quote, such as
   the number after the name); with no match, or budget left when they run out, the first
@@ -16,7 +16,9 @@ selector decides which:
   span, longest first, each with the row after it (a two-token run is often a coincidence:
   two digits), then the first rows;
 - ``match-first``: a quarter of the rows right after the splice, then ``match``'s;
-- ``match+ngram``: half the rows to ``match``'s longest quotes, then ``ngram``'s.
+- ``match+ngram`` (the default, at 5 % of the tail): half the rows to ``match``'s longest
+  quotes, then ``ngram``'s (a long quote anywhere in the tail, and the quotes nearest the
+  splice).
 
 The measured ablation (other selectors included: CacheBlend's K/V deviation, which needs
 tensors) is ``experiments/repair_ablation.py``.
@@ -39,8 +41,8 @@ __all__ = [
     "select_rows",
 ]
 
-DEFAULT_BUDGET = 0.02  # fraction of a tail recomputed when a directive gives none
-DEFAULT_SELECTOR = "ngram"
+DEFAULT_BUDGET = 0.05  # fraction of a tail recomputed when a directive gives none
+DEFAULT_SELECTOR = "match+ngram"  # chosen by experiments/repair_ablation.py (docs/results.md)
 
 
 @dataclass(frozen=True, slots=True)
