@@ -4,9 +4,8 @@ Starts ``leyline serve`` (``soak_rss.start_server``) with two tenants (a key eac
 and ``hostile``) and runs ``--phases`` pairs of phases of ``--phase-s`` seconds, interleaved:
 a quiet phase (the normal clients alone), then a hostile phase (the same normal clients,
 plus as many hostile ones). Normal clients send short chats (20 to 100 words,
-``max_tokens`` 8) and time each answer; hostile clients cycle through ``HOSTILE`` (the
-requests of issue 35: regexes that backtrack, placeholders turned patterns, unclosed think
-tags, huge or deep schemas, 10,000 edits, a borrowed server session, a remote ``$ref``, a
+``max_tokens`` 8) and time each answer; hostile clients cycle through ``HOSTILE``
+(regexes that backtrack, placeholders turned patterns, unclosed think tags, huge or deep schemas, 10,000 edits, a borrowed server session, a remote ``$ref``, a
 stored response with a large ``metadata``, malformed JSON). Printed: every status per kind
 of request with its time to answer (median and worst), the 5xx count, the normal requests' p50 / p99 in quiet and in hostile phases
 and their ratio, and the server's RSS before the run, after it, and after

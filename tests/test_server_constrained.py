@@ -219,7 +219,7 @@ def test_a_tool_schema_the_compiler_refuses_is_400_naming_tools(served, name):
     bad = [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/x"}}}]
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, name, tools=bad, tool_choice="required")
-    assert e.value.param == "tools"
+    assert e.value.param == "tools[0].function.parameters"
 
 
 def test_responses_api_names_its_own_fields(served, name):

@@ -1,4 +1,4 @@
-"""A forced call cut by the token budget, as OpenAI answers it (issue 40): chat is a 200 with
+"""A forced call cut by the token budget, as OpenAI answers it: chat is a 200 with
 ``finish_reason`` ``length`` (streamed and not), and the Responses API answers ``status``
 ``incomplete`` with ``incomplete_details`` and ends its stream with ``response.incomplete``
 carrying the whole response. The random-weight model
@@ -53,7 +53,7 @@ def test_responses_forced_call_cut_by_the_budget_is_incomplete(client, name):
     kinds = [e.type for e in events]
     assert kinds[-1] == "response.incomplete" and "response.completed" not in kinds
     # the terminal event carries the whole response, as OpenAI's does (openai 3.57's
-    # get_final_response() still waits for response.completed: openai-python PR #3538)
+    # get_final_response() still waits for response.completed)
     final = events[-1].response
     assert kinds.count("response.function_call_arguments.delta") > 1
     assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
