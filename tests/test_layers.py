@@ -58,6 +58,7 @@ CONTRACTS = {
     "leyline_agent.metrics",  # Prometheus families of the stats contract (both servers)
     "leyline_agent.directives",  # the package namespace: core's names (for the layers above)
     "leyline_agent.directives.core",  # Directive, Mode, MessageEdit: wire contracts
+    "leyline_agent.directives.modes",  # one rule per mode, read by policies and every backend
 }
 # layer -> the layers it may import (besides its own modules)
 ALLOWED: dict[str, set[str]] = {
