@@ -240,8 +240,9 @@ def test_flush_frees_the_cache(srv, c):
     assert r.status_code == 200, r.text
     j = r.json()
     assert set(j) == {"tenant", "flushed_tokens", "kept_tokens", "dropped_pins",
-                      "dropped_conversations"}  # fmt: skip
+                      "dropped_conversations", "dropped_responses"}  # fmt: skip
     assert j["flushed_tokens"] >= 3 * BLOCK and j["kept_tokens"] == 0
+    assert j["dropped_responses"] == 0  # vLLM's own Responses store is not the plugin's
     assert _complete(c, srv, t) == 0  # a full prefill again
     after = c.get("/leyline/v1/stats").json()
     assert after["splices"] == before["splices"] and after["requests"] == before["requests"] + 1
