@@ -6,7 +6,8 @@ module's own fixture of the same name takes precedence.
 
 ``model_dir``: the seeded tiny model; ``tok``: its tokenizer; ``stop_ids``: the chat
 format's stop tokens (``leyline_agent.families``); ``server``: an ``Engine`` on it behind
-``serve_in_thread``; ``client``: the real ``openai`` client on that server (no retries);
+``serve_in_thread`` (with a module's ``SERVER_KWARGS``, ``create_app``'s options); ``http``:
+an ``httpx`` client on it; ``client``: the real ``openai`` client on that server (no retries);
 ``name``: the served model name; ``ref_model``: transformers' own model (fp32, eval) of a
 module's ``arch`` fixture, the ground truth; ``threads``: the test run with 1 and with 2
 torch threads (the CPU kernels' tests).
@@ -58,11 +59,20 @@ def stop_ids(tok):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def server(request, model_dir):
     from leyline_agent.engine.engine import Engine
 
-    with serve_in_thread(Engine.from_pretrained(model_dir)) as srv:
+    kwargs = getattr(request.module, "SERVER_KWARGS", {})  # create_app's options, per module
+    with serve_in_thread(Engine.from_pretrained(model_dir), **kwargs) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -6,35 +6,19 @@ naming the field."""
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
 from leyline_agent.agent.wrappers import wrap_openai
-from leyline_agent.testing.server import serve_in_thread
 
 ARCH = "llama"
+
+SERVER_KWARGS = {"client_edits": "amortize"}
 
 
 @pytest.fixture(scope="module")
 def arch():
     return ARCH
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    from leyline_agent.engine.engine import Engine
-    from leyline_agent.server.app import create_app
-
-    app = create_app(Engine.from_pretrained(model_dir), client_edits="amortize")
-    with serve_in_thread(app) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {

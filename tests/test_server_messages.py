@@ -15,8 +15,6 @@ import anthropic
 import httpx
 import pytest
 
-from leyline_agent.testing.server import serve_in_thread
-
 ARCH = "llama"
 TOOL = {
     "name": "read_file",
@@ -30,17 +28,8 @@ CLEAR_TOOLS = {"edits": [{"type": "clear_tool_uses_20250919",
                           "trigger": {"type": "input_tokens", "value": 1},
                           "keep": {"type": "tool_uses", "value": 2}}]}  # fmt: skip
 BETA = ["context-management-2025-06-27"]
+SERVER_KWARGS = {"client_edits": "amortize"}
 GREEDY = {"temperature": 0}  # the SDK no longer takes temperature; older clients send it
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    from leyline_agent.engine.engine import Engine
-    from leyline_agent.server.app import create_app
-
-    app = create_app(Engine.from_pretrained(model_dir), client_edits="amortize")
-    with serve_in_thread(app) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -7,37 +7,20 @@ whole tail is a fresh prefill). The other paths check what the answer and the st
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
-from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.testing.token_ids import random_ids
 
 ARCH = "llama"
 K = 2
 
+SERVER_KWARGS = {"client_edits": "repair"}
+
 
 @pytest.fixture(scope="module")
 def arch():
     return ARCH
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    """``leyline serve --client-edits repair`` (in a thread): chat edits splice in REPAIR."""
-    from leyline_agent.engine.engine import Engine
-    from leyline_agent.server.app import create_app
-
-    app = create_app(Engine.from_pretrained(model_dir), client_edits="repair")
-    with serve_in_thread(app) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def _conversation(result: str) -> list[dict]:
