@@ -178,8 +178,10 @@ def _sh(cmd: str, cwd: Path, env: dict[str, str]) -> str:
 
 def _workspace(root: Path) -> dict[str, str]:
     """Write the package, commit it with fixed dates, run every command: cmd -> output."""
+    # pytest's report depends on the terminal: fix its width, and drop CI markers (on CI it stops cutting lines).
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in ("CI", "BUILD_NUMBER")},
+        "COLUMNS": "80",
         "GIT_AUTHOR_NAME": "Ada Example", "GIT_AUTHOR_EMAIL": "ada@example.com",
         "GIT_COMMITTER_NAME": "Ada Example", "GIT_COMMITTER_EMAIL": "ada@example.com",
         "LC_ALL": "C", "PYTHONDONTWRITEBYTECODE": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
