@@ -2,7 +2,10 @@
 
 Every backend dispatches on ``rule_of(mode, executes)``, never on an ``if AMORTIZE ... else``:
 a mode the backend does not execute is refused by name (``UnsupportedModeError`` naming the
-field) before anything is written, instead of running as another mode.
+field) before anything is written, instead of running as another mode. A backend does not
+list modes: it names the row operations it implements (``ROW_OPS``), and executes the modes
+whose rule needs no other (``executed_by``). A new verb is one rule here; until some
+backend implements its row operation, every server refuses it by name.
 
 - AMORTIZE: the tail's rows are moved (copied, rotary band turned by delta);
 - FORGET: the tail is prefilled afresh after ``R``;
@@ -16,12 +19,25 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
-from leyline_agent.directives.core import RESERVED_MODES, Mode
+from leyline_agent.directives.core import Mode
 from leyline_agent.errors import UnsupportedModeError
 
-__all__ = ["ALL_MODES", "ModeRule", "RULES", "check_modes", "rule_of", "turn_mode"]
+__all__ = [
+    "ALL_MODES",
+    "ROW_OPS",
+    "ModeRule",
+    "RULES",
+    "check_modes",
+    "executed_by",
+    "rule_of",
+    "turn_mode",
+]
+
+# The row operations a rule may need: "move" (tail rows copied, rotary band turned by delta),
+# "prefill" (the tail prefilled afresh after R), "recompute" (selected moved rows recomputed
+# in place under the edited context).
+ROW_OPS = frozenset({"move", "prefill", "recompute"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,12 +45,17 @@ class ModeRule:
     """How one mode treats the tail ``T[end:]`` of its directive."""
 
     mode: Mode
-    tail: Literal["move", "prefill"]  # rows copied with the band turned, or prefilled fresh
+    tail: str  # the tail's row operation: "move" or "prefill" (ROW_OPS), or a new verb's
     repairs: bool  # after the move, selected tail rows are recomputed in place
 
     @property
     def moves_tail(self) -> bool:
         return self.tail == "move"
+
+    @property
+    def row_ops(self) -> frozenset[str]:
+        """The row operations a backend needs to execute this mode."""
+        return frozenset({self.tail, *(("recompute",) if self.repairs else ())})
 
 
 RULES: dict[Mode, ModeRule] = {
@@ -52,7 +73,7 @@ def rule_of(
     naming ``where`` (the request field) and the modes it does execute."""
     m = Mode(mode)
     allowed = frozenset(executes)
-    if m in RESERVED_MODES or m not in RULES:
+    if m not in RULES:
         raise UnsupportedModeError(f"{where}: {m.value!r} is reserved, not implemented")
     if m not in allowed:
         names = ", ".join(repr(x.value) for x in sorted(allowed))
@@ -60,6 +81,13 @@ def rule_of(
             f"{where}: {m.value!r} is not executed by this server (it executes {names})"
         )
     return RULES[m]
+
+
+def executed_by(row_ops: Iterable[str]) -> frozenset[Mode]:
+    """The modes a backend implementing ``row_ops`` executes: those whose rule needs no
+    other row operation (read when called: a rule added later is seen)."""
+    ops = frozenset(row_ops)
+    return frozenset(m for m, r in RULES.items() if r.row_ops <= ops)
 
 
 def check_modes(modes: Iterable[tuple[str, Mode]], executes: Iterable[Mode]) -> None:

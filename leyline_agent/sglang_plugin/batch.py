@@ -34,16 +34,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from leyline_agent.directives import Directive, Mode, plan_batch
-from leyline_agent.directives.modes import rule_of
+from leyline_agent.directives.modes import executed_by, rule_of
 from leyline_agent.directives.pipeline import Plan, applied_answer
-from leyline_agent.errors import DirectiveError
+from leyline_agent.errors import DirectiveError, UnsupportedModeError
 from leyline_agent.namespaces import ANONYMOUS
 from leyline_agent.wire import DirectivesResponse
 
-__all__ = ["EXECUTES", "PREFILL_PARAMS", "DirectiveCalls", "plan_calls", "response_for"]
+__all__ = [
+    "EXECUTES",
+    "PREFILL_PARAMS",
+    "ROW_OPS",
+    "DirectiveCalls",
+    "plan_calls",
+    "response_for",
+]
 
-# The modes SGLang's scheduler hook executes; REPAIR is refused by name (``directives.modes``).
-EXECUTES = frozenset({Mode.AMORTIZE, Mode.FORGET})
+# The row operations SGLang's scheduler hook implements, and so the modes it executes
+# (``directives.modes``): REPAIR needs "recompute" and is refused by name.
+ROW_OPS = frozenset({"move", "prefill"})
+EXECUTES = executed_by(ROW_OPS)
 
 # one greedy token: the prompt's KV is computed and cached when the request finishes
 PREFILL_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}
@@ -88,11 +97,14 @@ def plan_calls(
             raise DirectiveError(f"directives[{i}].replacement: compile text to token ids first")
         after = cur[: d.start] + d.replacement + cur[d.end :]
         kw = encode_splice_kwargs(cur, d, namespace)
-        if rule_of(d.mode, EXECUTES).moves_tail:
+        rule = rule_of(d.mode, executed_by(ROW_OPS), where=f"directives[{i}].mode")
+        if rule.tail == "move":
             head = cur[: d.start] + d.replacement
             steps.append(DirectiveCalls(d, cur, after, head, kw, RPC_CHECK, RPC_METHOD))
-        else:
+        elif rule.tail == "prefill":
             steps.append(DirectiveCalls(d, cur, after, after, kw, RPC_FORGET, None))
+        else:  # a rule executed_by(ROW_OPS) admits has one of ROW_OPS as its tail
+            raise UnsupportedModeError(f"directives[{i}].mode: {d.mode.value!r} has no SGLang call")
         cur = after
     return steps
 

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from leyline_agent.namespaces import Namespace, check_session_id
+from leyline_agent.directives.service import DirectiveService, ServedModel
+from leyline_agent.directives.validate import RequestLimits, longest_token_bytes
+from leyline_agent.families import chat_format, token_id
+from leyline_agent.namespaces import Namespace, check_session_id, named_namespace
 from leyline_agent.sglang_plugin.batch import PREFILL_PARAMS
-from leyline_agent.sglang_plugin.executor import DirectiveExecutor
+from leyline_agent.sglang_plugin.executor import SGLangBackend
 from leyline_agent.sglang_plugin.scheduler_hook import RPC_METHOD, answer_of
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse, StatsResponse
 
-__all__ = ["SGLangRuntime", "model_type_of", "vocab_size_of"]
+__all__ = ["SGLangRuntime", "directive_service", "model_type_of", "vocab_size_of"]
 
 
 def _hf_config(tokenizer_manager: Any) -> Any:
@@ -46,12 +49,29 @@ def vocab_size_of(tokenizer_manager: Any) -> int:
     return int(size) if isinstance(size, int) else len(tokenizer_manager.tokenizer)
 
 
+def directive_service(tokenizer_manager: Any) -> DirectiveService:
+    """The ``DirectiveService`` of the model ``tokenizer_manager`` serves: its served name
+    (else its path), vocabulary, context length and chat format."""
+    tm = tokenizer_manager
+    tokenizer = tm.tokenizer
+    name = getattr(tm, "served_model_name", None) or getattr(tm, "model_path", None) or ""
+    context = getattr(tm, "context_len", None)
+    limits = RequestLimits(
+        vocab_size=vocab_size_of(tm),
+        max_prompt_tokens=context if isinstance(context, int) else None,
+        longest_token_bytes=longest_token_bytes(tokenizer),
+    )
+    boundary = token_id(tokenizer, chat_format(model_type_of(tm)).message_boundary)
+    return DirectiveService(ServedModel(str(name), tokenizer, limits, boundary))
+
+
 class SGLangRuntime:
     """Not thread-safe: one ``apply_directives`` at a time (the scheduler serializes RPCs)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.executor = DirectiveExecutor(self)
+        self.backend = SGLangBackend(self)
+        self.service = directive_service(engine.tokenizer_manager)
 
     @classmethod
     def launch(cls, model_path: str, **server_kwargs: Any) -> SGLangRuntime:
@@ -66,20 +86,8 @@ class SGLangRuntime:
         return cls(sglang.Engine(model_path=model_path, **kwargs))
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer_manager.tokenizer
-
-    @property
-    def model_type(self) -> str | None:
-        return model_type_of(self.engine.tokenizer_manager)
-
-    @property
-    def vocab_size(self) -> int:
-        return vocab_size_of(self.engine.tokenizer_manager)
-
-    @property
     def counters(self) -> Any:
-        return self.executor.counters
+        return self.backend.counters
 
     def generate(
         self,
@@ -97,12 +105,15 @@ class SGLangRuntime:
         )
 
     def apply_directives(self, request: DirectivesRequest) -> DirectivesResponse:
-        return self.engine.loop.run_until_complete(self.executor.execute(request))
+        """``request`` through the ``DirectiveService`` (its errors raised as they are)."""
+        body = request.model_dump(mode="json", exclude_unset=True)
+        req, ns = self.service.admit(body, lambda s: named_namespace(s, None))
+        return self.engine.loop.run_until_complete(self.service.run(req, ns, self.backend))
 
     def stats(self) -> StatsResponse:
         return self.counters.to_stats()
 
-    # -- the executor's transport ---------------------------------------------------------
+    # -- the backend's transport ---------------------------------------------------------
     async def prefill(self, token_ids: list[int], extra_key: str) -> None:
         await self._request(token_ids, PREFILL_PARAMS, extra_key)
 

@@ -1,9 +1,8 @@
-"""One directive request through SGLang: compile, look up, decide, then check -> prefill ->
-splice.
+"""SGLang as a ``directives.service.DirectiveBackend``: look up, check all, then prefill ->
+splice, over a transport.
 
-The loop is the same for the embedded ``sglang.Engine`` (``client.SGLangRuntime``) and for
-SGLang's own HTTP server (``http_route.SGLangRoute``); only the transport differs. So it
-exists once, here, over a ``Transport``:
+The same for the embedded ``sglang.Engine`` (``client.SGLangRuntime``) and for SGLang's own
+HTTP server (``http_route.SGLangRoute``); only the transport differs:
 
 - ``rpc(method, kwargs)``: a scheduler method on every TP rank (``leyline_lookup``,
   ``leyline_check``, ``leyline_splice``, ``leyline_forget``); its answer (``leyline_lookup``'s
@@ -12,66 +11,60 @@ exists once, here, over a ``Transport``:
 - ``prefill(token_ids, extra_key)``: a normal one-token request (SGLang's own prefill
   caches it) in the session's radix namespace.
 
-The request goes through ``directives.pipeline`` as on every backend: compiled, the cached
-length of its base asked of the scheduler (``cached_prefix``: ``leyline_lookup``, a
-``directives.backend.PrefixLookup``), decided: a miss (``CacheMissError``, or the
-``fallback`` answer), a noop, or a plan. For each of the plan's ``batch.DirectiveCalls``
-(right to left): the RPC before (read-only check, or the FORGET's drop), the prefill, the
-RPC after (the AMORTIZE splice). Nothing holds the base between two calls: a
-``CacheMissError`` of a check (the rows were evicted since the lookup) is raised, or with
-``fallback`` answered as a miss is (directives to its right may have been spliced already;
-what they cached is the session's, the next request prefills the rest). Every Leyline error is counted in ``directive_errors``, every answer in the
-``Counters`` (``/leyline/v1/stats``).
+Everything else (parse, limits, ``request_id``, compile, decide, counting) is the
+``DirectiveService``'s. ``hold`` asks ``leyline_lookup`` how much of the base the
+namespace finds cached; SGLang's scheduler keeps no lock between two RPCs, so nothing is
+held: ``execute`` first sends the read-only ``leyline_check`` of every AMORTIZE directive of
+the plan (a directive's base ``T[:end]`` is the same before and after the directives to its
+right), then runs the ``batch.DirectiveCalls`` right to left: the RPC before (the check
+again, or the FORGET's drop), the prefill, the RPC after (the splice). A batch whose rows
+are gone at the first check changes nothing; rows evicted between two calls of a running
+batch fail it with ``CacheMissError`` (409), the directives to its right staying spliced
+in the session's namespace.
 """
 
 from __future__ import annotations
 
 import json
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from leyline_agent.directives.pipeline import compile_request, decide, fallback_answer
-from leyline_agent.errors import CacheMissError, LeylineError, RuntimeUnavailableError
-from leyline_agent.families import chat_format, token_id
-from leyline_agent.namespaces import named_namespace
-from leyline_agent.sglang_plugin.batch import EXECUTES, plan_calls, response_for
-from leyline_agent.sglang_plugin.scheduler_hook import RPC_LOOKUP, encode_lookup_kwargs
-from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse
+from leyline_agent.directives.core import Mode
+from leyline_agent.directives.modes import executed_by
+from leyline_agent.directives.pipeline import Plan
+from leyline_agent.errors import RuntimeUnavailableError
+from leyline_agent.namespaces import Namespace
+from leyline_agent.sglang_plugin.batch import ROW_OPS, plan_calls, response_for
+from leyline_agent.sglang_plugin.scheduler_hook import RPC_CHECK, RPC_LOOKUP, encode_lookup_kwargs
+from leyline_agent.wire import Counters, DirectivesResponse
 
-__all__ = ["DirectiveExecutor", "Transport"]
+__all__ = ["CachedBase", "SGLangBackend", "Transport"]
 
 
 class Transport(Protocol):
-    tokenizer: Any
-    model_type: str | None
-    vocab_size: int
-
     async def rpc(self, method: str, kwargs: dict[str, Any]) -> str: ...
 
     async def prefill(self, token_ids: list[int], extra_key: str) -> None: ...
 
 
-class DirectiveExecutor:
-    """Runs directive requests over one transport, one at a time (the caller serializes)."""
+@dataclass(frozen=True, slots=True)
+class CachedBase:
+    """``leyline_lookup``'s answer: the first ``length`` tokens of the base are cached."""
+
+    length: int
+
+
+class SGLangBackend:
+    """``DirectiveBackend`` over one transport (module doc); one ``Counters`` for the server."""
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.counters = Counters()
 
-    async def execute(
-        self, req: DirectivesRequest, session_header: str | None = None
-    ) -> DirectivesResponse:
-        t0 = time.perf_counter()
-        try:
-            resp = await self._execute(req, session_header)
-        except LeylineError:
-            self.counters.directive_errors += 1
-            raise
-        resp = resp.model_copy(update={"elapsed_s": time.perf_counter() - t0})
-        self.counters.count_directive(resp)
-        # the directive's prefills are SGLang requests this plugin made: its own to count
-        self.counters.prefilled_tokens += resp.prefilled_tokens
-        return resp
+    @property
+    def executes(self) -> frozenset[Mode]:
+        return executed_by(ROW_OPS)
 
     async def cached_prefix(self, tokens: list[int], namespace: str) -> int:
         """``directives.backend.PrefixLookup``: how much of ``tokens`` a directive of the
@@ -84,26 +77,29 @@ class DirectiveExecutor:
             )
         return int(json.loads(answer)["cached_tokens"])
 
-    async def _execute(
-        self, req: DirectivesRequest, session_header: str | None
-    ) -> DirectivesResponse:
+    async def hold(self, base: list[int], ns: Namespace) -> CachedBase:
+        return CachedBase(await self.cached_prefix(base, ns.key))
+
+    async def execute(self, plan: Plan, held: CachedBase, ns: Namespace) -> DirectivesResponse:
         tr = self.transport
-        key = named_namespace(req.session, session_header).key
-        boundary = token_id(tr.tokenizer, chat_format(tr.model_type).message_boundary)
-        compiled = compile_request(req, tr.tokenizer, tr.vocab_size, boundary, EXECUTES)
-        cached = await self.cached_prefix(compiled.base, key) if compiled.needs_lookup else 0
-        plan = decide(compiled, cached, req)
-        if isinstance(plan, DirectivesResponse):
-            return plan
-        calls = plan_calls(plan.base, plan.order, key)
-        try:
-            for c in calls:
-                await tr.rpc(c.rpc_before, c.rpc_kwargs)  # check / forget: before any prefill
-                await tr.prefill(c.prefill_ids, key)
-                if c.rpc_after is not None:
-                    await tr.rpc(c.rpc_after, c.rpc_kwargs)
-        except CacheMissError:
-            if not req.fallback:
-                raise
-            return fallback_answer(compiled)
-        return response_for(calls, plan)
+        calls = plan_calls(plan.base, plan.order, ns.key)
+        for c in calls:  # check all: read-only, before the first write
+            if c.rpc_before == RPC_CHECK:
+                await tr.rpc(RPC_CHECK, c.rpc_kwargs)
+        for c in calls:  # then mutate, right to left
+            await tr.rpc(c.rpc_before, c.rpc_kwargs)  # check again / forget: before the prefill
+            await tr.prefill(c.prefill_ids, ns.key)
+            if c.rpc_after is not None:
+                await tr.rpc(c.rpc_after, c.rpc_kwargs)
+        resp = response_for(calls, plan)
+        # the directive's prefills are SGLang requests this plugin made: its own to count
+        self.counters.prefilled_tokens += resp.prefilled_tokens
+        return resp
+
+    async def release(
+        self, held: CachedBase, ns: Namespace, answer: DirectivesResponse | None
+    ) -> None:
+        return None  # nothing was held (module doc)
+
+    async def count(self, ns: Namespace, update: Callable[[Counters], None]) -> None:
+        update(self.counters)

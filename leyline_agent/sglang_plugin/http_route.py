@@ -6,15 +6,18 @@ uvicorn starts) adds the two routes to SGLang's FastAPI ``app``. The route speak
 wire models as ``leyline serve`` (``leyline_agent.wire``), so the agent-side
 ``HTTPRuntime`` works against either server.
 
-Execution (``executor``): ``RpcReqInput("leyline_lookup")`` (how much of the base is
-cached; the answer rides back in the reply's message), then per directive
-(``batch.plan_calls``): ``RpcReqInput("leyline_check")`` (read-only),
-the head through the server's own ``TokenizerManager.generate_request`` (SGLang's
-prefill, caching it), then ``RpcReqInput("leyline_splice")``; a FORGET is
-``RpcReqInput("leyline_forget")`` then a request for ``T'``. The RPCs go to scheduler rank 0
+The request goes through ``directives.service.DirectiveService`` (parse, model and limits,
+``request_id``, per-namespace order, compile, decide, counters, error bodies), as on
+``leyline serve``; its backend (``executor.SGLangBackend``) sends
+``RpcReqInput("leyline_lookup")`` (how much of the base is cached; the answer rides back in
+the reply's message), every ``RpcReqInput("leyline_check")`` of the plan (read-only), then
+per directive (``batch.plan_calls``) the head through the server's own
+``TokenizerManager.generate_request`` (SGLang's prefill, caching it) and
+``RpcReqInput("leyline_splice")``; a FORGET is ``RpcReqInput("leyline_forget")`` then a
+request for ``T'``. The RPCs go to scheduler rank 0
 over the RPC socket SGLang created for ``Engine.collective_rpc`` (``port_args.rpc_ipc_name``;
 in HTTP-server mode no ``Engine`` binds it, so the route does) and are broadcast to every TP
-rank. Requests are serialized with one lock. Single tokenizer worker only
+rank. Single tokenizer worker only
 (``--tokenizer-worker-num 1``).
 
 Sessions: the ``X-Leyline-Session`` header or the body's ``session`` names the namespace
@@ -25,21 +28,20 @@ same header, mapped by ``routing.before_generate_request``.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from leyline_agent.errors import LeylineError
-from leyline_agent.http_errors import classify, error_body, validation_answer
-from leyline_agent.namespaces import SESSION_HEADER
+from leyline_agent.directives.service import error_answer
+from leyline_agent.http_errors import validation_answer
+from leyline_agent.namespaces import SESSION_HEADER, named_namespace
 from leyline_agent.sglang_plugin.batch import PREFILL_PARAMS
-from leyline_agent.sglang_plugin.client import model_type_of, vocab_size_of
-from leyline_agent.sglang_plugin.executor import DirectiveExecutor
+from leyline_agent.sglang_plugin.client import directive_service
+from leyline_agent.sglang_plugin.executor import SGLangBackend
 from leyline_agent.sglang_plugin.scheduler_hook import answer_of
-from leyline_agent.wire import DirectivesRequest
+from leyline_agent.wire import Counters
 
 __all__ = ["SGLangRoute", "before_http_server"]
 
@@ -47,49 +49,28 @@ log = structlog.get_logger(__name__)
 
 
 class SGLangRoute:
-    """The executor's transport on SGLang's HTTP server: requests through the server's own
-    ``TokenizerManager``, RPCs over the scheduler's RPC socket; one directive at a time."""
+    """The backend's transport on SGLang's HTTP server: requests through the server's own
+    ``TokenizerManager``, RPCs over the scheduler's RPC socket; the directive service in
+    front (one directive of a namespace at a time)."""
 
     def __init__(self, tokenizer_manager: Any, rpc_ipc_name: str) -> None:
         self.tm = tokenizer_manager
         self.rpc_ipc_name = rpc_ipc_name
-        self.executor = DirectiveExecutor(self)
-        self._lock = asyncio.Lock()
+        self.backend = SGLangBackend(self)
+        self.service = directive_service(tokenizer_manager)
         self._sock: Any = None
 
     @property
-    def tokenizer(self) -> Any:
-        return self.tm.tokenizer
-
-    @property
-    def model_type(self) -> str | None:
-        return model_type_of(self.tm)
-
-    @property
-    def vocab_size(self) -> int:
-        return vocab_size_of(self.tm)
-
-    @property
-    def counters(self) -> Any:
-        return self.executor.counters
+    def counters(self) -> Counters:
+        return self.backend.counters
 
     async def directives(
         self, body: Any, session_header: str | None = None
     ) -> tuple[int, dict[str, Any]]:
         """(status, JSON body), errors mapped as ``leyline serve`` maps them (``http_errors``)."""
-        from pydantic import ValidationError
-
-        try:
-            req = DirectivesRequest.model_validate(body)
-        except ValidationError as e:
-            self.counters.directive_errors += 1
-            return _validation_error(e.errors())
-        async with self._lock:
-            try:
-                resp = await self.executor.execute(req, session_header)
-            except LeylineError as e:
-                return _error(e)
-        return 200, resp.model_dump(mode="json")
+        return await self.service.answer(
+            body, lambda session: named_namespace(session, session_header), self.backend
+        )
 
     async def prefill(self, token_ids: list[int], extra_key: str) -> None:
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -121,25 +102,14 @@ class SGLangRoute:
         return await async_sock_recv(self._sock)
 
 
-def _error(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    return _answer(*classify(exc))
-
-
-def _validation_error(errors: Any) -> tuple[int, dict[str, Any]]:
-    return _answer(*validation_answer(errors))
-
-
-def _answer(status: int, type_: str, message: str, field: str | None) -> tuple[int, dict[str, Any]]:
-    body = error_body(type_, message, field, status=status)
-    return status, {"error": body.model_dump(mode="json")}
-
-
 def add_routes(app: Any, route: SGLangRoute) -> None:
     async def directives(request: Request) -> JSONResponse:
         try:
             body = await request.json()
         except ValueError:
-            status, content = _validation_error([{"loc": ("body",), "msg": "not valid JSON"}])
+            status, content = error_answer(
+                *validation_answer([{"loc": ("body",), "msg": "not valid JSON"}])
+            )
             return JSONResponse(content, status_code=status)
         status, content = await route.directives(body, request.headers.get(SESSION_HEADER))
         return JSONResponse(content, status_code=status)

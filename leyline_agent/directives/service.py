@@ -1,0 +1,230 @@
+"""``POST /leyline/v1/directives`` as one service, the same on every engine (torch-free).
+
+A server mounts one ``DirectiveService`` and hands each request's body to it; the engine
+behind it is a ``DirectiveBackend``: look up and hold the cached prefix of a base, execute
+a plan on it, release it, and count. Everything else is the service's, in this order:
+
+1. parse the body (``validate.parse_directives``: pydantic's errors, a 400 naming the
+   field);
+2. namespace: the caller's tenant and the session of the header or the body (the
+   transport's ``namespace_of``);
+3. ``request_id``: 1 to 256 printable characters (``idempotence.check_request_id``);
+4. model and limits: the model name (404), the vocabulary, the prompt and replacement
+   sizes, message shapes (``validate.checked``);
+5. per-namespace ordering: a namespace's directives run one at a time, in arrival order
+   (``ordered``; ``leyline serve`` orders them on its worker by the namespace instead);
+6. idempotence: a ``request_id`` already answered in this namespace gets its first answer
+   (another body under it: 400 naming ``request_id``); nothing runs again;
+7. ``pipeline.compile_request`` with the modes the backend executes (a mode it does not:
+   400 naming the field, before the cache is asked anything);
+8. lookup: the backend holds the cached prefix of the base in the namespace;
+9. ``pipeline.decide``: a miss (409, or the ``fallback`` answer), a noop, or a ``Plan``;
+10. execute: the backend checks the whole plan, then mutates (a refused directive of a
+    batch leaves the cache as it was); the held prefix is released whatever happened;
+11. counters: every answer (``Counters.count_directive``); ``directive_errors`` counts the
+    requests refused after they reached the cache (a miss, a failed execution): a bad body
+    never reaches it and changes no counter;
+12. error mapping: a ``LeylineError`` or an invalid body becomes the OpenAI-shaped error
+    body with the field (``http_errors``), for transports without their own handlers.
+
+Steps 1-4 are ``admit`` (pure), 6-11 ``run``. ``run`` is a coroutine; a backend that never
+suspends (the embedded engine, on its worker thread) is driven to its end by ``run_inline``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from pydantic import ValidationError
+
+from leyline_agent.directives.core import Mode
+from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
+from leyline_agent.directives.pipeline import Plan, compile_request, decide
+from leyline_agent.directives.validate import (
+    RequestLimits,
+    check_served,
+    checked,
+    parse_directives,
+)
+from leyline_agent.errors import LeylineError
+from leyline_agent.http_errors import classify, error_body, validation_answer
+from leyline_agent.namespaces import Namespace
+from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse
+
+__all__ = [
+    "DirectiveBackend",
+    "DirectiveService",
+    "HeldPrefix",
+    "ServedModel",
+    "error_answer",
+    "run_inline",
+]
+
+
+class HeldPrefix(Protocol):
+    """A lookup's result: the leading ``length`` tokens of the base are cached, and held."""
+
+    @property
+    def length(self) -> int: ...
+
+
+H = TypeVar("H", bound=HeldPrefix)
+
+
+class DirectiveBackend(Protocol[H]):
+    """What one engine gives the service (module doc, steps 8, 10 and 11)."""
+
+    @property
+    def executes(self) -> frozenset[Mode]:
+        """The modes whose row operations this backend implements (``modes.executed_by``)."""
+        ...
+
+    async def hold(self, base: list[int], ns: Namespace) -> H:
+        """The cached prefix of ``base`` in ``ns``, held until ``release`` (no eviction)."""
+        ...
+
+    async def execute(self, plan: Plan, held: H, ns: Namespace) -> DirectivesResponse:
+        """Run ``plan`` on ``held``: every check of the batch before its first write; a
+        failure leaves the cache as it was. The answer (``pipeline.applied_answer``)."""
+        ...
+
+    async def release(self, held: H, ns: Namespace, answer: DirectivesResponse | None) -> None:
+        """Let ``held`` go (``answer``: what was answered; None after a failure)."""
+        ...
+
+    async def count(self, ns: Namespace, update: Callable[[Counters], None]) -> None:
+        """Apply ``update`` to the counters ``ns``'s tenant's stats read."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the service knows of the model before any request."""
+
+    name: str
+    tokenizer: Any
+    limits: RequestLimits
+    message_boundary_id: int | None
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class DirectiveService:
+    """One front door for directives (module doc); one per server."""
+
+    model: ServedModel
+    memory: RequestMemory[DirectivesResponse] = field(default_factory=RequestMemory)
+    _locks: dict[str, list[Any]] = field(default_factory=dict)  # ns key -> [lock, holders]
+
+    # -- the public API ------------------------------------------------------------------
+    def admit(
+        self, body: object, namespace_of: Callable[[str | None], Namespace]
+    ) -> tuple[DirectivesRequest, Namespace]:
+        """Steps 1-4: the checked request (its ``session`` set to the namespace's) and its
+        namespace; raises pydantic's ``ValidationError`` or a ``LeylineError``."""
+        req = parse_directives(body)
+        ns = namespace_of(req.session)
+        check_request_id(req.request_id)
+        check_served(req.model, self.model.name, self.model.aliases)
+        ready = checked(req, self.model.limits).model_copy(update={"session": ns.session})
+        return ready, ns
+
+    @asynccontextmanager
+    async def ordered(self, ns: Namespace) -> AsyncIterator[None]:
+        """Step 5 on the event loop: one directive of ``ns`` at a time, in arrival order."""
+        entry = self._locks.setdefault(ns.key, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._locks[ns.key]
+
+    async def run(
+        self, req: DirectivesRequest, ns: Namespace, backend: DirectiveBackend[Any]
+    ) -> DirectivesResponse:
+        """Steps 6-11 for an admitted request; the caller orders ``ns``'s directives."""
+        digest = fingerprint(req) if req.request_id is not None else ""
+        first = self.memory.lookup(ns.key, req.request_id, digest)
+        if first is not None:
+            return first
+        answer = await self._execute(req, ns, backend)
+        self.memory.remember(ns.key, req.request_id, digest, answer)
+        return answer
+
+    async def answer(
+        self,
+        body: object,
+        namespace_of: Callable[[str | None], Namespace],
+        backend: DirectiveBackend[Any],
+    ) -> tuple[int, dict[str, Any]]:
+        """Every step, errors mapped (step 12): ``(status, JSON body)``."""
+        try:
+            req, ns = self.admit(body, namespace_of)
+            async with self.ordered(ns):
+                resp = await self.run(req, ns, backend)
+        except ValidationError as e:
+            return error_answer(*validation_answer(e.errors()))
+        except LeylineError as e:
+            return error_answer(*classify(e))
+        return 200, resp.model_dump(mode="json")
+
+    # -- helpers -------------------------------------------------------------------------
+    async def _execute(
+        self, req: DirectivesRequest, ns: Namespace, backend: DirectiveBackend[Any]
+    ) -> DirectivesResponse:
+        t0 = time.perf_counter()
+        m = self.model
+        compiled = compile_request(
+            req, m.tokenizer, m.limits.vocab_size, m.message_boundary_id, backend.executes
+        )
+        held, answer = None, None
+        try:
+            if compiled.needs_lookup:
+                held = await backend.hold(compiled.base, ns)
+            decision = decide(compiled, held.length if held is not None else 0, req)
+            if isinstance(decision, Plan):
+                answer = await backend.execute(decision, held, ns)
+            else:
+                answer = decision
+        except LeylineError:
+            await backend.count(ns, _count_error)
+            raise
+        finally:
+            if held is not None:
+                await backend.release(held, ns, answer)
+        answer = answer.model_copy(update={"elapsed_s": time.perf_counter() - t0})
+        done = answer
+        await backend.count(ns, lambda c: c.count_directive(done))
+        return answer
+
+
+def _count_error(counters: Counters) -> None:
+    counters.directive_errors += 1
+
+
+def error_answer(
+    status: int, type_: str, message: str, field_: str | None
+) -> tuple[int, dict[str, Any]]:
+    """``(status, {"error": ...})``: the body ``leyline serve``'s handlers answer."""
+    return status, {
+        "error": error_body(type_, message, field_, status=status).model_dump(mode="json")
+    }
+
+
+def run_inline[R](coro: Coroutine[Any, Any, R]) -> R:
+    """The result of a coroutine that never suspends (a backend that runs in the caller's
+    thread); ``RuntimeError`` if it does suspend (it then needs an event loop)."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("run_inline: the coroutine suspended; await it on an event loop")
