@@ -193,3 +193,37 @@ def test_sglang_engine_refuses_keys_and_limits_it_would_ignore(capsys):
     argv = ["serve", "--model", "/nonexistent", "--engine", "sglang", "--api-key", "k"]
     assert main(argv) == 2
     assert "--api-key" in capsys.readouterr().err
+
+
+def test_the_anthropic_sdk_authenticates_with_api_key_only(keyed):
+    """The real ``anthropic`` SDK with ``api_key=`` only (the pinned version sends it as
+    ``Authorization: Bearer``), and with the key as ``x-api-key`` alone (Anthropic's own
+    header, what its docs and other clients send): the Messages routes take either as that
+    key's tenant; a wrong key is a 401; other routes still want ``Authorization``."""
+    import anthropic
+    import httpx2  # the SDK's own HTTP client package
+
+    c, name = keyed
+    url = str(c.base_url).rstrip("/")
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    for auth in ({"api_key": "beta-key"}, {"default_headers": {"X-Api-Key": "beta-key"}}):
+        sent: list = []  # the requests as the SDK sent them
+        sdk = anthropic.Anthropic(
+            base_url=url, max_retries=0, timeout=60,
+            http_client=httpx2.Client(event_hooks={"request": [sent.append]}), **auth,
+        )  # fmt: skip
+        before = c.get("/leyline/v1/stats", headers=_auth("beta-key")).json()["requests"]
+        m = sdk.messages.create(model=name, max_tokens=2, messages=msgs)
+        assert m.type == "message" and m.usage.output_tokens <= 2
+        after = c.get("/leyline/v1/stats", headers=_auth("beta-key")).json()["requests"]
+        assert after == before + 1  # counted under beta's tenant
+        assert sdk.messages.count_tokens(model=name, messages=msgs).input_tokens > 0
+        keys = {(r.headers.get("authorization"), r.headers.get("x-api-key")) for r in sent}
+        assert keys == {("Bearer beta-key", None) if "api_key" in auth else (None, "beta-key")}
+    for auth in ({"api_key": "wrong-key"}, {"default_headers": {"X-Api-Key": "wrong-key"}}):
+        wrong = anthropic.Anthropic(base_url=url, max_retries=0, timeout=60, **auth)
+        with pytest.raises(anthropic.AuthenticationError):
+            wrong.messages.create(model=name, max_tokens=1, messages=msgs)
+        with pytest.raises(anthropic.AuthenticationError):
+            wrong.messages.count_tokens(model=name, messages=msgs)
+    assert c.get("/v1/models", headers={"x-api-key": "beta-key"}).status_code == 401

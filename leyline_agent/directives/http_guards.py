@@ -11,6 +11,8 @@ vLLM's own FastAPI app), so that both refuse the same inputs with the same answe
   configured key in constant time (``hmac.compare_digest`` over SHA-256 digests, so the
   time does not depend on where a guess first differs, nor on the key's length). 401
   ``AuthenticationError`` naming ``authorization``, with ``WWW-Authenticate: Bearer``.
+  ``AnthropicKeyHeader``, outside the key check, lets the Messages routes take the key as
+  the Anthropic SDK sends it (``x-api-key``).
 - **JSON** (``parse_json``): not JSON, or nested deeper than ``MAX_JSON_DEPTH``, is a 400
   naming ``body`` (Python's parser would raise ``RecursionError`` on a deep enough body).
 - **text** (``check_json_text``): Python's ``json`` accepts an escaped lone surrogate
@@ -41,6 +43,7 @@ from leyline_agent.http_errors import error_body
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "MAX_JSON_DEPTH",
+    "AnthropicKeyHeader",
     "AuthenticationError",
     "authentication_error",
     "GuardError",
@@ -166,6 +169,30 @@ def bearer_problem(authorization: bytes | None, digests: Sequence[bytes]) -> str
 
 def authentication_error(problem: str) -> AuthenticationError:
     return AuthenticationError(problem, "authorization")
+
+
+MESSAGES_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+
+
+class AnthropicKeyHeader:
+    """Pure ASGI middleware, placed outside the key check: a request to Anthropic's Messages
+    routes (``MESSAGES_PATHS``) that carries ``x-api-key`` and no ``Authorization`` (what the
+    ``anthropic`` SDK sends for ``api_key=``) goes on with ``Authorization: Bearer <x-api-key>``
+    added, so the one key check (``bearer_problem``, or vLLM's own) judges that key. Other
+    routes, and a request that sends ``Authorization``, pass unchanged."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] == "http" and path in MESSAGES_PATHS:
+            headers = list(scope.get("headers", ()))
+            key = _header(headers, b"x-api-key")
+            if key is not None and _header(headers, b"authorization") is None:
+                headers.append((b"authorization", b"Bearer " + key.strip()))
+                scope = {**scope, "headers": headers}
+        await self.app(scope, receive, send)
 
 
 # -- JSON --------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ worker (``concurrency`` threads: by default 16 for a thread-safe engine, 1 for a
 ``/metrics`` (Prometheus) and the access log: ``observability``.
 
 Pure ASGI middleware, outermost first: ``AccessLog`` (request ids), ``HostAllowlist`` (only
-with ``allowed_hosts``), ``BearerAuth`` (only with ``api_keys``), ``BodyLimit``, ``ErrorGuard``. So a request from a
-foreign ``Host`` or without a key is refused before its body is read, and a body over the
-limit before it is parsed. The routers' dependency ``check_json_body`` then refuses text
+with ``allowed_hosts``), ``AnthropicKeyHeader`` and ``BearerAuth`` (only with ``api_keys``;
+the first lets ``/v1/messages`` take the key as ``x-api-key``), ``BodyLimit``,
+``ErrorGuard``. So a request from a foreign ``Host`` or without a key is refused before its
+body is read, and a body over the limit before it is parsed. The routers' dependency ``check_json_body`` then refuses text
 that is not Unicode before any field is used.
 """
 
@@ -27,11 +28,13 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
+from leyline_agent.directives import http_guards
 from leyline_agent.front.context_management import CLIENT_EDIT_MODES
 from leyline_agent.server import errors
 from leyline_agent.server.completions import CHAT_DEFAULT_MAX_TOKENS, ModelLimits, ServedModel
 from leyline_agent.server.directive_memory import DEFAULT_REMEMBERED, DirectiveMemory
 from leyline_agent.server.inputs import DEFAULT_MAX_MESSAGES, InputLimits, check_json_body
+from leyline_agent.server.key_limits import KeyLimit, KeyLimits
 from leyline_agent.server.leyline_routes import router as leyline_router
 from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, longest_token_bytes
 from leyline_agent.server.messages_routes import router as messages_router
@@ -83,6 +86,7 @@ def create_app(
     concurrency: int | None = None,
     max_messages: int = DEFAULT_MAX_MESSAGES,
     schema_limits: SchemaLimits | None = None,
+    key_limits: KeyLimits | None = None,
 ) -> FastAPI:
     """The app serving one engine.
 
@@ -99,7 +103,8 @@ def create_app(
     library default) is the plain prefix cache; ``leyline serve`` defaults to ``amortize``.
     ``schema_limits``: bounds on a request's tools and schemas (``schema_work``).
     ``max_messages``: a message list longer than this is refused before it is validated or
-    rendered (``inputs``).
+    rendered (``inputs``). ``key_limits``: requests and body bytes in flight per API key,
+    past which a request gets 429 before its body is read (``key_limits``).
     """
     if client_edits not in CLIENT_EDIT_MODES:
         raise ValueError(f"client_edits: {client_edits!r} is not one of {CLIENT_EDIT_MODES}")
@@ -168,8 +173,10 @@ def create_app(
     # add_middleware wraps what is there: the last added is the outermost.
     app.add_middleware(errors.ErrorGuard)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(KeyLimit, limits=key_limits or KeyLimits())  # inside BearerAuth
     if keys:
         app.add_middleware(BearerAuth, keys=keys)
+        app.add_middleware(http_guards.AnthropicKeyHeader)  # x-api-key on /v1/messages
     if allowed_hosts is not None:
         app.add_middleware(HostAllowlist, names=list(allowed_hosts))
     app.add_middleware(AccessLog)  # outermost: every request gets an id and a log line
