@@ -1,7 +1,9 @@
 """The demo's real-model section: SmolLM2 (``leyline fetch-model smollm2``) on ``leyline serve``.
 
-1. the quality report in its quick form (``quality``: 8 agent conversations and 6 fact
-   cases, stale output stubbed, fp32, arms FULL / FORGET / AMORTIZE through the HTTP API);
+1. the quality report in its quick form (``quality.QUICK``: 8 agent conversations and 6 fact
+   cases, stale output stubbed, fp32, every arm of ``quality_arms.ARMS`` through the HTTP
+   API, the cache flushed once per case: FULL's prefill is the splices' base and FORGET
+   reuses its rows before the edit);
 2. one agent chat answered through a splice: an OpenAI-style tool conversation is asked a
    question, then sent again with its stale tool output stubbed and a new question; the
    server splices the edit into the cached conversation (``usage.leyline`` says so).
@@ -79,7 +81,7 @@ def real_model_section(out: Path) -> list[str]:
 
     from leyline_agent.engine.checkpoints.fetch import smollm2_dir
 
-    from .quality import build_cases, report, run_arms, select_conversations
+    from .quality import build_cases, quick_caption, report, run_arms, select_conversations
     from .quality_arms import ARMS, QualityServer
     from .quality_data import load_conversations
     from .side_by_side import leyline_serve
@@ -93,9 +95,12 @@ def real_model_section(out: Path) -> list[str]:
     with leyline_serve(model) as url:
         server = QualityServer(url, model.name)
         try:
-            results = run_arms(server, arms, cases, tok, 8, log=out / "cases-float32.jsonl")
+            results = run_arms(server, arms, cases, tok, 8, log=out / "cases-float32.jsonl",
+                               share_prefix=True)  # fmt: skip
         finally:
             server.close()
-        lines = [f"Real model: {model}", *report(results, [a.name for a in arms], "float32"), ""]
+        lines = [f"Real model: {model}", f"Quality ({quick_caption()}; greedy answers: 8 tokens;",
+                 "full set: leyline check quality, docs/results.md):",
+                 *report(results, [a.name for a in arms], "float32"), ""]  # fmt: skip
         lines += _splice_chat(url, model.name)
     return lines

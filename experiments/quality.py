@@ -35,7 +35,7 @@ from .correctness import edit_spans
 from .quality_arms import ARMS, Arm, Case, Completion, QualityServer
 from .quality_data import load_conversations
 
-__all__ = ["ArmResult", "build_cases", "main", "run_arms"]
+__all__ = ["QUICK", "ArmResult", "build_cases", "main", "quick_caption", "run_arms"]
 
 REFERENCES = ("FULL", "FORGET")
 FACT_KINDS = ("quoted_next", "quoted_later", "span_only")
@@ -101,10 +101,16 @@ def _lookup(top: dict[str, float], text: str) -> tuple[float, bool]:
     return min(top.values()), False
 
 
-def _run_case(server: QualityServer, arm: Arm, case: Case, tok: Any, greedy: int) -> ArmResult:
+def _run_case(server: QualityServer, arm: Arm, case: Case, tok: Any, greedy: int,
+              exact: list[list[int]]) -> ArmResult:  # fmt: skip
     history = arm.history(server, case)
     prompt = history + case.question
     first = server.complete(prompt, greedy)
+    _check_cache(arm, case, prompt, first.cached, exact)
+    if arm.splice:  # T prefilled, then R over T[:start]: both exact rows (the tail is the session's)
+        exact += [case.tokens, case.edited[: case.start + len(case.replacement)]]
+    else:
+        exact.append(prompt)
     total, argmax, outside = None, None, 0
     if case.target:
         total, argmax = 0.0, True
@@ -118,17 +124,55 @@ def _run_case(server: QualityServer, arm: Arm, case: Case, tok: Any, greedy: int
     return ArmResult(case.id, case.kind, case.variant, arm.name, first, total, argmax, outside)
 
 
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _check_cache(
+    arm: Arm, case: Case, prompt: list[int], cached: int, exact: list[list[int]]
+) -> None:
+    """A splice arm's answer reads ``T'`` from the cache; a prefill arm reads only rows that
+    an exact prefill since the last flush shares with it (never another arm's splice)."""
+    if arm.splice and cached < len(case.edited):
+        raise RuntimeError(f"{arm.name} on {case.id}: {cached} prompt tokens from the cache, "
+                           f"fewer than T' ({len(case.edited)}): the answer did not read the splice")  # fmt: skip
+    allowed = max((_lcp(prompt, p) for p in exact), default=0)
+    if not arm.splice and cached > allowed:
+        raise RuntimeError(f"{arm.name} on {case.id}: {cached} prompt tokens from the cache, but "
+                           f"exact prefills since the flush share only {allowed} with it")  # fmt: skip
+
+
 def run_arms(server: QualityServer, arms: list[Arm], cases: list[Case], tok: Any, greedy: int,
-             log: Path | None = None) -> list[ArmResult]:  # fmt: skip
-    """Every arm on every case, arms interleaved case by case."""
+             log: Path | None = None, share_prefix: bool = False) -> list[ArmResult]:  # fmt: skip
+    """Every arm on every case, arms interleaved case by case, each arm in its own session.
+
+    Without ``share_prefix`` the cache is flushed before every arm: each starts cold. With
+    it, once per case, and the arms run unedited first, then the splices, then the other
+    edited arms: a splice starts from the history an unedited arm prefilled (as after the
+    turn that produced it), and a re-prefill of the edited history reuses the exact rows
+    before the edit (as FORGET does in the engine) but never a splice's rows (checked on
+    every answer's ``cached_tokens``, ``_check_cache``)."""
     out, unedited = [], {}
+    order = sorted(arms, key=lambda a: a.edited and not a.splice) if share_prefix else arms
     with open(log, "w", buffering=1) if log else open("/dev/null", "w") as f:  # noqa: SIM115
         for case in cases:
-            for arm in arms:
+            exact: list[list[int]] = []  # prompts prefilled since the last flush
+            if share_prefix:
+                server.flush()
+            for arm in order:
                 if not arm.edited and (case.id, arm.name) in unedited:
                     r = replace(unedited[(case.id, arm.name)], variant=case.variant)
                 else:
-                    r = _run_case(server, arm, case, tok, greedy if case.kind == "general" else 1)
+                    if not share_prefix:
+                        server.flush()
+                        exact = []
+                    r = _run_case(server.session(arm.name.lower()), arm, case, tok,
+                                  greedy if case.kind == "general" else 1, exact)  # fmt: skip
                     unedited[(case.id, arm.name)] = r
                 f.write(json.dumps(asdict(r)) + "\n")
                 out.append(r)
@@ -223,16 +267,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="stub,delete", help="comma list: stub, delete")
     p.add_argument("--greedy", type=int, default=32, help="greedy answer length compared")
     p.add_argument("--quick", action="store_true",
-                   help="8 conversations and 6 fact cases, stub only, greedy 8 (the demo's form)")  # fmt: skip
+                   help="the demo's form: QUICK's conversations and fact cases, stub only, greedy 8, "
+                        "fp32, --share-prefix")  # fmt: skip
+    p.add_argument("--share-prefix", action="store_true",
+                   help="flush once per case, not per arm: splices start from the unedited arm's "
+                        "prefill and re-prefills reuse the exact rows before the edit")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/quality"), help="output folder")
+
+
+# The quick form's fixed subset: every stale command (ls, cat, git log, grep, pytest) and
+# every question of the general set, and two fact cases of each kind.
+QUICK = ("general-00", "general-01", "general-02", "general-03", "general-04", "general-05",
+         "general-06", "general-19", "fact-max_retries-quoted_next", "fact-page_size-quoted_next",
+         "fact-timeout_s-quoted_later", "fact-port-quoted_later", "fact-max_retries-span_only",
+         "fact-timeout_s-span_only")  # fmt: skip
 
 
 def select_conversations(convs: list[dict[str, Any]], quick: bool) -> list[dict[str, Any]]:
     if not quick:
         return convs
-    general = [c for c in convs if c["kind"] == "general"][:8]
-    facts = [c for c in convs if c["kind"] != "general"][:6]
-    return general + facts
+    by_id = {c["id"]: c for c in convs}
+    return [by_id[i] for i in QUICK]
+
+
+def quick_caption() -> str:
+    """The quick form's subset, named in its table's caption."""
+    general = [i.removeprefix("general-") for i in QUICK if i.startswith("general-")]
+    facts = [i.removeprefix("fact-") for i in QUICK if i.startswith("fact-")]
+    return (
+        f"quick subset of check quality's set: conversations general-{{{','.join(general)}}} "
+        f"(every stale command and question kind); fact cases {', '.join(facts)}"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -256,15 +321,19 @@ def main(args: argparse.Namespace) -> int:
     cases = build_cases(tok, convs, variants)
     args.out.mkdir(parents=True, exist_ok=True)
     n_gen = sum(c["kind"] == "general" for c in convs)
+    share = args.share_prefix or args.quick
     print(f"check quality: {model.name}, {n_gen} conversations + {len(convs) - n_gen} fact cases, "
-          f"variants {', '.join(variants)}, arms {', '.join(names)}, greedy {greedy}")  # fmt: skip
+          f"variants {', '.join(variants)}, arms {', '.join(names)}, greedy {greedy}"
+          f"{', prefixes shared' if share else ''}")  # fmt: skip
+    if args.quick:
+        print(quick_caption())
     for dtype in dtypes:
         t0 = time.monotonic()
         with leyline_serve(model, "--dtype", dtype) as url:
             server = QualityServer(url, model.name)
             try:
                 results = run_arms(server, arms, cases, tok, greedy,
-                                   log=args.out / f"cases-{dtype}.jsonl")  # fmt: skip
+                                   log=args.out / f"cases-{dtype}.jsonl", share_prefix=share)  # fmt: skip
             finally:
                 server.close()
         print("\n".join(report(results, names, dtype)))

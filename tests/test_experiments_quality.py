@@ -67,3 +67,50 @@ def test_a_case_edit_gives_the_edited_conversation(convs):
         asked = [*msgs, {"role": "user", "content": conv["question"]}]
         assert tok.decode(case.tokens + case.question).startswith(tok.decode(ids(asked, True)))
         assert case.end > case.start and case.tokens[case.start : case.end] != case.replacement
+
+
+# -- the harness over HTTP (tiny llama on a real server) --------------------------------------
+
+ARCH = "llama"
+
+
+def test_the_cache_check_refuses_rows_an_arm_may_not_read():
+    from leyline_agent.experiments.quality import _check_cache
+    from leyline_agent.experiments.quality_arms import ARMS, Case
+
+    case = Case("c", "general", "stub", [1, 2, 3, 4, 5, 6], 2, 4, [9], [7, 8])  # T' = 1 2 9 5 6
+    _check_cache(ARMS["forget"], case, [1, 2, 9, 5, 6, 7, 8], 2, [[1, 2, 3, 4, 5, 6, 7, 8]])
+    with pytest.raises(RuntimeError, match="share only 2"):  # it read T' past the edit
+        _check_cache(ARMS["forget"], case, [1, 2, 9, 5, 6, 7, 8], 5, [[1, 2, 3, 4, 5, 6, 7, 8]])
+    _check_cache(ARMS["amortize"], case, [1, 2, 9, 5, 6, 7, 8], 5, [])
+    with pytest.raises(RuntimeError, match="did not read the splice"):
+        _check_cache(ARMS["amortize"], case, [1, 2, 9, 5, 6, 7, 8], 2, [])
+
+
+def test_shared_prefixes_give_the_cold_arms_answers(convs, server, tok, name):
+    """--share-prefix (the demo's form) against every arm started from a flushed cache:
+    the same first tokens, logprobs and fact log P, with FORGET reading the rows before the
+    edit from the cache only when prefixes are shared."""
+    from leyline_agent.experiments.quality import run_arms
+    from leyline_agent.experiments.quality_arms import ARMS, QualityServer
+
+    sample = [convs[0], next(c for c in convs if c["kind"] == "quoted_next")]
+    cases = build_cases(tok, sample, ["stub"])
+    qs = QualityServer(server.url, name)
+    try:
+        cold = run_arms(qs, list(ARMS.values()), cases, tok, 4)
+        shared = run_arms(qs, list(ARMS.values()), cases, tok, 4, share_prefix=True)
+    finally:
+        qs.close()
+    by = {(r.case, r.arm): r for r in cold}
+    assert len(shared) == len(cold) == 2 * len(ARMS)
+    for r in shared:
+        c = by[(r.case, r.arm)]
+        assert r.first.tokens == c.first.tokens, (r.case, r.arm)
+        assert r.first.logprobs == pytest.approx(c.first.logprobs, abs=1e-4), (r.case, r.arm)
+        if r.target_logprob is not None:
+            assert r.target_logprob == pytest.approx(c.target_logprob, abs=1e-4)
+        if r.arm == "FORGET":
+            case = next(x for x in cases if x.id == r.case)
+            assert c.first.cached == 0
+            assert case.start <= r.first.cached <= case.start + len(case.replacement)
