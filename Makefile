@@ -15,7 +15,7 @@ setup-vllm:
 
 # Main job: builds the `mini` model, runs the mechanism benchmark (reduced) and the
 # correctness report on the embedded runtime, prints a table with the plot paths; then the
-# real model (SmolLM2, `leyline fetch-model smollm2` on first use): the quick quality report
+# real model (SmolLM2, fetched by setup: `leyline fetch-model smollm2`): the quick quality report
 # and one chat answered through a splice.
 demo: setup
 	$(VENV)/bin/leyline demo

