@@ -17,6 +17,9 @@ through a real ``leyline serve`` (one per dtype, started here) and the report co
   assistant turn (right after the stub, or two turns later) or only inside the stubbed span.
   ``argmax`` counts the cases where every digit was the arm's top token.
 
+``--quick`` is the demo's form: ``QUICK``'s fixed subset, fp32, stub only, greedy 8, and
+``--share-prefix`` (one flush per case, ``run_arms``): the splices start from FULL's prefill
+instead of prefilling ``T`` again, and FORGET prefills only from the edit on.
 Per-case results go to ``<out>/cases-<dtype>.jsonl``; the printed tables are the record.
 """
 
