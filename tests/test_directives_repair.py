@@ -62,8 +62,9 @@ def test_a_mode_a_backend_does_not_execute_is_refused_by_name():
 
 
 def test_the_pipeline_refuses_repair_for_a_backend_without_it():
-    """What the vLLM and SGLang plugins pass (``EXECUTES``: amortize and forget): a REPAIR
-    directive is refused by name before any lookup, in either form."""
+    """What a backend without the ``recompute`` row operation passes (the SGLang plugin:
+    amortize and forget): a REPAIR directive is refused by name before any lookup, in either
+    form."""
     from leyline_agent.directives import Mode
     from leyline_agent.directives.pipeline import compile_request
     from leyline_agent.wire import DirectivesRequest

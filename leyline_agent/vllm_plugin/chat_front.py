@@ -51,7 +51,7 @@ from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
 __all__ = ["ChatFront", "EditRunner", "Spliced", "annotate", "default_mode"]
 
-MODES = ("amortize", "forget", "off")
+MODES = ("amortize", "forget", "repair", "off")
 # the chat body's fields that change what vLLM renders (passed to its renderer as they are)
 _RENDER_KEYS = (
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "add_special_tokens",
@@ -60,7 +60,7 @@ _RENDER_KEYS = (
 
 def default_mode() -> str:
     """``LEYLINE_CLIENT_EDITS``: how a conversation's client edits and drift are spliced when
-    the request does not say (``amortize``, ``forget`` or ``off``)."""
+    the request does not say (``amortize``, ``forget``, ``repair`` or ``off``)."""
     mode = os.environ.get("LEYLINE_CLIENT_EDITS", "amortize")
     if mode not in MODES:
         raise ValueError(f"LEYLINE_CLIENT_EDITS: {mode!r} must be one of {list(MODES)}")

@@ -14,7 +14,9 @@ while an op does. The general plugin adds this one method to ``EngineCore``. Ops
   instead of prefilling them again. ``hold=False``: the same, then the hold is given back in
   the same op (a lookup, or a FORGET's staging: one trip through the busy loop, not two).
 - ``splice``: the plan (``plan.py``) from the locked ``T`` and the held head, fresh blocks,
-  ``collective_rpc("leyline_copy_rows")`` on every worker, ``T'``'s full blocks registered
+  ``collective_rpc("leyline_copy_rows")`` on every worker (``repair``: then REPAIR's rows,
+  chosen and checked to be fresh before the first write, ``leyline_repair_rows``),
+  ``T'``'s full blocks registered
   under its hash chain in the session's namespace (a block already registered there under
   the same hash is dropped: the latest directive wins), the rows past them held for the
   session's next request, references released; ``T'`` is the namespace's pinned result
@@ -52,7 +54,7 @@ from leyline_agent.errors import (
     RuntimeUnavailableError,
 )
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt
-from leyline_agent.vllm_plugin.plan import plan_block_splice, row_copies
+from leyline_agent.vllm_plugin.plan import plan_block_splice, repair_rows, row_copies, splice_slots
 
 __all__ = ["leyline_rpc"]
 
@@ -190,6 +192,7 @@ def _splice(
     end: int,
     replacement: list[int],
     salt: str,
+    repair: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
@@ -210,6 +213,7 @@ def _splice(
             t_rows=base.num_cached_tokens if base is not None else 0,
             hold_partial=sched.leyline_rows_on,
         )  # fmt: skip
+        rows = repair_rows(plan, tokens, start, end, len(replacement), repair, bs)
         hashes = sched.leyline_hashes(plan.full_tokens, salt, engine.request_block_hasher)
         for j, src in enumerate(plan.blocks):  # a reused block must already be T''s block j
             if src.reuse is not None:
@@ -227,6 +231,10 @@ def _splice(
         try:
             src, dst, delta = row_copies(plan, [b.block_id for b in new], bs)
             engine.collective_rpc("leyline_copy_rows", args=(src, dst, delta))
+            if rows:  # REPAIR: the selected tail rows recomputed in their fresh slots
+                slots = splice_slots(plan, [b.block_id for b in new], bs, rows[-1] + 1)
+                ids = [plan.tokens[r] for r in rows]
+                engine.collective_rpc("leyline_repair_rows", args=(ids, rows, slots))
         except Exception:
             pool.free_blocks(new)
             raise
@@ -265,6 +273,7 @@ def _splice(
         "cached_tokens": len(plan.tokens),
         "new_blocks": plan.num_new_blocks,
         "rotated_tokens": plan.rotated_tokens,
+        "repaired_tokens": len(rows),
         "head_cached_tokens": head_cached,
         "elapsed_s": time.perf_counter() - t0,
     }

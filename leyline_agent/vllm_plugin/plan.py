@@ -19,16 +19,28 @@ covers ``T'`` up to ``s + |R| + (t_rows - e)``. The full blocks of that are regi
 under ``T'``'s hashes; the rows past them go to one more fresh block (``partial``), which
 the plugin holds for the next request (``held_rows``) instead of leaving them to its
 prefill. Slots are ``block_id * B + offset``, as vLLM's slot mapping.
+
+A REPAIR directive's rows (``repair_rows``) are chosen over the plan's ``T'`` by
+``directives.repair``; they are tail rows, so they lie in fresh blocks (checked).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from leyline_agent.directives.repair import DEFAULT_SELECTOR, RepairSpan, select_rows
 from leyline_agent.errors import CacheMissError, DirectiveError
 
-__all__ = ["BlockSource", "BlockSplicePlan", "plan_block_splice", "row_copies"]
+__all__ = [
+    "BlockSource",
+    "BlockSplicePlan",
+    "plan_block_splice",
+    "repair_rows",
+    "row_copies",
+    "splice_slots",
+]
 
 
 @dataclass(slots=True, frozen=True)
@@ -147,3 +159,36 @@ def row_copies(
             dst.append(bid * block_size + off)
             deltas.append(d)
     return src, dst, deltas
+
+
+def repair_rows(
+    plan: BlockSplicePlan,
+    tokens: Sequence[int],
+    start: int,
+    end: int,
+    replacement_len: int,
+    repair: Mapping[str, Any] | None,
+    block_size: int,
+) -> list[int]:
+    """The rows of ``plan.tokens`` a REPAIR of ``(start, end)`` recomputes (none without
+    ``repair``, ``{"budget": b, "selector": name}``): ``directives.repair``'s selection over
+    the tail the plan writes, as ``leyline serve`` selects them. Each must lie in a fresh
+    block of the plan (a reused block is shared with ``T``), checked before any write."""
+    if not repair:
+        return []
+    span = RepairSpan(start + replacement_len, len(plan.tokens), tuple(tokens[start:end]),
+                      float(repair["budget"]))  # fmt: skip
+    rows = select_rows(plan.tokens, [span], str(repair.get("selector") or DEFAULT_SELECTOR))
+    for r in rows:
+        if plan.blocks[r // block_size].reuse is not None:
+            raise ValueError(f"repair: row {r} lies in a reused block, not a fresh one")
+    return rows
+
+
+def splice_slots(
+    plan: BlockSplicePlan, new_block_ids: Sequence[int], block_size: int, n: int
+) -> list[int]:
+    """The slots of ``plan.tokens[:n]`` once the plan's fresh blocks are ``new_block_ids``."""
+    ids = iter(new_block_ids)
+    blocks = [b.reuse if b.reuse is not None else next(ids) for b in plan.blocks]
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(n)]

@@ -14,7 +14,12 @@ the sequence the previous one left), all calls in the directive's namespace (its
    ``engine_client.generate``: vLLM's own prefill computes ``R`` over the cached prefix; its
    blocks are held when it finishes (``scheduler.HOLD_KEY``);
 3. ``splice`` (EngineCore): the tail re-packed into fresh blocks with its keys rotated by
-   ``delta`` on every worker, ``T'`` registered in the prefix cache.
+   ``delta`` on every worker, ``T'`` registered in the prefix cache. A REPAIR directive is
+   this AMORTIZE, and inside the same op, before ``T'`` is registered, the workers recompute
+   its selected tail rows in their fresh slots (``row_forward``; the rows ``leyline serve``
+   selects, ``directives.repair``, at the directive's budget or ``DEFAULT_BUDGET``). In a
+   batch each REPAIR directive is repaired on the sequence it leaves (``leyline serve``
+   repairs once, on the final ``T'``): one REPAIR directive is the same on both.
 
 Rows past a sequence's last full block are held by the plugin and handed to the next
 request (``held_rows``, ``connector``): ``lock`` counts them as cached and, with ``stage``,
@@ -43,11 +48,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from leyline_agent.chat_input import canonical_messages, canonical_tools
-from leyline_agent.directives import Mode, http_guards
+from leyline_agent.directives import http_guards
 from leyline_agent.directives.compile import render
+from leyline_agent.directives.core import Directive
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
-from leyline_agent.directives.modes import rule_of
+from leyline_agent.directives.modes import executed_by, rule_of
 from leyline_agent.directives.pipeline import (
     Plan,
     TokenForm,
@@ -55,6 +61,7 @@ from leyline_agent.directives.pipeline import (
     compile_request,
     decide,
 )
+from leyline_agent.directives.repair import DEFAULT_BUDGET, DEFAULT_SELECTOR
 from leyline_agent.directives.validate import (
     RequestLimits,
     check_served,
@@ -92,9 +99,10 @@ _ERROR_TYPES = {
     "DirectiveError": DirectiveError,
     "RuntimeUnavailableError": RuntimeUnavailableError,
 }
-# REPAIR would need the plugin to forward selected tail rows over the block table in place:
-# refused by name until it does (``directives.modes``).
-EXECUTES = frozenset({Mode.AMORTIZE, Mode.FORGET})
+# REPAIR runs as AMORTIZE, then the workers recompute its selected tail rows in place
+# (``row_forward``); a model whose layers the row forward does not know is refused (503).
+ROW_OPS = frozenset({"move", "prefill", "recompute"})
+EXECUTES = executed_by(ROW_OPS)
 _MEMORY = 1024  # request ids remembered per namespace for idempotent retries
 
 
@@ -105,6 +113,7 @@ class VLLMRoute:
         self.splices = {"amortize": 0, "forget": 0}
         self.rotated_tokens = 0
         self.prefilled_tokens = 0
+        self.repaired_tokens = 0
         self.fallbacks = 0
         self.directive_errors = 0
         self.drift_splices = 0  # chat turns whose token drift was spliced (chat_front)
@@ -266,6 +275,7 @@ class VLLMRoute:
             self.splices[k] = self.splices.get(k, 0) + v
         self.rotated_tokens += resp.rotated_tokens
         self.prefilled_tokens += resp.prefilled_tokens
+        self.repaired_tokens += resp.repaired_tokens
         self.fallbacks += int(resp.fallback)
 
     def _namespace_lock(self, key: str) -> asyncio.Lock:
@@ -293,6 +303,10 @@ class VLLMRoute:
         decision = decide(compiled, cached, req)
         if isinstance(decision, DirectivesResponse):
             return decision
+        if any(rule_of(d.mode, EXECUTES).repairs for d in decision.order):
+            workers = info.get("workers") or [{}]
+            if workers[0].get("repair_problem"):  # before anything is held or written
+                raise RuntimeUnavailableError(workers[0]["repair_problem"])
         return await self._execute(decision, salt)
 
     async def cached_prefix(self, tokens: list[int], namespace: str) -> int:
@@ -304,11 +318,12 @@ class VLLMRoute:
     async def _execute(self, plan: Plan, salt: str) -> DirectivesResponse:
         cur = list(plan.base)
         splices = {"amortize": 0, "forget": 0}
-        reused = prefilled = rotated = 0
+        reused = prefilled = rotated = repaired = 0
         for d in plan.order:  # right to left
             assert isinstance(d.replacement, list)  # compiled by the pipeline
             after = cur[: d.start] + d.replacement + cur[d.end :]
-            if rule_of(d.mode, EXECUTES).moves_tail:
+            rule = rule_of(d.mode, EXECUTES)
+            if rule.moves_tail:
                 # stage: T's rows inside the block holding ``start`` go to the head
                 lock = await self.rpc("lock", tokens=cur, salt=salt, stage=d.start)
                 c = lock["cached_tokens"]
@@ -326,6 +341,7 @@ class VLLMRoute:
                     done = await self.rpc(
                         "splice", lock_id=lock["lock_id"], hold_id=hold_id, tokens=cur,
                         start=d.start, end=end, replacement=d.replacement, salt=salt,
+                        repair=_repair_of(d) if rule.repairs else None,
                     )  # fmt: skip
                 except BaseException:
                     await self.rpc("release", ids=[lock["lock_id"], hold_id])
@@ -333,6 +349,7 @@ class VLLMRoute:
                 reused += d.start
                 prefilled += d.start + len(d.replacement) - done["head_cached_tokens"]
                 rotated += done["rotated_tokens"]
+                repaired += done.get("repaired_tokens", 0)
             else:
                 # the rows before ``start`` stay: those inside its block are staged for the
                 # re-prefill, which computes from ``start`` on
@@ -340,12 +357,13 @@ class VLLMRoute:
                 await self.prefill(after, salt)
                 reused += d.start
                 prefilled += len(after) - d.start
-            splices[d.mode.value] += 1
+            splices[d.mode.value] = splices.get(d.mode.value, 0) + 1
             cur = after
             self._watch(salt)  # the EngineCore pinned T' (engine_ops: splice, forget)
         return applied_answer(
-            plan, splices=splices, reused=reused, prefilled=prefilled, rotated=rotated
-        )
+            plan, splices=splices, reused=reused, prefilled=prefilled, rotated=rotated,
+            repaired=repaired,
+        )  # fmt: skip
 
     async def flush(self) -> dict[str, Any]:
         """Every pin is dropped and every cached block no request holds is freed
@@ -372,6 +390,7 @@ class VLLMRoute:
             generated_tokens=s["generated_tokens"],
             splices=dict(self.splices),
             rotated_tokens=self.rotated_tokens,
+            repaired_tokens=self.repaired_tokens,
             fallbacks=self.fallbacks,
             directive_errors=self.directive_errors,
             cache_tokens=s["cache_tokens"],
@@ -382,6 +401,13 @@ class VLLMRoute:
             pin_evictions=s["pin_evictions"],
             features=(BODY_EDITS, CLIENT_EDITS),  # chat_front applies them
         ).model_dump(mode="json")
+
+
+def _repair_of(d: Directive) -> dict[str, Any]:
+    """What the EngineCore's ``splice`` needs to REPAIR ``d``: its budget (the default where
+    it gives none) and the selector, those ``leyline serve`` uses by default."""
+    budget = DEFAULT_BUDGET if d.budget is None else d.budget
+    return {"budget": budget, "selector": DEFAULT_SELECTOR}
 
 
 def _check_length(compiled: TokenForm, limit: int) -> None:

@@ -11,6 +11,9 @@ heads of every block; the same slot plan applies to all of them):
   ``src`` slots into ``dst`` slots, keys rotated by ``delta`` (``kernels.apply_plan``, the
   torch reference path on CPU). All rows are read before any is written; ``dst`` are fresh
   blocks nobody reads yet.
+- ``leyline_repair_rows(token_ids, rows, slots)``: REPAIR's selected rows of a spliced ``T'``
+  recomputed in place through the model's own layers (``row_forward``); ``leyline_describe``
+  says in ``repair_problem`` why it cannot run on this model, if it cannot.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from leyline_agent.errors import RopeSpecError, RuntimeUnavailableError
 from leyline_agent.kernels import RopeSpec, apply_plan, plan_rotation
 from leyline_agent.vllm_plugin.kv_rows import Layout, probe_layout, read_rows, write_rows
+from leyline_agent.vllm_plugin.row_forward import RowForward, repair_problem
 
 __all__ = [
     "GQA_MODEL_TYPES",
@@ -73,7 +77,13 @@ class LeylineWorkerExtension:
         except (RuntimeUnavailableError, RopeSpecError) as e:
             info["problem"] = str(e)
             info["field"] = str(e).split(":", 1)[0]
+        info["repair_problem"] = repair_problem(self.model_runner.get_model())  # type: ignore[attr-defined]
         return info
+
+    def leyline_repair_rows(self, token_ids: list[int], rows: list[int], slots: list[int]) -> int:
+        if getattr(self, "_leyline_rows", None) is None:
+            self._leyline_rows = RowForward(self.model_runner.get_model())  # type: ignore[attr-defined]
+        return self._leyline_rows.run(token_ids, rows, slots)
 
     def leyline_copy_rows(self, src: list[int], dst: list[int], delta: list[int]) -> int:
         if getattr(self, "_leyline_copier", None) is None:

@@ -1,0 +1,141 @@
+"""REPAIR on vLLM's workers: recompute selected rows of a spliced ``T'`` in place.
+
+After an AMORTIZE splice (``engine_ops`` ``splice``: the tail copied into fresh blocks, its
+keys turned by ``delta``) the rows REPAIR selected (``directives.repair``) are forwarded again
+under the edited context, through vLLM's own modules of the served model, layer by layer:
+
+- layer 0's input is the rows' embeddings (``embed_tokens``); each layer's input norm,
+  ``qkv_proj``, ``rotary_emb`` at the rows' positions in ``T'``, ``o_proj``, post-attention
+  norm and MLP are the model's, with the residual carried as vLLM's decoder layer carries it;
+- at each layer every selected row's K/V is written into its slot (the backend's own write
+  op, ``kv_rows.write_rows``) before any row attends, then each row attends to every row of
+  ``T'`` at a position up to its own (gathered from the paged cache, ``kv_rows.read_rows``):
+  the prefix, ``R``, the tail rows before it (the selected ones already recomputed at this
+  layer) and itself. That is what ``leyline serve``'s engine does (``engine.repair``): its
+  runs of consecutive rows forwarded together, each run attending causally to itself.
+
+The caller writes only fresh slots of its splice (blocks nobody else reads yet) and checks
+that before the first write. Only the Llama family's layers (``LlamaDecoderLayer``: llama,
+mistral; SmolLM2 is one) are known here: any other model is refused by ``repair_problem``,
+which the route asks before it runs a REPAIR directive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from leyline_agent.vllm_plugin.kv_rows import Layout, probe_layout, read_rows, write_rows
+
+__all__ = ["LAYER_TYPES", "RowForward", "repair_problem"]
+
+LAYER_TYPES = frozenset({"LlamaDecoderLayer"})  # decoder layers whose forward is known here
+
+
+def _layers(model: Any) -> list[Any]:
+    inner = getattr(model, "model", None)
+    return list(getattr(inner, "layers", None) or [])
+
+
+def repair_problem(model: Any) -> str | None:
+    """Why REPAIR's row forward cannot run on ``model`` (a sentence that starts with the
+    setting to change), or None when it can."""
+    layers = _layers(model)
+    kinds = sorted({type(layer).__name__ for layer in layers})
+    if not layers or not set(kinds) <= LAYER_TYPES:
+        return (
+            f"model_type: REPAIR recomputes rows through vLLM's {sorted(LAYER_TYPES)} only; "
+            f"this model's layers are {kinds or type(model).__name__} (use amortize or forget)"
+        )
+    if not hasattr(model.model, "embed_tokens"):
+        return "pipeline_parallel_size: REPAIR needs the embeddings on every worker"
+    for layer in layers:
+        attn = layer.self_attn.attn
+        if getattr(attn, "sliding_window", None) is not None:
+            return "sliding_window: REPAIR's row forward attends over every earlier row"
+        kv = getattr(attn, "kv_cache", None)
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 4:
+            return "kv_cache_layout: an attention layer holds no 4-d paged KV cache"
+    return None
+
+
+class RowForward:
+    """The row forward of one worker's model (module doc)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._layout: Layout | None = None
+
+    @torch.inference_mode()
+    def run(self, token_ids: Sequence[int], rows: Sequence[int], slots: Sequence[int]) -> int:
+        """Recompute the K/V of ``rows`` (positions in ``T'``, sorted, distinct; their tokens
+        ``token_ids``) in place. ``slots[p]`` is the slot of ``T'``'s row ``p`` for every
+        ``p <= max(rows)``. Returns the number of rows written."""
+        if not rows:
+            return 0
+        if len(token_ids) != len(rows) or list(rows) != sorted(set(rows)):
+            raise ValueError("rows must be sorted, distinct, one token id each")
+        if rows[-1] >= len(slots):
+            raise ValueError(f"row {rows[-1]} has no slot ({len(slots)} given)")
+        layers = _layers(self.model)
+        kv0 = layers[0].self_attn.attn.kv_cache
+        if self._layout is None:
+            self._layout = probe_layout(kv0, str(layers[0].self_attn.attn.isa))
+        dev = kv0.device
+        pos = torch.tensor(list(rows), dtype=torch.int64, device=dev)
+        row_slots = torch.tensor([slots[r] for r in rows], dtype=torch.int64, device=dev)
+        ctx_slots = torch.tensor(list(slots[: rows[-1] + 1]), dtype=torch.int64, device=dev)
+        # row i attends to the context rows at positions <= its own
+        mask = torch.arange(len(ctx_slots), device=dev)[None, :] <= pos[:, None]
+        h = self.model.model.embed_tokens(torch.tensor(list(token_ids), device=dev))
+        residual = None
+        for k, layer in enumerate(layers):
+            if residual is None:
+                residual, x = h, layer.input_layernorm(h)
+            else:
+                x, residual = layer.input_layernorm(h, residual)
+            last = k == len(layers) - 1
+            x = self._attention(layer.self_attn, pos, x, row_slots, ctx_slots, mask, last)
+            if last:
+                break  # the last layer's K/V are written: nothing reads its output
+            x, residual = layer.post_attention_layernorm(x, residual)
+            h = layer.mlp(x)
+        return len(rows)
+
+    def _attention(
+        self,
+        sa: Any,
+        pos: torch.Tensor,
+        x: torch.Tensor,
+        row_slots: torch.Tensor,
+        ctx_slots: torch.Tensor,
+        mask: torch.Tensor,
+        write_only: bool,
+    ) -> torch.Tensor:
+        """One attention block for the rows: their K/V written at ``row_slots``, then each
+        row's attention over the cached rows ``ctx_slots`` allowed by ``mask``."""
+        n = x.shape[0]
+        attn = sa.attn
+        nh, kvh, hd = sa.num_heads, sa.num_kv_heads, sa.head_dim
+        qkv, _ = sa.qkv_proj(x)
+        q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
+        q, k = sa.rotary_emb(pos, q.contiguous(), k.contiguous())
+        kv = attn.kv_cache
+        isa = str(attn.isa)
+        write_rows(kv, row_slots, k.reshape(n, kvh, hd).to(kv.dtype),
+                   v.reshape(n, kvh, hd).to(kv.dtype), isa)  # fmt: skip
+        if write_only:
+            return x
+        assert self._layout is not None
+        keys, values = read_rows(kv, ctx_slots, Layout(isa, self._layout.keys_transposed))
+        rep = nh // kvh
+        kt = keys.transpose(0, 1).float().repeat_interleave(rep, dim=0)  # [nh, M, hd]
+        vt = values.transpose(0, 1).float().repeat_interleave(rep, dim=0)
+        qt = q.reshape(n, nh, hd).transpose(0, 1).float()  # [nh, N, hd]
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=sa.scaling)
+        out = out.transpose(0, 1).reshape(n, nh * hd).to(x.dtype)
+        o, _ = sa.o_proj(out)
+        return o
