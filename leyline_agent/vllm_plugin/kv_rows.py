@@ -1,90 +1,158 @@
-"""Rows of vLLM 0.32's CPU KV cache: read them, write them, learn the layout from the op.
+"""Rows of one vLLM 0.32 attention cache: read them, write them, learn the layout from the op.
 
-One attention layer's cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
-(``CPUAttentionBackendImpl.forward``), viewed by the backend as ``[num_blocks, kv_heads,
-2 * block_size, head_size]`` and split in two: keys, then values. Inside each (block,
-head) chunk the backend's write op (``cpu_attn_reshape_and_cache``, per ISA) decides where
-the element ``(token t, dim d)`` goes: on the fp32 "vec" path the keys are stored
-transposed (``d * B + t``) and the values row-major (``t * D + d``). There is no read op.
+A layer's cache is the logical ``[B, H, N, C]`` view vLLM builds over its allocation (any
+physical axis order: indexing goes through the view's strides). Which elements of a
+(block, head) make up the row of slot ``s`` is the backend's write op's business, so it is
+not assumed: ``cache_layout.plan_layout`` names the layouts the declared shape and stride
+order allow, and :func:`probe_layout` writes known rows with the backend's own op into a
+two-block scratch cache in the same axis order and keeps the candidate under which the
+plugin reads those rows back and its own writes leave the very same bytes. A layout no
+candidate explains is refused (``UnsupportedLayoutError``).
 
-So the layout is not assumed: :func:`probe_layout` writes known rows with the backend's own
-op into a scratch cache of the same shape class and finds where they landed. Writes go
-through that op (:func:`write_rows`); reads (:func:`read_rows`) use the probed layout. A
-layout the probe cannot explain is refused (``UnsupportedLayoutError``).
+Keys are the first ``key_width`` elements of a row (the latent ``[kv_lora_rank | rope]`` for
+MLA, whose ``value_width`` is 0), values the next ``value_width``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 
-from leyline_agent.errors import RuntimeUnavailableError
+from leyline_agent.vllm_plugin.cache_layout import RowLayout, UnsupportedLayoutError
 
-__all__ = ["Layout", "UnsupportedLayoutError", "probe_layout", "read_rows", "write_rows"]
+__all__ = [
+    "BackendWrite",
+    "Layout",
+    "RowLayout",
+    "UnsupportedLayoutError",
+    "probe_layout",
+    "read_rows",
+    "scratch_like",
+    "write_rows",
+]
 
-
-class UnsupportedLayoutError(RuntimeUnavailableError):
-    """The KV cache's layout is not one the plugin can read back."""
-
-
-@dataclass(slots=True, frozen=True)
-class Layout:
-    isa: str
-    keys_transposed: bool  # key (t, d) at d * B + t inside its (block, head) chunk
-
-
-def _split(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    nb, h, b, _ = kv.shape
-    return kv.view(nb, h, 2 * b, -1).chunk(2, dim=2)  # as the backend does
+# (cache, slots [N], keys [N, H, key_width], values [N, H, value_width]) -> None
+BackendWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def write_rows(
-    kv: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, isa: str
-) -> None:
-    """Write ``keys``/``values`` ``[N, kv_heads, head_size]`` at ``slots`` (the backend's op)."""
-    from vllm import _custom_ops as ops
+def _sized(kv: torch.Tensor, layout: RowLayout) -> RowLayout:
+    if layout.key_width >= 0:
+        return layout
+    d = kv.shape[3] // 2  # a CPU-form layout: keys and values of equal width
+    return RowLayout(layout.kind, d, d, layout.keys_transposed)
 
-    key_cache, value_cache = _split(kv)
-    ops.cpu_attn_reshape_and_cache(
-        keys.contiguous(), values.contiguous(), key_cache, value_cache, slots, isa
-    )
+
+def _chunk_index(kv: torch.Tensor, slots: torch.Tensor, layout: RowLayout):
+    _, h, b, c = kv.shape
+    d = layout.key_width
+    blk = (slots // b)[:, None, None]
+    off = (slots % b)[:, None, None]
+    heads = torch.arange(h, device=kv.device)[None, :, None]
+    dims = torch.arange(d, device=kv.device)[None, None, :]
+    kpos = dims * b + off if layout.keys_transposed else off * d + dims
+    vpos = b * d + off * d + dims
+    return kv.view(kv.shape[0], h, b * c), blk, heads, kpos, vpos
 
 
 def read_rows(
-    kv: torch.Tensor, slots: torch.Tensor, layout: Layout
+    kv: torch.Tensor, slots: torch.Tensor, layout: RowLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[N, kv_heads, head_size]`` at ``slots`` (copies)."""
-    nb, h, b, two_d = kv.shape
-    d = two_d // 2
-    flat = kv.view(nb, h, 2 * b * d)
-    blk = (slots // b)[:, None, None]
-    off = (slots % b)[:, None, None]
-    heads = torch.arange(h)[None, :, None]
-    dims = torch.arange(d)[None, None, :]
-    kpos = dims * b + off if layout.keys_transposed else off * d + dims
-    keys = flat[blk, heads, kpos]
-    values = flat[blk, heads, b * d + off * d + dims]
-    return keys, values
+    """Keys ``[N, H, key_width]`` and values ``[N, H, value_width]`` at ``slots`` (copies)."""
+    layout = _sized(kv, layout)
+    if layout.kind == "chunk":
+        flat, blk, heads, kpos, vpos = _chunk_index(kv, slots, layout)
+        return flat[blk, heads, kpos], flat[blk, heads, vpos]
+    b = kv.shape[2]
+    rows = kv[slots // b, :, slots % b, :]  # [N, H, C]
+    k = layout.key_width
+    return rows[..., :k].clone(), rows[..., k : k + layout.value_width].clone()
 
 
-def probe_layout(kv: torch.Tensor, isa: str) -> Layout:
-    """Find the layout of ``kv``'s shape class by writing known rows with the backend's op
-    into a two-block scratch cache (``kv`` itself is not touched)."""
-    _, h, b, two_d = kv.shape
-    scratch = torch.zeros((2, h, b, two_d), dtype=kv.dtype)
+def write_rows(
+    kv: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    layout: RowLayout | str,
+) -> None:  # fmt: skip
+    """Write ``keys``/``values`` (as :func:`read_rows` returns them) at ``slots``; given the
+    CPU backend's ISA name instead of a layout, through that backend's op."""
+    if isinstance(layout, str):
+        _cpu_write(layout)(kv, slots, keys, values)
+        return
+    layout = _sized(kv, layout)
+    if layout.kind == "chunk":
+        flat, blk, heads, kpos, vpos = _chunk_index(kv, slots, layout)
+        flat[blk, heads, kpos] = keys.to(kv.dtype)
+        flat[blk, heads, vpos] = values.to(kv.dtype)
+        return
+    b, k = kv.shape[2], layout.key_width
+    blk, off = slots // b, slots % b
+    kv[blk, :, off, :k] = keys.to(kv.dtype)
+    if layout.value_width:
+        kv[blk, :, off, k : k + layout.value_width] = values.to(kv.dtype)
+
+
+def scratch_like(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A zeroed ``[num_blocks, H, N, C]`` cache whose axes lie in memory in ``kv``'s order."""
+    order = sorted(range(4), key=lambda i: (-kv.stride(i), i))
+    shape = [num_blocks if i == 0 else kv.shape[i] for i in order]
+    flat = torch.zeros(shape, dtype=kv.dtype, device=kv.device)
+    return flat.permute([order.index(i) for i in range(4)])
+
+
+def probe_layout(
+    kv: torch.Tensor, candidates: Sequence[RowLayout] | str, write: BackendWrite | None = None,
+    backend: str = "CPU_ATTN",
+) -> RowLayout:  # fmt: skip
+    """The candidate that explains where ``write`` (the backend's op) stores known rows;
+    ``kv`` itself is not touched. Given the CPU backend's ISA name instead: that backend's
+    candidates and op."""
+    if isinstance(candidates, str):
+        write, candidates = _cpu_write(candidates), _cpu_candidates(kv)
+    assert write is not None
+    _, h, b, _ = kv.shape
+    first = candidates[0]
     gen = torch.Generator().manual_seed(0)
-    n = b
-    keys = torch.randn((n, h, two_d // 2), generator=gen).to(kv.dtype)
-    values = torch.randn((n, h, two_d // 2), generator=gen).to(kv.dtype)
-    slots = torch.arange(b, 2 * b, dtype=torch.int64).roll(3)  # block 1, shuffled offsets
-    write_rows(scratch, slots, keys, values, isa)
-    for transposed in (True, False):
-        layout = Layout(isa=isa, keys_transposed=transposed)
-        k, v = read_rows(scratch, slots, layout)
-        if torch.equal(k, keys) and torch.equal(v, values):
+    keys = torch.randn((b, h, first.key_width), generator=gen).to(kv.dtype).to(kv.device)
+    values = torch.randn((b, h, first.value_width), generator=gen).to(kv.dtype).to(kv.device)
+    slots = torch.arange(b, 2 * b, dtype=torch.int64, device=kv.device).roll(3)  # block 1
+    by_op = scratch_like(kv, 2)
+    write(by_op, slots, keys, values)
+    for layout in candidates:
+        try:
+            k, v = read_rows(by_op, slots, layout)
+            ours = scratch_like(kv, 2)
+            write_rows(ours, slots, keys, values, layout)
+        except RuntimeError:  # this candidate cannot even view the cache
+            continue
+        if torch.equal(k, keys) and torch.equal(v, values) and torch.equal(ours, by_op):
             return layout
     raise UnsupportedLayoutError(
-        f"kv_cache_layout: the CPU backend's '{isa}' path ({kv.dtype}) stores rows in a layout "
-        "the Leyline plugin cannot read back"
+        f"kv_cache_layout: backend {backend}: its write op stores rows ({kv.dtype}, "
+        f"cache shape {list(kv.shape)}, strides {list(kv.stride())}) where the plugin "
+        "cannot read them back"
     )
+
+
+# -- the CPU backend (CPU_ATTN), for callers that hold only a layer's ISA name ---------------
+def _cpu_write(isa: str) -> BackendWrite:
+    from vllm import _custom_ops as ops
+
+    def write(kv: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        nb, h, b, _ = kv.shape
+        key_cache, value_cache = kv.view(nb, h, 2 * b, -1).chunk(2, dim=2)  # as the backend
+        ops.cpu_attn_reshape_and_cache(
+            keys.contiguous(), values.contiguous(), key_cache, value_cache, slots, isa
+        )
+
+    return write
+
+
+def _cpu_candidates(kv: torch.Tensor) -> tuple[RowLayout, ...]:
+    d = kv.shape[3] // 2
+    return tuple(RowLayout("chunk", d, d, t) for t in (True, False)) + (RowLayout("paged", d, d),)
+
+
+def Layout(isa: str, keys_transposed: bool) -> RowLayout:  # noqa: N802  (the CPU form's name)
+    """The CPU backend's chunk layout (``isa`` names its op's path; the layout does not
+    depend on it once probed)."""
+    return RowLayout("chunk", -1, -1, keys_transposed)

@@ -4,9 +4,10 @@ vLLM mixes this class into its worker (``WorkerWrapperBase.init_worker``); the E
 reaches its methods with ``collective_rpc`` on every worker (every TP rank holds its own
 heads of every block; the same slot plan applies to all of them):
 
-- ``leyline_describe()``: what the splice needs to know and check: block size, dtype, ISA
-  and KV layout (probed with the backend's own write op, ``kv_rows.probe_layout``), and
-  whether the model's rotary band can be moved in closed form (``RopeSpec``).
+- ``leyline_describe()``: what the splice needs to know and check: block size, dtype, the
+  attention backend and its rows' layout (planned from vLLM's declarations and probed with
+  the backend's own write op, ``layer_rows.layer_layout``), and whether the model's rotary
+  band can be moved in closed form (``RopeSpec``).
 - ``leyline_copy_rows(src, dst, delta)``: for every attention layer, copy the rows at
   ``src`` slots into ``dst`` slots, keys rotated by ``delta`` (``kernels.apply_plan``, the
   torch reference path on CPU). All rows are read before any is written; ``dst`` are fresh
@@ -23,56 +24,41 @@ from typing import Any
 import torch
 
 from leyline_agent.errors import RopeSpecError, RuntimeUnavailableError
-from leyline_agent.kernels import RopeSpec, apply_plan, plan_rotation
-from leyline_agent.vllm_plugin.kv_rows import Layout, probe_layout, read_rows, write_rows
+from leyline_agent.kernels import apply_plan, plan_rotation
+from leyline_agent.vllm_plugin.kv_rows import RowLayout, read_rows, write_rows
+from leyline_agent.vllm_plugin.layer_rows import attention_layers, layer_layout, rope_band
 from leyline_agent.vllm_plugin.row_forward import RowForward, repair_problem
 
-__all__ = [
-    "GQA_MODEL_TYPES",
-    "LeylineWorkerExtension",
-    "RowCopier",
-    "attention_caches",
-    "rope_spec",
-]
-
-# vLLM builds these with is_neox_style=True: the cached key's rotary band is half-split,
-# as transformers' (RopeSpec cache_owner="transformers").
-GQA_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+__all__ = ["LeylineWorkerExtension", "RowCopier"]
 
 
 class LeylineWorkerExtension:
     """Mixed into vLLM's worker; ``self`` is the worker (``self.model_runner``, ...)."""
 
-    def _leyline_layers(self) -> list[tuple[torch.Tensor, str]]:
-        return attention_caches(self.vllm_config)  # type: ignore[attr-defined]
-
-    def _leyline_spec(self) -> RopeSpec:
-        return rope_spec(self.vllm_config)  # type: ignore[attr-defined]
-
     def leyline_describe(self) -> dict[str, Any]:
-        layers = self._leyline_layers()
+        cfg = self.vllm_config  # type: ignore[attr-defined]
+        layers = attention_layers(cfg)
         info: dict[str, Any] = {"num_layers": len(layers), "problem": None, "field": None}
         try:
             if not layers:
                 raise RuntimeUnavailableError("kv_cache: no attention layer holds a KV cache")
-            if self.vllm_config.model_config.use_mla:  # type: ignore[attr-defined]
-                raise RuntimeUnavailableError("kv_cache_layout: MLA caches are not supported")
-            kv, isa = layers[0]
-            shapes = {tuple(t.shape) for t, _ in layers}
+            kv, layer = layers[0]
+            shapes = {(tuple(t.shape), t.stride()) for t, _ in layers}
             if len(shapes) != 1:
                 raise RuntimeUnavailableError(f"kv_cache_layout: layers differ in shape {shapes}")
-            if kv.device.type != "cpu":
-                raise RuntimeUnavailableError(
-                    f"kv_cache_layout: cache on {kv.device}; only the CPU backend's layout is known"
-                )
             info.update(block_size=int(kv.shape[2]), kv_heads=int(kv.shape[1]),
-                        head_size=int(kv.shape[3]) // 2, dtype=str(kv.dtype), isa=isa)  # fmt: skip
-            layout = probe_layout(kv, isa)
-            info["keys_transposed"] = layout.keys_transposed
-            spec = self._leyline_spec()
-            if spec.rotary_dim != info["head_size"]:
+                        dtype=str(kv.dtype), backend=layer.attn_backend.get_name(),
+                        kv_cache_layout=cfg.cache_config.kv_cache_layout)  # fmt: skip
+            rows = layer_layout(layer, kv, cfg)
+            info.update(row_layout=rows.kind, head_size=rows.key_width,
+                        keys_transposed=rows.keys_transposed)  # fmt: skip
+            spec, band = rope_band(cfg)
+            if (band == 0 and spec.rotary_dim != rows.key_width) or (
+                band + spec.rotary_dim > rows.key_width
+            ):
                 raise RopeSpecError(
-                    f"rotary_dim: {spec.rotary_dim} != head_size {info['head_size']}"
+                    f"rotary_dim: {spec.rotary_dim} from {band} does not fit key rows of "
+                    f"{rows.key_width}"
                 )
         except (RuntimeUnavailableError, RopeSpecError) as e:
             info["problem"] = str(e)
@@ -91,64 +77,41 @@ class LeylineWorkerExtension:
         return self._leyline_copier.copy(src, dst, delta)
 
 
-def rope_spec(vllm_config: Any) -> RopeSpec:
-    """How the served model's cached keys rotate (GQA families vLLM builds neox-style)."""
-    hf = vllm_config.model_config.hf_config
-    if hf.model_type not in GQA_MODEL_TYPES:
-        raise RopeSpecError(
-            f"model_type: {hf.model_type!r}; the vLLM plugin splices {sorted(GQA_MODEL_TYPES)}"
-        )
-    return RopeSpec.from_hf_config(hf, cache_owner="transformers")
-
-
-def attention_caches(vllm_config: Any) -> list[tuple[torch.Tensor, str]]:
-    """Every attention layer's KV cache tensor (once each) with the backend's ISA name."""
-    ctx = vllm_config.compilation_config.static_forward_context
-    out, seen = [], set()
-    for layer in ctx.values():
-        kv = getattr(layer, "kv_cache", None)
-        if not isinstance(kv, torch.Tensor) or kv.numel() == 0 or kv.dim() != 4:
-            continue
-        if kv.data_ptr() in seen:
-            continue
-        seen.add(kv.data_ptr())
-        out.append((kv, str(getattr(layer, "isa", ""))))
-    return out
-
-
 class RowCopier:
     """Copies rows between slots of every attention layer, keys moved by a per-row delta
-    (``kernels.apply_plan``, the torch path on CPU). All rows of a layer are read before
-    any is written. Used by the worker extension (splices) and by the connector's worker
-    side (held rows loaded into a request's block: delta 0)."""
+    (``kernels.apply_plan``: the torch path on CPU, the project's kernel on CUDA). All rows
+    of a layer are read before any is written. Used by the worker extension (splices) and
+    by the connector's worker side (held rows loaded into a request's block: delta 0)."""
 
     def __init__(self, vllm_config: Any) -> None:
         self._config = vllm_config
-        self._layout: Layout | None = None
+        self._layout: RowLayout | None = None
 
     def copy(self, src: list[int], dst: list[int], delta: list[int]) -> int:
         if not src:
             return 0
         if not len(src) == len(dst) == len(delta):
             raise ValueError("src, dst and delta must have the same length")
-        layers = attention_caches(self._config)
-        kv0, isa = layers[0]
-        if self._layout is None:
-            self._layout = probe_layout(kv0, isa)
-        src_t = torch.tensor(src, dtype=torch.int64)
-        dst_t = torch.tensor(dst, dtype=torch.int64)
-        d_t = torch.tensor(delta, dtype=torch.int64)
+        layers = attention_layers(self._config)
+        kv0, layer0 = layers[0]
+        if self._layout is None:  # every layer's view has the first one's shape and strides
+            self._layout = layer_layout(layer0, kv0, self._config)
+        dev = kv0.device
+        src_t = torch.tensor(src, dtype=torch.int64, device=dev)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=dev)
+        d_t = torch.tensor(delta, dtype=torch.int64, device=dev)
         moved = (d_t != 0).nonzero().squeeze(1)
-        spec = rope_spec(self._config) if moved.numel() else None
+        spec, band_offset = rope_band(self._config) if moved.numel() else (None, 0)
         plan = None
-        for kv, layer_isa in layers:
-            keys, values = read_rows(kv, src_t, Layout(layer_isa, self._layout.keys_transposed))
+        for kv, _ in layers:
+            keys, values = read_rows(kv, src_t, self._layout)
             if moved.numel():
-                band = keys.index_select(0, moved).transpose(0, 1).contiguous()  # [H, K, D]
+                band = keys.index_select(0, moved).transpose(0, 1).contiguous()  # [H, K, W]
                 if plan is None:
-                    idx = torch.arange(moved.numel())
-                    plan = plan_rotation(band, idx, idx, d_t[moved], spec, 0, "torch")
+                    idx = torch.arange(moved.numel(), device=dev)
+                    plan = plan_rotation(band, idx, idx, d_t[moved], spec, band_offset,
+                                         "torch" if dev.type == "cpu" else None)  # fmt: skip
                 apply_plan(band, plan, spec)
                 keys.index_copy_(0, moved, band.transpose(0, 1))
-            write_rows(kv, dst_t, keys, values, layer_isa)
+            write_rows(kv, dst_t, keys, values, self._layout)
         return len(src)
