@@ -53,6 +53,7 @@ from leyline_agent.errors import (
     LeylineError,
     RuntimeUnavailableError,
 )
+from leyline_agent.vllm_plugin.cache_layout import PLAIN_SPECS
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt
 from leyline_agent.vllm_plugin.plan import plan_block_splice, repair_rows, row_copies, splice_slots
 
@@ -110,9 +111,9 @@ def _describe(engine: Any) -> dict[str, Any]:
                 f"kv_cache_groups: {len(groups)} KV cache groups (hybrid model); one supported"
             )
         spec = groups[0].kv_cache_spec
-        if type(spec).__name__ != "FullAttentionSpec":
+        if type(spec).__name__ not in PLAIN_SPECS:
             raise RuntimeUnavailableError(
-                f"kv_cache_spec: {type(spec).__name__}; only full attention is supported"
+                f"kv_cache_spec: {type(spec).__name__}; only full attention and MLA are supported"
             )
         hash_bs = engine.vllm_config.cache_config.block_size
         if spec.block_size != sched.block_size or hash_bs != sched.block_size:
