@@ -104,6 +104,8 @@ _EMBEDDED_ONLY = {
     "max_messages": 4096,
     "max_tools": 128,
     "max_schema_bytes": 256 * 1024,
+    "max_key_requests": 128,
+    "max_key_body_bytes": 1 * MIB,
     "tool_format": None,
 }
 
@@ -209,6 +211,23 @@ def _add_limits_and_keys(p: argparse.ArgumentParser) -> None:
         help="a request whose tool and response_format schemas pass this many bytes (compact "
         "JSON) gets 400 naming the schema that passed it, before any grammar work "
         "(default: 262144)",
+    )
+    g.add_argument(
+        "--max-key-requests",
+        type=int,
+        default=_EMBEDDED_ONLY["max_key_requests"],
+        metavar="N",
+        help="an API key with this many requests in flight gets 429 + Retry-After for the "
+        "next, before its body is read (default: 128)",
+    )
+    g.add_argument(
+        "--max-key-body-bytes",
+        type=int,
+        default=_EMBEDDED_ONLY["max_key_body_bytes"],
+        metavar="N",
+        help="an API key whose request bodies in flight would pass this many bytes gets 429 + "
+        "Retry-After, before the body is read; a key with nothing in flight is always "
+        "admitted (default: 1 MiB)",
     )
 
 

@@ -41,6 +41,11 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     from leyline_agent.engine.engine import Engine
     from leyline_agent.server.app import create_app
     from leyline_agent.server.inputs import DEFAULT_MAX_MESSAGES
+    from leyline_agent.server.key_limits import (
+        DEFAULT_KEY_BODY_BYTES,
+        DEFAULT_KEY_REQUESTS,
+        KeyLimits,
+    )
     from leyline_agent.server.limits import DEFAULT_MAX_BODY_BYTES
     from leyline_agent.server.schema_work import (
         DEFAULT_MAX_SCHEMA_BYTES,
@@ -95,6 +100,13 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     )
     if schema_limits.max_tools < 1 or schema_limits.max_schema_bytes < 1:
         raise ArgumentError("--max-tools / --max-schema-bytes: must be >= 1")
+    try:
+        key_limits = KeyLimits(
+            max_requests=getattr(args, "max_key_requests", None) or DEFAULT_KEY_REQUESTS,
+            max_body_bytes=getattr(args, "max_key_body_bytes", None) or DEFAULT_KEY_BODY_BYTES,
+        )
+    except ValueError as e:
+        raise ArgumentError(f"--max-key-requests / --max-key-body-bytes: {e}") from e
     engine = Engine.from_pretrained(args.model, **kwargs)
     if getattr(args, "tool_format", None):  # the model folder's setting, overridden
         set_setting(engine.tokenizer, args.tool_format)
@@ -108,6 +120,7 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
         concurrency=concurrency,
         max_messages=max_messages,
         schema_limits=schema_limits,
+        key_limits=key_limits,
         **limits,
     )
 
