@@ -6,9 +6,15 @@ read them there, as an application would.
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+
 import httpx
 import openai
 import pytest
+
+from leyline_agent.errors import RuntimeUnavailableError
+from leyline_agent.server.errors import exception_response
 
 HELLO = [{"role": "user", "content": "hello"}]
 
@@ -79,3 +85,19 @@ def test_one_model_not_found_error_for_every_route():
     want = (404, "ModelNotFoundError", message, "model")
     assert serve_errors.classify(exc) == want
     assert vllm_errors.classify(exc) == want
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeUnavailableError("the server is shutting down; no new work accepted"),
+        concurrent.futures.CancelledError(),
+    ],
+    ids=["worker-closed", "cancelled"],
+)
+def test_every_503_says_when_to_retry(exc):
+    # what a request that reaches a route once the shutdown deadline has passed is answered
+    response = exception_response(exc)
+    assert response.status_code == 503
+    assert int(response.headers["retry-after"]) >= 1
+    assert json.loads(response.body)["error"]["type"] == "server_error"

@@ -57,6 +57,8 @@ from leyline_agent.http_errors import error_body, validation_answer
 
 log = structlog.get_logger(__name__)
 
+DEFAULT_RETRY_AFTER_S = 5  # a 503 whose error names no wait (a restarting server)
+
 __all__ = [
     "ClientDisconnected",
     "ErrorGuard",
@@ -94,9 +96,13 @@ def exception_code(exc: BaseException, type_: str) -> str:
 
 
 def exception_response(exc: BaseException) -> JSONResponse:
-    """The JSON error answer of ``exc`` (with ``Retry-After`` where the error has one)."""
+    """The JSON error answer of ``exc``, with ``Retry-After`` where the error has one; every
+    other 503 (a request that reached a route once the server was shutting down) says
+    ``DEFAULT_RETRY_AFTER_S``."""
     status, type_, message, field = classify(exc)
-    retry = getattr(exc, "retry_after_s", None)
+    retry = getattr(exc, "retry_after_s", None) or (
+        DEFAULT_RETRY_AFTER_S if status == 503 else None
+    )
     headers = {"Retry-After": str(retry)} if retry else None
     return error_response(status, type_, message, field, headers, exception_code(exc, type_))
 
