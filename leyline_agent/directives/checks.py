@@ -50,6 +50,8 @@ def check_token_ids(
     """``ids`` as a list, or ``error(message, field)`` naming the first bad one."""
     if not allow_empty and len(ids) == 0:
         raise error("must not be empty", where)
+    if ids and set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab_size:
+        return list(ids)  # all good, found at C speed (160,000 ids: ms, not a Python loop)
     for k, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise error(

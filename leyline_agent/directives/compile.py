@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from leyline_agent.chat_input import canonical_tools
+from leyline_agent.directives import slow_lane
 from leyline_agent.directives.checks import check_token_ids, template_messages
 from leyline_agent.directives.core import Directive, Mode
 from leyline_agent.directives.tool_prompt import prepare
@@ -143,7 +144,7 @@ def render(
         )
     except Exception as e:  # template errors: jinja raises many types
         raise TrajectoryError(f"{where}: the chat template cannot render them: {e}") from e
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return slow_lane.tokenize(tokenizer, text)  # a large prompt: one at a time, low priority
 
 
 def encode_replacements(directives: Sequence[Directive], tokenizer: Any) -> list[Directive]:

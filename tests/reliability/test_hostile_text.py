@@ -6,7 +6,8 @@ and ``/health`` is polled (``hostile``, conftest).
   ``placeholder: "{tool}"*10 + "!"``: answered (RE2 and a literal template scan are linear);
   a pattern RE2 cannot run (a backreference) is a 400 naming it.
 - ``clear_thinking_20251015`` over 40,000 unclosed ``<think>`` tags: answered or refused for
-  length, within the bound (the scan is linear).
+  length, within the bound (the scan is linear; the 280 KB prompt is tokenized on the slow
+  lane, ``directives/slow_lane.py``, so the other tenant's steps go on meanwhile).
 - 10,000 ``context_management.edits`` / ``leyline.edits``: a 400 naming the list;
   ``leyline.edits[0].index: "3"``: a 400 naming it (no coercion).
 - The policy budget itself (no server): a turn whose budget is spent is refused naming the
@@ -59,13 +60,6 @@ def test_a_backreference_is_refused_naming_the_pattern(hostile, post, served_nam
     assert "RE2" in answer.response.json()["error"]["message"]
 
 
-@pytest.mark.xfail(
-    reason="the tag scan is linear now (53.9 s before), but the 280 KB prompt (160,056 tokens "
-    "here) is still rendered and tokenized (0.84 s measured on this loaded machine) before "
-    "its length is refused, and the other tenant's stream waited up to 0.92 s meanwhile: "
-    "a prompt's tokenization still holds the engine between two steps",
-    strict=False,
-)
 def test_forty_thousand_unclosed_think_tags(hostile, post, served_name):
     messages = [
         {"role": "user", "content": "Think."},
