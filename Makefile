@@ -42,7 +42,7 @@ SLOW_TESTS := cache_provenance_fuzz client_codex engine_paged gpu_check engine_g
 	readme_commands serve_cli server_repair serve_shutdown server_anonymous_race server_concurrency server_constrained \
 	server_context_edits server_drift server_limits server_provenance server_request_fields server_security server_sessions server_splice_scheduling \
 	server_tenant_share server_tool_formats server_tool_loop server_truncation server_observability wrapper_http_runtime wrapper_openai wrapper_transport \
-	policy_modes_http
+	policy_modes_http sglang_conformance
 check: setup
 	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests --ignore=tests/vllm --ignore=tests/conformance \

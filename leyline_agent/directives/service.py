@@ -62,6 +62,7 @@ __all__ = [
     "HeldPrefix",
     "ServedModel",
     "error_answer",
+    "run_directive",
     "run_inline",
 ]
 
@@ -180,30 +181,43 @@ class DirectiveService:
     async def _execute(
         self, req: DirectivesRequest, ns: Namespace, backend: DirectiveBackend[Any]
     ) -> DirectivesResponse:
-        t0 = time.perf_counter()
         m = self.model
-        compiled = compile_request(
-            req, m.tokenizer, m.limits.vocab_size, m.message_boundary_id, backend.executes
+        return await run_directive(
+            req, ns, backend, m.tokenizer, m.limits.vocab_size, m.message_boundary_id
         )
-        held, answer = None, None
-        try:
-            if compiled.needs_lookup:
-                held = await backend.hold(compiled.base, ns)
-            decision = decide(compiled, held.length if held is not None else 0, req)
-            if isinstance(decision, Plan):
-                answer = await backend.execute(decision, held, ns)
-            else:
-                answer = decision
-        except LeylineError:
-            await backend.count(ns, _count_error)
-            raise
-        finally:
-            if held is not None:
-                await backend.release(held, ns, answer)
-        answer = answer.model_copy(update={"elapsed_s": time.perf_counter() - t0})
-        done = answer
-        await backend.count(ns, lambda c: c.count_directive(done))
-        return answer
+
+
+async def run_directive(
+    req: DirectivesRequest,
+    ns: Namespace,
+    backend: DirectiveBackend[Any],
+    tokenizer: Any,
+    vocab_size: int,
+    message_boundary_id: int | None,
+) -> DirectivesResponse:
+    """Steps 7-11 (module doc) for a checked request: compile, hold, decide, execute,
+    release, count. What an engine's own callers (a chat turn's drift splice) run too."""
+    t0 = time.perf_counter()
+    compiled = compile_request(req, tokenizer, vocab_size, message_boundary_id, backend.executes)
+    held, answer = None, None
+    try:
+        if compiled.needs_lookup:
+            held = await backend.hold(compiled.base, ns)
+        decision = decide(compiled, held.length if held is not None else 0, req)
+        if isinstance(decision, Plan):
+            answer = await backend.execute(decision, held, ns)
+        else:
+            answer = decision
+    except LeylineError:
+        await backend.count(ns, _count_error)
+        raise
+    finally:
+        if held is not None:
+            await backend.release(held, ns, answer)
+    answer = answer.model_copy(update={"elapsed_s": time.perf_counter() - t0})
+    done = answer
+    await backend.count(ns, lambda c: c.count_directive(done))
+    return answer
 
 
 def _count_error(counters: Counters) -> None:

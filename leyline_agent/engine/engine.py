@@ -42,7 +42,7 @@ from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVLayout, KVPool
 from leyline_agent.engine.cache.prefix_cache import FlushReport, PrefixCache
 from leyline_agent.engine.detokenizer import Detokenizer
-from leyline_agent.engine.executor import apply_request
+from leyline_agent.engine.executor import EngineDirectives, apply_request
 from leyline_agent.engine.memory import MemoryTrimmer
 from leyline_agent.engine.model.loader import load
 from leyline_agent.engine.model.runner import ModelRunner
@@ -387,6 +387,11 @@ class Engine:
         tenant and ``req.session``. (The pure T' of a batch is ``directives.splice_tokens``.)"""
         ns = namespace if namespace is not None else Namespace(DEFAULT_TENANT, req.session)
         return apply_request(self, req, ns)  # R's prefill runs in the step loop
+
+    @property
+    def directive_backend(self) -> EngineDirectives:
+        """This engine as ``directives.service``'s backend (run it in a worker thread)."""
+        return EngineDirectives(self)
 
     def stats(self, tenant: str | None = None) -> StatsResponse:
         """Counters of one tenant (cache sizes: its own rows), or of the whole engine."""

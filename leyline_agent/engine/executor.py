@@ -27,6 +27,10 @@ Tokens of ``T`` beyond its cached prefix are carried into the answer's ``tokens`
 cached: the next request prefills them, as it would have anyway. Every answer is counted
 in the namespace's tenant's ``Counters`` (``count_directive``).
 
+Steps 1-2 and the counting are ``directives.service.run_directive``'s, the same on every
+backend; ``EngineDirectives`` is the engine's ``DirectiveBackend`` for them (hold the matched
+base, execute a plan, release, count under the lock), driven in the caller's thread.
+
 The executor sees the engine through ``SpliceHost`` (its cache, runner, pool, tokenizer,
 counters, step loop), so it never imports the engine module (no import circle). Its
 ``_Backend`` is the engine's ``directives.backend.SpliceBackend``: lookup, hold and release
@@ -35,17 +39,14 @@ on the prefix cache, the row writes, and the commit of ``T'``.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from leyline_agent.directives.pipeline import (
-    Plan,
-    applied_answer,
-    compile_request,
-    decide,
-)
+from leyline_agent.directives.core import Mode
+from leyline_agent.directives.modes import executed_by
+from leyline_agent.directives.pipeline import Plan, applied_answer
+from leyline_agent.directives.service import run_directive, run_inline
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVPool
 from leyline_agent.engine.cache.prefix_cache import PrefixCache
@@ -54,11 +55,23 @@ from leyline_agent.engine.model.runner import ModelRunner
 from leyline_agent.engine.repair import repair_rows
 from leyline_agent.engine.splice import SplicePlan, execute_splice, plan_splice
 from leyline_agent.engine.stepper import Stepper
-from leyline_agent.errors import CacheMissError, DirectiveError
+from leyline_agent.errors import DirectiveError
 from leyline_agent.namespaces import Namespace
 from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse
 
-__all__ = ["GPU_MOVE_ROWS", "MOVE_ROWS", "SpliceHost", "apply_request", "move_rows_for"]
+__all__ = [
+    "GPU_MOVE_ROWS",
+    "MOVE_ROWS",
+    "ROW_OPS",
+    "EngineDirectives",
+    "HeldBase",
+    "SpliceHost",
+    "apply_request",
+    "move_rows_for",
+]
+
+# The row operations the engine implements (``directives.modes``): every mode's.
+ROW_OPS = frozenset({"move", "prefill", "recompute"})
 
 MOVE_ROWS = 1024  # tail rows moved per locked section (6k rows: 3-6 ms at once on CPU)
 # On a GPU a 16k-row tail moves in well under a millisecond, and each section costs a lock
@@ -159,21 +172,73 @@ def apply_request(
     """Execute ``req`` in namespace ``ns``: its base is looked up as ``ns`` sees the cache
     (its own spliced rows first), and ``T'`` is written back as ``ns``'s (``radix.py``).
     ``per_directive``: run a batch's steps one by one (``splice.py``; for measurements).
-    Takes the engine lock itself where it needs it (module doc)."""
-    t0 = time.perf_counter()
-    backend = _Backend(host, ns)
-    with host.stepper.exclusive():
-        ready = _prepare(host, backend, req)
-        if isinstance(ready, DirectivesResponse):
-            ready = ready.model_copy(update={"elapsed_s": time.perf_counter() - t0})
-            host.counters(ns.tenant).count_directive(ready)
-            return ready
-        backend.hold(ready.match)
-    _execute(host, backend, ready, per_directive)
-    resp = ready.response().model_copy(update={"elapsed_s": time.perf_counter() - t0})
-    with host.stepper.exclusive():
-        host.counters(ns.tenant).count_directive(resp)
-    return resp
+    The steps are ``directives.service.run_directive``'s over ``EngineDirectives``, in this
+    thread; the engine lock is taken where it is needed (module doc)."""
+    backend = EngineDirectives(host, per_directive=per_directive)
+    return run_inline(
+        run_directive(req, ns, backend, host.tokenizer, host.vocab_size, host.message_boundary_id)
+    )
+
+
+@dataclass(slots=True)
+class HeldBase:
+    """The matched base, held (``PrefixCache.hold``) until released once."""
+
+    match: Match
+    released: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.match.length
+
+
+class EngineDirectives:
+    """The engine's ``directives.service.DirectiveBackend``. Its coroutines never suspend:
+    they run in the caller's thread (``run_inline``), taking the engine lock for the cache
+    and letting the step loop run between the sections of a splice (module doc)."""
+
+    def __init__(self, host: SpliceHost, *, per_directive: bool = False) -> None:
+        self.host = host
+        self.per_directive = per_directive
+
+    @property
+    def executes(self) -> frozenset[Mode]:
+        return executed_by(ROW_OPS)
+
+    async def hold(self, base: list[int], ns: Namespace) -> HeldBase:
+        backend = _Backend(self.host, ns)
+        with self.host.stepper.exclusive():
+            m = backend.lookup(base)
+            backend.hold(m)
+        return HeldBase(m)
+
+    async def execute(self, plan: Plan, held: HeldBase, ns: Namespace) -> DirectivesResponse:
+        host, backend = self.host, _Backend(self.host, ns)
+        backend.held = held.match
+        with host.stepper.exclusive():
+            host.cache.arrive(ns)  # the session's request: its pin ends
+            splice = plan_splice(
+                plan.base, plan.order, exact_len=held.match.exact_len,
+                repair_budget=host.repair_budget, selector=host.repair_selector,
+            )  # fmt: skip
+        ready = _Ready(splice, held.match, plan)
+        held.released = True  # _execute lets it go, on success as on failure
+        _execute(host, backend, ready, self.per_directive)
+        return ready.response()
+
+    async def release(
+        self, held: HeldBase, ns: Namespace, answer: DirectivesResponse | None
+    ) -> None:
+        with self.host.stepper.exclusive():
+            if not held.released:
+                self.host.cache.release(held.match)
+                held.released = True
+            if answer is not None and answer.outcome == "noop":
+                self.host.cache.arrive(ns)  # the session's request: its pin ends
+
+    async def count(self, ns: Namespace, update: Callable[[Counters], None]) -> None:
+        with self.host.stepper.exclusive():
+            update(self.host.counters(ns.tenant))
 
 
 @dataclass(slots=True)
@@ -191,32 +256,6 @@ class _Ready:
             prefilled=sp.prefilled_tokens, rotated=sp.rotated_tokens,
             repaired=sp.repaired_tokens,
         )  # fmt: skip
-
-
-def _prepare(
-    host: SpliceHost, backend: _Backend, req: DirectivesRequest
-) -> DirectivesResponse | _Ready:
-    """Compile, look up, decide and plan (under the lock; nothing is mutated but the
-    session's pin ending): the answer if there is nothing to execute, else the plan."""
-    compiled = compile_request(req, host.tokenizer, host.vocab_size, host.message_boundary_id)
-    if not compiled.needs_lookup:
-        return decide(compiled, 0, req)
-    m = backend.lookup(compiled.base)
-    try:
-        decision = decide(compiled, m.length, req)
-    except CacheMissError:
-        host.counters(backend.ns.tenant).directive_errors += 1
-        raise
-    if isinstance(decision, DirectivesResponse) and decision.fallback:
-        return decision
-    host.cache.arrive(backend.ns)  # the session's request: its pin ends
-    if isinstance(decision, DirectivesResponse):
-        return decision
-    splice = plan_splice(
-        decision.base, decision.order, exact_len=m.exact_len,
-        repair_budget=host.repair_budget, selector=host.repair_selector,
-    )  # fmt: skip
-    return _Ready(splice, m, decision)
 
 
 def _execute(host: SpliceHost, backend: _Backend, ready: _Ready, per_directive: bool) -> None:

@@ -1,21 +1,25 @@
 """``POST /leyline/v1/directives``, ``GET /leyline/v1/stats`` and ``POST /leyline/v1/flush``.
 
-Everything that can be checked without the cache is checked here before the engine is
-asked (``directives.validate``, as every Leyline front checks it: the body, model name,
-message shapes, token ids, sizes), so a refused request costs the engine nothing and
-changes none of its counters. What needs
-the cache (is ``tokens`` cached?) is the engine's to say: ``CacheMissError`` -> 409.
+A directive goes through ``directives.service.DirectiveService``, the front door every
+Leyline server mounts: everything that can be checked without the cache is checked before
+the engine is asked (``admit``: the body, ``request_id``, model name, message shapes, token
+ids, sizes), so a refused request costs the engine nothing and changes none of its
+counters; then, in one worker job, ``run`` (idempotence, compile, lookup, decide, execute,
+counters) over the engine's backend (``engine.executor.EngineDirectives``). What needs the
+cache (is ``tokens`` cached?) is the engine's to say: ``CacheMissError`` -> 409.
 A message-form FORGET also updates the conversations it edits (``ConversationStore.forgotten``),
 so the chat request that sends the edited history is not taken for a client edit; a
 token-form FORGET in a named session marks that session's conversations exact
 (``ConversationStore.mark_exact``: their detected edits are FORGETs).
-A directive runs in its session's order (``worker.session_key``): never in the middle of
-another request of the same session; the engine runs it between two steps of the others.
+A directive runs in its namespace's order (the worker's job key is its namespace, the same
+key as a named session's chat requests): never in the middle of another request of the same
+session, nor beside another directive of its namespace (so a ``request_id`` retry waits for
+the first run's answer); the engine runs it between two steps of the others.
 
 Each request acts in its namespace: the key's tenant, and the session named by the
 ``X-Leyline-Session`` header or the ``session`` field. A directive whose client left before
-it started is not executed. A ``request_id`` makes retries idempotent
-(``directive_memory``); ``/leyline/v1/stats`` answers the caller's tenant's counters.
+it started is not executed. A ``request_id`` makes retries idempotent (the service's
+memory is ``directive_memory``'s); ``/leyline/v1/stats`` answers the caller's tenant's counters.
 ``/leyline/v1/flush`` (like SGLang's ``/flush_cache``) empties the caller's tenant's part of
 the prefix cache (rows a request in flight holds stay until it ends), its pins and its
 conversations; other tenants and every counter are untouched.
@@ -26,14 +30,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from leyline_agent.directives.flush import FlushResponse
-from leyline_agent.directives.idempotence import check_request_id
-from leyline_agent.directives.validate import checked, parse_directives
+from leyline_agent.directives.service import DirectiveService, ServedModel, run_inline
 from leyline_agent.server.disconnect import run_connected
 from leyline_agent.server.inputs import raw_json_body
 from leyline_agent.server.responses_routes import responses_store
 from leyline_agent.server.state import state
 from leyline_agent.server.tenants import key_owner, namespace
-from leyline_agent.server.worker import ServedEngine, session_key
+from leyline_agent.server.worker import ServedEngine
 from leyline_agent.wire import (
     BODY_EDITS,
     CLIENT_EDITS,
@@ -53,21 +56,36 @@ router = APIRouter()
     openapi_extra=raw_json_body(DirectivesRequest),
 )
 async def directives(request: Request) -> DirectivesResponse:
-    st = state(request)
-    req = parse_directives(request.state.json_body)
-    ns = namespace(request, req.session)
-    check_request_id(req.request_id)
-    st.model.check(req.model)
-    ready = checked(req, st.model.request_limits).model_copy(update={"session": ns.session})
-    memory = st.directive_memory
+    st, service = state(request), directive_service(request)
+    ready, ns = service.admit(request.state.json_body, lambda s: namespace(request, s))
 
-    def job(engine: ServedEngine) -> DirectivesResponse:  # on the worker: lookup + execute, atomic
-        out = memory.run(req, ns, lambda: engine.apply_directives(ready, namespace=ns))
+    def job(engine: ServedEngine) -> DirectivesResponse:  # on the worker: the service's run
+        out = run_inline(service.run(ready, ns, engine.directive_backend))
         # what it forgot stays forgotten
         st.conversations.directive_ran(ns, ready, key_owner(request))
         return out
 
-    return await run_connected(request, st.worker, job, key=session_key(ns))
+    return await run_connected(request, st.worker, job, key=ns)
+
+
+def directive_service(request: Request) -> DirectiveService:
+    """The app's ``DirectiveService`` (made on first use): the served model's name, aliases
+    and limits, the engine's tokenizer, and ``directive_memory``'s request ids."""
+    app_state = request.app.state
+    service = getattr(app_state, "leyline_directives", None)
+    if service is None:
+        st = state(request)
+        engine = st.worker.engine
+        model = ServedModel(
+            name=st.model.id,
+            tokenizer=engine.tokenizer,
+            limits=st.model.request_limits,
+            message_boundary_id=engine.message_boundary_id,
+            aliases=tuple(st.model.aliases),
+        )
+        service = DirectiveService(model, memory=st.directive_memory.memory)
+        app_state.leyline_directives = service
+    return service
 
 
 @router.get("/leyline/v1/stats", response_model=StatsResponse)
