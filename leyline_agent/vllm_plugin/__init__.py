@@ -101,6 +101,7 @@ class LeylineEndpoints:
     required_tasks = ("generate",)
 
     def attach_router(self, app: Any) -> None:
+        from leyline_agent.directives import http_guards
         from leyline_agent.vllm_plugin.guard import LeylineGuard
         from leyline_agent.vllm_plugin.pin_report import PinReport
         from leyline_agent.vllm_plugin.route import add_routes
@@ -108,6 +109,11 @@ class LeylineEndpoints:
         add_routes(app)
         app.add_middleware(PinReport)  # inside the guard: it sees the body the guard hands on
         app.add_middleware(LeylineGuard)
+        # vLLM adds its key check after the plugins' middleware, so outside it; the
+        # Anthropic SDK's x-api-key must be read before that check: outermost, when the
+        # stack is built (at the first request)
+        build = app.build_middleware_stack
+        app.build_middleware_stack = lambda: http_guards.AnthropicKeyHeader(build())
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         import structlog

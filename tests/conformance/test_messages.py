@@ -21,11 +21,11 @@ CLEAR = {"edits": [{"type": "clear_tool_uses_20250919",
 GREEDY = {"temperature": 0}  # the SDK no longer takes temperature
 
 
-def sdk(srv) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
-        base_url=srv.url, api_key=KEY, max_retries=0, timeout=300,
-        default_headers={"Authorization": f"Bearer {KEY}"},
-    )  # fmt: skip
+def sdk(srv, as_header: bool = True) -> anthropic.Anthropic:
+    """The SDK with the key as Anthropic's ``x-api-key`` header alone, or as ``api_key=``
+    alone (which the pinned SDK sends as ``Authorization: Bearer``)."""
+    auth = {"default_headers": {"X-Api-Key": KEY}} if as_header else {"api_key": KEY}
+    return anthropic.Anthropic(base_url=srv.url, max_retries=0, timeout=300, **auth)
 
 
 def loop(client, srv, salt: str, cm=None) -> list[tuple[object, int]]:
@@ -58,6 +58,8 @@ def test_messages_and_count_tokens_alike(both):
         kw = {"model": srv.model, "max_tokens": 4, "system": "Be brief.", "extra_body": GREEDY,
               "messages": [{"role": "user", "content": "Name a colour."}]}  # fmt: skip
         m = client.messages.create(**kw)
+        again = sdk(srv, as_header=False).messages.create(**kw)
+        assert again.content == m.content, srv.name
         with client.messages.stream(**kw) as s:
             final = s.get_final_message()
         count = client.messages.count_tokens(
