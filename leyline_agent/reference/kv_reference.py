@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 
@@ -210,3 +211,23 @@ class RefState:
 
     def forget(self, s: int, e: int, r: Sequence[int]) -> RefState:
         return self._forward_over(s, list(r) + self.tokens[e:])
+
+    def recompute(self, rows: Sequence[int]) -> RefState:
+        """REPAIR's rows recomputed in place: each run ``[a, b)`` of consecutive ``rows``,
+        left to right, forwarded again over this state's rows before it (those already
+        recomputed included), the rows after it kept as they are."""
+        state = self
+        ordered = sorted(set(rows))
+        for _, run in groupby(enumerate(ordered), key=lambda ir: ir[1] - ir[0]):
+            idx = [r for _, r in run]
+            a, b = idx[0], idx[-1] + 1
+            head = state._forward_over(a, state.tokens[a:b])
+            plain = [
+                torch.cat([h, p[:, :, b:]], dim=2)
+                for h, p in zip(head.plain, state.plain, strict=True)
+            ]
+            pre = [
+                torch.cat([h, p[:, :, b:]], dim=2) for h, p in zip(head.pre, state.pre, strict=True)
+            ]
+            state = RefState(self.model, list(self.tokens), plain, pre)
+        return state

@@ -4,8 +4,8 @@ the 4-layer llama ``mini``, vLLM at block 32 and 128).
 The oracle is independent of both servers: transformers' own modules (``RefState``). AMORTIZE
 of the span, then each run of consecutive selected rows forwarded again, left to right, over
 the rows before it (the prefix, ``R``, the tail rows before it: recomputed where selected,
-AMORTIZE's elsewhere). The rows are the default selector's at the default budget
-(``directives.repair``, the choice both servers make). Budget 1 is a fresh prefill of ``T'``
+AMORTIZE's elsewhere; ``RefState.recompute``). The rows are the default selector's at the
+default budget (``directives.repair``, the choice both servers make). Budget 1 is a fresh prefill of ``T'``
 (FORGET); budget 0 is AMORTIZE.
 """
 
@@ -40,24 +40,6 @@ def _top(model: Any, state: RefState) -> list[float]:
     return [float(v) for v in torch.topk(torch.log_softmax(logits.double(), -1), TOP).values]
 
 
-def _runs(rows: list[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for r in rows:
-        if out and out[-1][1] == r:
-            out[-1] = (out[-1][0], r + 1)
-        else:
-            out.append((r, r + 1))
-    return out
-
-
-def _repaired(model: Any, rows: list[int]) -> RefState:
-    state = RefState.prefill(model, T).amortize(S, E, R)
-    for a, b in _runs(rows):
-        head = RefState.from_rows(model, TP[:a], state.rows(0, a)).extend(TP[a:b])
-        state = RefState.from_rows(model, TP, head.rows(0, b) + state.rows(b))
-    return state
-
-
 def _served(srv, directive: dict, session: str) -> tuple[dict, list[float]]:
     srv.complete(T, session)
     r = srv.directive({"tokens": T, "directives": [directive]}, session)
@@ -74,7 +56,7 @@ def _err(a: list[float], b: list[float]) -> float:
 def test_repair_at_the_default_budget_equals_the_oracle_on_both(both, oracle):
     rows = select_rows(TP, [RepairSpan(S + len(R), len(TP), tuple(T[S:E]), DEFAULT_BUDGET)])
     assert 0 < len(rows) <= 0.05 * (len(TP) - S - len(R)) + 1 and rows[0] > S + len(R)
-    want = _top(oracle, _repaired(oracle, rows))
+    want = _top(oracle, RefState.prefill(oracle, T).amortize(S, E, R).recompute(rows))
     amortized = _top(oracle, RefState.prefill(oracle, T).amortize(S, E, R))
     assert _err(want, amortized) > 10 * TOL  # the check can tell REPAIR from AMORTIZE
     d = {"start": S, "end": E, "replacement": R, "mode": "repair"}

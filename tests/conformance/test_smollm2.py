@@ -11,6 +11,8 @@ behind conftest's key, one model load each for the module:
   (``cached_tokens == len(T')``) and their next-token top-20 log-probs equal the
   independent oracle (``RefState``: transformers' own modules and rotary function, fp64
   log-softmax) within 1e-4;
+- the stub as a REPAIR at the default budget: both servers equal the oracle (AMORTIZE, then
+  the rows ``directives.repair`` selects recomputed, ``RefState.recompute``) within 1e-4;
 - greedy answers (16 tokens) of both servers equal transformers' own greedy decoding
   (``hf_greedy``: the whole sequence recomputed at every step) on a chat prompt and on the
   conversation.
@@ -25,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from leyline_agent.directives.repair import DEFAULT_BUDGET, RepairSpan, select_rows
 from leyline_agent.experiments.quality_data import load_conversations
 from leyline_agent.reference.hf_reference import hf_greedy
 from leyline_agent.reference.kv_reference import RefState, logits_from_kv
@@ -167,3 +170,25 @@ def test_greedy_answers_equal_transformers(servers, smollm2, tok, conversation, 
     for srv in servers:
         got = _complete(srv, prompt, 16)["choices"][0]["text"]
         assert got == text, (srv[0], got, text)
+
+
+def test_a_repair_stub_equals_the_oracle_on_both(servers, oracle, conversation):
+    t, stub, x = conversation
+    s, e, r = stub["start"], stub["end"], stub["replacement"]
+    new = t[:s] + r + t[e:]
+    rows = select_rows(new, [RepairSpan(s + len(r), len(new), tuple(t[s:e]), DEFAULT_BUDGET)])
+    amortized = RefState.prefill(oracle, t).amortize(s, e, r)
+    want = _truth(oracle, amortized.recompute(rows), x)
+    gap = _err(want, _truth(oracle, amortized, x))  # how far REPAIR moves the answer here
+    for srv in servers:
+        name, url, _, c = srv
+        session = f"repair-{name}"
+        _complete(srv, t, session=session)
+        d = {**stub, "mode": "repair"}
+        resp = c.post(url + "/leyline/v1/directives", headers={"X-Leyline-Session": session},
+                      json={"tokens": t, "directives": [d]})  # fmt: skip
+        assert resp.status_code == 200, (name, resp.text)
+        assert resp.json()["repaired_tokens"] == len(rows) > 0, (name, resp.json())
+        j = _complete(srv, new + x, session=session)
+        assert j["usage"]["prompt_tokens_details"]["cached_tokens"] == len(new), name
+        assert _err(_top(j), want) <= TOL, (name, _err(_top(j), want), gap)
