@@ -233,8 +233,9 @@ def _facts_table(by: dict[tuple[str, str, str], ArmResult], keys: list[tuple[str
             rs = [by[(c, v, a)] for c, v in ks]
             mean = statistics.fmean(r.target_logprob for r in rs)
             cells.append(f"{mean:.2f} / {sum(bool(r.target_argmax) for r in rs)}")
-        label = {"quoted_next": "quoted right after the stub", "quoted_later": "quoted two turns later",
-                 "span_only": "only in the stubbed span"}[kind]  # fmt: skip
+        label = {"quoted_next": "quoted right after the edited output",
+                 "quoted_later": "quoted two turns later",
+                 "span_only": f"only in the {_DONE[ks[0][1]]} output"}[kind]  # fmt: skip
         lines.append(f"| {label} | {len(ks)} | " + " | ".join(cells) + " |")
     return lines
 
