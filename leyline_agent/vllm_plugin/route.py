@@ -48,9 +48,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from leyline_agent.chat_input import canonical_messages, canonical_tools
-from leyline_agent.directives import http_guards
+from leyline_agent.directives import Directive, http_guards
 from leyline_agent.directives.compile import render
-from leyline_agent.directives.core import Directive
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
 from leyline_agent.directives.modes import executed_by, rule_of
