@@ -4,8 +4,9 @@ The agent-side API (directives, policies, wrappers) imports no torch. The packag
 folder per layer, the contracts at the bottom (docs/architecture.md)::
 
     errors, namespaces, families, wire, protocols, trajectory, chat_input,
-    http_errors, directives.core     contracts
-    directives (compile, checks)     message edits -> token directives, torch-free
+    http_errors, edits               contracts (edits: Directive, Mode, MessageEdit)
+    directives (compile, service)    message edits -> token directives; one directive
+                                     service every server mounts; torch-free
     policies                         trajectory -> message edits (PolicyPipeline)
     agent                            ContextSession, wrap_openai, HTTPRuntime
     kernels                          the delta-rotation of cached RoPE keys

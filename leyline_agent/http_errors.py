@@ -37,7 +37,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from leyline_agent.directives.core import RESERVED_MODES
+from leyline_agent.edits import RESERVED_MODES
 from leyline_agent.errors import (
     CacheMissError,
     LeylineError,

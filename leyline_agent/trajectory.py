@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from leyline_agent.directives.core import MessageEdit
+from leyline_agent.edits import MessageEdit
 from leyline_agent.errors import TrajectoryError
 
 __all__ = [

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from leyline_agent.directives.core import Directive, ImplementedMode, Mode
+from leyline_agent.edits import Directive, ImplementedMode, Mode
 
 __all__ = [
     "BODY_EDITS",

@@ -57,7 +57,8 @@ CONTRACTS = {
     "leyline_agent.text_match",  # linear-time matching of client text (policies, the front)
     "leyline_agent.metrics",  # Prometheus families of the stats contract (both servers)
     "leyline_agent.directives",  # the package namespace: core's names (for the layers above)
-    "leyline_agent.directives.core",  # Directive, Mode, MessageEdit: wire contracts
+    "leyline_agent.edits",  # Directive, Mode, MessageEdit: wire contracts (a root module)
+    "leyline_agent.directives.core",  # edits' names, re-exported for the directives layer
     "leyline_agent.directives.modes",  # one rule per mode, read by policies and every backend
 }
 # layer -> the layers it may import (besides its own modules)
@@ -317,6 +318,74 @@ def test_no_contract_imports_the_directives_layer(package):
         or (i.target.startswith(DIRECTIVES_PACKAGE + ".") and i.target not in CONTRACTS)
     ]
     assert not collect, collect
+
+
+def test_the_root_contracts_import_nothing_from_a_package_folder(package):
+    """0 arrows back up on the structure tool's floors: a root contract module
+    (``leyline_agent.<name>``) imports only other root modules, never a module of a folder
+    (``edits`` holds ``Directive``, ``Mode``, ``MessageEdit`` for them)."""
+    root = {n for n in CONTRACTS if n.count(".") == 1} - {DIRECTIVES_PACKAGE}
+    found = [
+        f"{m.name}:{i.line}: {i.target}"
+        for m in package.values()
+        if m.name in root
+        for i in m.imports
+        if i.target.startswith("leyline_agent.") and i.target.count(".") > 1
+    ]
+    assert not found, found
+
+
+# Who may run a directive request's steps (compile, decide, request ids, the body's checks):
+# the one service, and the vLLM plugin's route, which does not mount it yet (issue 39).
+DIRECTIVE_STEPS = {
+    "leyline_agent.directives.pipeline": {"compile_request", "decide"},
+    "leyline_agent.directives.idempotence": {"fingerprint", "check_request_id"},
+    "leyline_agent.directives.validate": {"parse_directives", "checked", "check_served"},
+}
+STEP_RUNNERS = {"leyline_agent.directives.service", "leyline_agent.vllm_plugin.route"}
+SERVICE_MOUNTS = {  # every other directive route and runtime goes through the service
+    "leyline_agent.server.leyline_routes",
+    "leyline_agent.sglang_plugin.http_route",
+    "leyline_agent.sglang_plugin.client",
+    "leyline_agent.engine.executor",
+}
+
+
+def test_directive_requests_run_through_the_one_service(package):
+    """One front door: outside ``directives``, only the service (and the vLLM route, not
+    moved yet) takes the pipeline's steps; ``leyline serve``'s route, the engine's
+    ``apply_directives`` and SGLang's route and runtime import ``directives.service``."""
+    found = [
+        f"{m.name}:{i.line}: {i.target}.{name}"
+        for m in package.values()
+        if m.name not in STEP_RUNNERS and not m.name.startswith(DIRECTIVES_PACKAGE + ".")
+        for i in m.imports
+        if i.target in DIRECTIVE_STEPS
+        for name in i.names
+        if name in DIRECTIVE_STEPS[i.target]
+    ]
+    assert not found, found
+    for name in SERVICE_MOUNTS:
+        targets = {i.target for i in package[name].imports}
+        assert "leyline_agent.directives.service" in targets, name
+    # inside directives, the steps are the service's alone
+    inside = {
+        m.name
+        for m in package.values()
+        if m.name.startswith(DIRECTIVES_PACKAGE + ".")
+        for i in m.imports
+        if i.target == "leyline_agent.directives.pipeline"
+        and {"compile_request", "decide"} & set(i.names)
+    }
+    assert inside <= {"leyline_agent.directives.service"}, inside
+
+
+def test_the_directive_service_speaks_no_web_framework(package):
+    """The service maps errors to bodies itself; each server's transport owns its framework."""
+    service = package["leyline_agent.directives.service"]
+    web = {i.target for i in service.imports} & {"fastapi", "starlette", "uvicorn", "httpx"}
+    assert not web, web
+
 
 # ---- the checker itself -----------------------------------------------------------------
 def _check(texts: dict[str, str]) -> list[str]:

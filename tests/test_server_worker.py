@@ -258,12 +258,12 @@ def test_concurrency_for_needs_a_thread_safe_engine():
         Worker(Recorder(), concurrency=2)
 
 
-def test_directive_memory_runs_one_of_concurrent_retries():
+def test_request_memory_runs_one_of_concurrent_retries():
+    from leyline_agent.directives.idempotence import RequestMemory, fingerprint
     from leyline_agent.namespaces import Namespace
-    from leyline_agent.server.directive_memory import DirectiveMemory
     from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
-    memory = DirectiveMemory()
+    memory: RequestMemory[DirectivesResponse] = RequestMemory()
     ns = Namespace("t", None)
     req = DirectivesRequest.model_validate(
         {
@@ -284,7 +284,7 @@ def test_directive_memory_runs_one_of_concurrent_retries():
 
     def retry() -> None:
         entered.wait(5)
-        answers.append(memory.run(req, ns, execute))
+        answers.append(memory.run(ns.key, req.request_id, fingerprint(req), execute))
 
     threads = [threading.Thread(target=retry) for _ in range(8)]
     for t in threads:

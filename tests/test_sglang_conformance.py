@@ -27,7 +27,8 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from leyline_agent.directives import core, modes
+from leyline_agent import edits
+from leyline_agent.directives import modes
 from leyline_agent.directives.core import Mode
 from leyline_agent.testing import sglang_pools as sp
 from leyline_agent.testing.server import serve_in_thread
@@ -213,7 +214,7 @@ def test_a_verb_added_by_its_rule_alone_is_refused_by_name(leyline, sglang, monk
     server still refuses it by name, as no backend implements "decay"; no other mode's path
     runs it."""
     monkeypatch.setitem(modes.RULES, Mode.DECAY, modes.ModeRule(Mode.DECAY, "decay", False))
-    monkeypatch.setattr(core, "RESERVED_MODES", frozenset({Mode.PIN, Mode.SCRATCH}))
+    monkeypatch.setattr(edits, "RESERVED_MODES", frozenset({Mode.PIN, Mode.SCRATCH}))
     for s in (leyline, sglang):
         t = _tokens(6)
         s.cache(t)
