@@ -10,6 +10,7 @@ attached, then a long ``tool_result``), so they do not depend on what the model 
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -206,3 +207,72 @@ def test_bad_fields_are_400_naming_them(server, name, body, field):
     r = httpx.post(f"{server.url}/v1/messages", json={**base, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert field in r.text
+
+
+# ---- every row of docs/server.md's Messages field table ---------------------------------
+# field -> (value, "ok" | "ignored" | "400"); "ok": 200 and not listed as ignored
+FIELDS = {
+    "model": (None, "ok"), "messages": (None, "ok"), "max_tokens": (1, "ok"),
+    "system": ("Be brief.", "ok"), "stream": (False, "ok"), "temperature": (0.5, "ok"),
+    "top_p": (0.9, "ok"), "top_k": (5, "ok"), "tools": ([TOOL], "ok"),
+    "tool_choice": ({"type": "none"}, "ok"), "thinking": ({"type": "disabled"}, "ok"),
+    "context_management": ({"edits": []}, "ok"), "leyline": ({"client_edits": "off"}, "ok"),
+    "metadata": ({"user_id": "u"}, "ignored"), "service_tier": ("auto", "ignored"),
+    "cache_control": ({"type": "ephemeral"}, "ignored"), "stop_sequences": (["x"], "400"),
+    "container": ("c", "400"), "mcp_servers": ([], "400"), "frobnicate": (1, "400"),
+}  # fmt: skip
+
+
+def test_every_field_of_the_messages_table(server, name):
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    section = doc.split("## Anthropic Messages API", 1)[1].split("\n## ")[0]
+    rows = [ln.split("|")[1] for ln in section.splitlines() if ln.startswith("| `")]
+    documented = {f for row in rows for f in re.findall(r"`([a-z_]+)", row)} - {"user_id"}
+    assert documented <= set(FIELDS), documented - set(FIELDS)  # every row is sent
+    base = {"model": name, "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    for field, (value, want) in FIELDS.items():
+        body = {**base, **({} if value is None else {field: value})}
+        if field == "tool_choice":
+            body["tools"] = [TOOL]
+        r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+        if want == "400":
+            assert r.status_code == 400, (field, r.text)
+            assert r.json()["error"]["param"].split(".")[0] == field, (field, r.text)
+            continue
+        assert r.status_code == 200, (field, r.text)
+        listed = [n["field"] for n in r.json().get("leyline", {}).get("ignored", [])]
+        assert listed == ([f"{field}.user_id" if field == "metadata" else field]
+                          if want == "ignored" else []), (field, listed)  # fmt: skip
+
+
+def test_cache_control_marks_are_listed_by_path_streamed_and_counted(server, name):
+    """``cache_control`` on a system block, a text block, a tool_result's block and a tool:
+    each listed by its path (in ``message_delta`` when streamed), counted in stats."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "a"}}
+    mark = {"cache_control": {"type": "ephemeral"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1",
+              "content": [{"type": "text", "text": "out", **mark}]}  # fmt: skip
+    body = {"model": name, "max_tokens": 1, "temperature": 0,
+            "system": [{"type": "text", "text": "Be brief.", **mark}],
+            "tools": [{**TOOL, **mark}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", **mark}]},
+                         {"role": "assistant", "content": [use]},
+                         {"role": "user", "content": [result]}]}  # fmt: skip
+    want = ["system[0].cache_control", "messages[0].content[0].cache_control",
+            "messages[2].content[0].content[0].cache_control", "tools[0].cache_control"]  # fmt: skip
+    before = stats(server)["ignored_fields"]
+    r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert sorted(n["field"] for n in r.json()["leyline"]["ignored"]) == sorted(want)
+    with httpx.stream("POST", f"{server.url}/v1/messages", json={**body, "stream": True},
+                      timeout=60) as s:  # fmt: skip
+        deltas = [json.loads(ln[6:]) for ln in s.iter_lines()
+                  if ln.startswith("data: ") and '"message_delta"' in ln]  # fmt: skip
+    (delta,) = deltas
+    assert sorted(n["field"] for n in delta["leyline"]["ignored"]) == sorted(want)
+    after = stats(server)["ignored_fields"]
+    key = "messages.content.cache_control"  # counted without list indices
+    assert after.get(key, 0) - before.get(key, 0) == 2, (before, after)

@@ -14,8 +14,10 @@ tool-call parse, conversations, client edits, drift splices and ``context_manage
   ``tools`` become function tools, ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none``
   the chat ``tool_choice`` (``disable_parallel_tool_use``: ``parallel_tool_calls: false``),
   ``metadata.user_id`` the chat ``user``; ``top_k`` goes through where the chat route takes
-  it. ``cache_control`` (on blocks, tools or the request) is a hint the prefix cache makes moot (every prompt's prefix is
-  cached); ``service_tier`` has one tier here. Anything else that cannot be honoured (images,
+  it. ``ignored_fields(req)``: Anthropic's hints accepted and acted on by nothing, as the
+  answer's ``leyline.ignored`` lists them: ``cache_control`` (on blocks, tools or the
+  request: every prompt's prefix is cached), ``service_tier`` (one tier here),
+  ``metadata.user_id`` (used for nothing). Anything else that cannot be honoured (images,
   documents, server tools, ``redacted_thinking``, ``thinking`` enabled, ``stop_sequences``,
   whose stop the chat answer does not name) is a 400 naming the field; unknown fields too.
 - ``message_answer(chat, model)``: a chat answer becomes a Message: a ``thinking`` block
@@ -49,8 +51,10 @@ __all__ = [
     "MessagesRequest",
     "chat_body",
     "message_answer",
+    "ignored_fields",
     "new_message_id",
     "parse_request",
+    "with_ignored",
 ]
 
 ERROR_PREFIX = "Error: "  # a tool_result with is_error: true, as the chat prompt shows it
@@ -141,6 +145,51 @@ def chat_body(req: _Common, chat_fields: set[str] | frozenset[str]) -> dict[str,
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return body
+
+
+_CACHED = "every prompt's prefix is cached here; a cache breakpoint changes nothing"
+_HINTS = {
+    "service_tier": "one service tier here",
+    "metadata.user_id": "an end-user id for Anthropic's abuse monitoring; not used here",
+    "cache_control": _CACHED,
+}
+
+
+def ignored_fields(req: _Common) -> list[dict[str, str]]:
+    """Anthropic's hints in ``req`` that nothing acts on (module doc), as
+    ``leyline.ignored`` lists them: ``[{"field", "reason"}]``, each field by its path."""
+    found: list[tuple[str, str]] = []  # (the field's path, its hint)
+    if isinstance(req, MessagesRequest):
+        top = {"service_tier": req.service_tier, "cache_control": req.cache_control,
+               "metadata.user_id": (req.metadata or {}).get("user_id")}  # fmt: skip
+        found += [(name, name) for name, value in top.items() if value is not None]
+    marks = [*(_cache_controls(req.system, "system") if isinstance(req.system, list) else []),
+             *_cache_controls(req.messages, "messages"), *_cache_controls(req.tools, "tools")]  # fmt: skip
+    found += [(path, "cache_control") for path in marks]
+    return [{"field": path, "reason": _HINTS[hint]} for path, hint in found]
+
+
+def _cache_controls(items: Any, where: str) -> list[str]:
+    """The paths of the ``cache_control`` marks on ``items`` (blocks, messages or tools) and
+    on the blocks nested in their ``content`` (a ``tool_result``'s)."""
+    out: list[str] = []
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        if not isinstance(item, dict):
+            continue
+        if item.get("cache_control") is not None:
+            out.append(f"{where}[{i}].cache_control")
+        out += _cache_controls(item.get("content"), f"{where}[{i}].content")
+    return out
+
+
+def with_ignored(answer: dict[str, Any], notes: list[dict[str, str]]) -> dict[str, Any]:
+    """``answer`` (a Message, or a chat answer or chunk) with ``notes`` added to its
+    ``leyline.ignored``."""
+    if not notes:
+        return answer
+    leyline = dict(answer.get("leyline") or {})
+    leyline["ignored"] = [*leyline.get("ignored", []), *notes]
+    return {**answer, "leyline": leyline}
 
 
 def _messages(req: _Common) -> list[dict[str, Any]]:
@@ -354,6 +403,15 @@ def _extras(chat: dict[str, Any]) -> dict[str, Any]:
     return {k: chat[k] for k in ("context_management", "leyline") if k in chat}
 
 
+def _merged(extras: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """``extras`` updated with a later chunk's ``more``; ``leyline`` merged key by key (the
+    first chunk lists the ignored fields, the last one the turn)."""
+    out = {**extras, **more}
+    if "leyline" in extras and "leyline" in more:
+        out["leyline"] = {**extras["leyline"], **more["leyline"]}
+    return out
+
+
 def message_answer(chat: dict[str, Any], model: str) -> dict[str, Any]:
     """The Message a chat completion (``chat``, parsed JSON) becomes (module doc)."""
     choice = chat["choices"][0]
@@ -385,16 +443,18 @@ def event(kind: str, data: dict[str, Any]) -> str:
 
 class MessageEvents:
     """Anthropic's event sequence for one chat stream: ``start()``, then ``chunk(payload)``
-    per chat chunk, then ``finish()`` (or ``failed(error)``)."""
+    per chat chunk, then ``finish()`` (or ``failed(error)``); ``message_delta`` carries
+    ``context_management`` and ``leyline`` (with ``ignored``) as the chunks gave them."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, ignored: list[dict[str, str]] | None = None) -> None:
         self.model = model
         self._index = -1
         self._open: str | None = None  # the open block's kind
         self._calls: dict[int, int] = {}  # chat tool-call index -> block index
         self._finish = "stop"
         self._usage: dict[str, Any] | None = None
-        self._extras: dict[str, Any] = {}
+        # ``ignored``: fields to list in ``leyline.ignored`` beyond what the chunks list
+        self._extras: dict[str, Any] = with_ignored({}, ignored or [])
 
     def start(self) -> Iterator[str]:
         message = {
@@ -405,7 +465,7 @@ class MessageEvents:
         yield event("message_start", {"message": message})
 
     def chunk(self, payload: dict[str, Any]) -> Iterator[str]:
-        self._extras.update(_extras(payload))
+        self._extras = _merged(self._extras, _extras(payload))
         if payload.get("usage"):
             self._usage = payload["usage"]
         for choice in payload.get("choices") or []:

@@ -5,7 +5,9 @@ Messages API, served through the chat route.
 with the chat request it becomes, and turns the chat answer (or its stream) into a Message
 (or Anthropic's event stream). So a Messages request is rendered, edited, spliced and
 generated exactly as the chat request with the same messages would be, and its
-``context_management`` edits are spliced by the chat turn (``front.chat_turn``).
+``context_management`` edits are spliced by the chat turn (``front.chat_turn``). Anthropic's
+hints (``front.messages.ignored_fields``) are listed in the answer's ``leyline.ignored``,
+counted and logged, as the OpenAI routes' are (``request_fields``).
 
 ``POST /v1/messages/count_tokens`` answers ``input_tokens``: the prompt the request renders
 with the served template; with ``context_management``, the prompt after the edits that would
@@ -31,6 +33,7 @@ from leyline_agent.front.messages import (
     MessageEvents,
     MessagesRequest,
     chat_body,
+    ignored_fields,
     message_answer,
     parse_request,
 )
@@ -40,6 +43,7 @@ from leyline_agent.server.disconnect import run_connected
 from leyline_agent.server.inputs import raw_json_body
 from leyline_agent.server.openai_api import ChatCompletionRequest
 from leyline_agent.server.openai_routes import chat_completions
+from leyline_agent.server.request_fields import Ignored, ignore
 from leyline_agent.server.state import state
 
 __all__ = ["count_prompt", "router"]
@@ -52,6 +56,8 @@ _CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
 async def create_message(request: Request) -> Response:
     req = parse_request(MessagesRequest, request.state.json_body)
     chat = parse_request(ChatCompletionRequest, chat_body(req, _CHAT_FIELDS))
+    # Anthropic's hints: listed by the chat answer's leyline.ignored, counted and logged
+    ignore(request, [Ignored(n["field"], n["reason"]) for n in ignored_fields(req)])
     model = state(request).model.id
     answer = await chat_completions(chat, request)
     if not req.stream:
