@@ -1,6 +1,6 @@
 """``leyline check gpu OUTDIR [--dry-run]``: the prepared check for a lent GPU machine.
 
-Run by ``scripts/gpu_check.sh`` (which assembles the project there first). Four sections, in
+Run by ``scripts/gpu_check.sh`` (which assembles the project there first). The sections, in
 order of value, each recorded as soon as it ends in ``OUTDIR/<section>/report.json`` (the form
 ``leyline bench report`` renders), so a run cut short keeps what it finished:
 
@@ -8,6 +8,10 @@ order of value, each recorded as soon as it ends in ``OUTDIR/<section>/report.js
   (``reference.rope_float64``; GQA 8 x 128 half-split and MLA 576-wide band 64 at 512
   interleaved; fp32 and bf16; copy and in-place plans), then ``bench_kernel`` (its bandwidth
   against a plain device copy of the same bytes);
+- ``vllm-rows``: the vLLM plugin's row moves (``kv_rows.move_rows``: read, the band turned
+  with the project's kernel, written) on caches laid out in each of vLLM 0.32's
+  ``KVCacheLayout`` orders, GQA K|V and MLA latent rows, against float64 RoPE
+  (``vllm_rows.check``; vLLM itself does not travel there);
 - ``engine-mini``: both ``mini`` models (fp32) on the device against transformers on the same
   device (prefill logits, FORGET logits against a from-scratch forward of T', greedy tokens
   against ``generate``) and against the CPU engine (AMORTIZE logits);
@@ -38,7 +42,7 @@ from typing import Any
 
 __all__ = ["SECTIONS", "add_arguments", "main"]
 
-SECTIONS = ("kernel", "engine-mini", "engine", "splice-1b", "splice-mla")
+SECTIONS = ("kernel", "vllm-rows", "engine-mini", "engine", "splice-1b", "splice-mla")
 EXTRA = ("profile",)  # on demand (--sections profile): where the engine's time goes
 
 
@@ -91,7 +95,7 @@ def main(a: argparse.Namespace) -> int:
     name = "cpu (dry run)" if dry else torch.cuda.get_device_name()
     commit = os.environ.get("LEYLINE_COMMIT") or None  # set by gpu_check.sh off the checkout
     runs = {
-        "kernel": _kernel, "engine-mini": _engine_mini, "engine": _engine,
+        "kernel": _kernel, "vllm-rows": _vllm_rows, "engine-mini": _engine_mini, "engine": _engine,
         "splice-1b": _splice(SPLICE_1B_ARGS), "splice-mla": _splice(SPLICE_MLA_ARGS),
         "profile": _profile,
     }  # fmt: skip
@@ -145,6 +149,14 @@ def _kernel(device: str, dry: bool) -> str:
     args = KERNEL_ARGS(dry)
     bench_kernel(args)
     return "python experiments/bench_kernel.py " + shlex.join(args)
+
+
+def _vllm_rows(device: str, dry: bool) -> str:
+    from .vllm_rows import check
+
+    blocks = 4 if dry else 8
+    check(device, blocks=blocks)
+    return f"experiments/vllm_rows.py: check({device!r}, blocks={blocks})"
 
 
 def _engine(device: str, dry: bool) -> str:

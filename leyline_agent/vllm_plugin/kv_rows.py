@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from leyline_agent.kernels import RopeSpec, RotationPlan, apply_plan, plan_rotation
 from leyline_agent.vllm_plugin.cache_layout import RowLayout, UnsupportedLayoutError
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "Layout",
     "RowLayout",
     "UnsupportedLayoutError",
+    "move_rows",
     "probe_layout",
     "read_rows",
     "scratch_like",
@@ -89,6 +91,30 @@ def write_rows(
     kv[blk, :, off, :k] = keys.to(kv.dtype)
     if layout.value_width:
         kv[blk, :, off, k : k + layout.value_width] = values.to(kv.dtype)
+
+
+def move_rows(
+    kv: torch.Tensor, layout: RowLayout, src: torch.Tensor, dst: torch.Tensor,
+    delta: torch.Tensor, spec: RopeSpec | None, band_offset: int,
+    plan: RotationPlan | None = None,
+) -> RotationPlan | None:  # fmt: skip
+    """Copy the rows at ``src`` to ``dst`` (fresh slots), the keys of rows with a nonzero
+    ``delta`` turned by it (their band at ``band_offset``; ``kernels.apply_plan``: the torch
+    path on CPU, the project's kernel on CUDA). Every row is read before any is written.
+    Returns the rotation plan, to be passed back for the next layer of the same move."""
+    keys, values = read_rows(kv, src, layout)
+    moved = (delta != 0).nonzero().squeeze(1)
+    if moved.numel():
+        assert spec is not None
+        band = keys.index_select(0, moved).transpose(0, 1).contiguous()  # [H, K, W]
+        if plan is None:
+            idx = torch.arange(moved.numel(), device=kv.device)
+            backend = "torch" if kv.device.type == "cpu" else None
+            plan = plan_rotation(band, idx, idx, delta[moved], spec, band_offset, backend)
+        apply_plan(band, plan, spec)
+        keys.index_copy_(0, moved, band.transpose(0, 1))
+    write_rows(kv, dst, keys, values, layout)
+    return plan
 
 
 def scratch_like(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 from leyline_agent.errors import RopeSpecError, RuntimeUnavailableError
-from leyline_agent.kernels import apply_plan, plan_rotation
-from leyline_agent.vllm_plugin.kv_rows import RowLayout, read_rows, write_rows
+from leyline_agent.vllm_plugin.kv_rows import RowLayout, move_rows
 from leyline_agent.vllm_plugin.layer_rows import attention_layers, layer_layout, rope_band
 from leyline_agent.vllm_plugin.row_forward import RowForward, repair_problem
 
@@ -68,7 +67,7 @@ class LeylineWorkerExtension:
 
     def leyline_repair_rows(self, token_ids: list[int], rows: list[int], slots: list[int]) -> int:
         if getattr(self, "_leyline_rows", None) is None:
-            self._leyline_rows = RowForward(self.model_runner.get_model())  # type: ignore[attr-defined]
+            self._leyline_rows = RowForward(self.model_runner.get_model(), self.vllm_config)  # type: ignore[attr-defined]
         return self._leyline_rows.run(token_ids, rows, slots)
 
     def leyline_copy_rows(self, src: list[int], dst: list[int], delta: list[int]) -> int:
@@ -100,18 +99,8 @@ class RowCopier:
         src_t = torch.tensor(src, dtype=torch.int64, device=dev)
         dst_t = torch.tensor(dst, dtype=torch.int64, device=dev)
         d_t = torch.tensor(delta, dtype=torch.int64, device=dev)
-        moved = (d_t != 0).nonzero().squeeze(1)
-        spec, band_offset = rope_band(self._config) if moved.numel() else (None, 0)
+        spec, band_offset = rope_band(self._config) if any(delta) else (None, 0)
         plan = None
         for kv, _ in layers:
-            keys, values = read_rows(kv, src_t, self._layout)
-            if moved.numel():
-                band = keys.index_select(0, moved).transpose(0, 1).contiguous()  # [H, K, W]
-                if plan is None:
-                    idx = torch.arange(moved.numel(), device=dev)
-                    plan = plan_rotation(band, idx, idx, d_t[moved], spec, band_offset,
-                                         "torch" if dev.type == "cpu" else None)  # fmt: skip
-                apply_plan(band, plan, spec)
-                keys.index_copy_(0, moved, band.transpose(0, 1))
-            write_rows(kv, dst_t, keys, values, self._layout)
+            plan = move_rows(kv, self._layout, src_t, dst_t, d_t, spec, band_offset, plan)
         return len(src)

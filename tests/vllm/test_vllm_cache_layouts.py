@@ -376,3 +376,10 @@ def test_mla_band_turns_as_vllms_deepseek_rotary():
                        rope_parameters=params, is_neox_style=False)  # fmt: skip
     assert band == hf.kv_lora_rank and spec.layout == "interleaved" and not emb.is_neox_style
     assert torch.equal(spec.inv_freq_tensor(), emb._compute_inv_freq(params["factor"]))
+
+
+def test_the_gpu_checks_layout_table_is_vllms():
+    """The prepared GPU check lays caches out without vLLM (it cannot travel there)."""
+    from leyline_agent.experiments.vllm_rows import LAYOUTS
+
+    assert LAYOUTS == {x.name: x.value for x in KVCacheLayout}
