@@ -7,9 +7,10 @@ under the edited context, through vLLM's own modules of the served model, layer 
 - layer 0's input is the rows' embeddings (``embed_tokens``); each layer's input norm,
   ``qkv_proj``, ``rotary_emb`` at the rows' positions in ``T'``, ``o_proj``, post-attention
   norm and MLP are the model's, with the residual carried as vLLM's decoder layer carries it;
-- at each layer every selected row's K/V is written into its slot (the backend's own write
-  op, ``kv_rows.write_rows``) before any row attends, then each row attends to every row of
-  ``T'`` at a position up to its own (gathered from the paged cache, ``kv_rows.read_rows``):
+- at each layer every selected row's K/V is written into its slot before any row attends,
+  then each row attends to every row of ``T'`` at a position up to its own, gathered from the
+  paged cache (``kv_rows.write_rows`` / ``read_rows`` in the layer's row layout, the one the
+  splice's row copies use: ``layer_rows.layer_layout``, probed with the backend's own op):
   the prefix, ``R``, the tail rows before it (the selected ones already recomputed at this
   layer) and itself. That is what ``leyline serve``'s engine does (``engine.repair``): its
   runs of consecutive rows forwarded together, each run attending causally to itself.
@@ -28,7 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leyline_agent.vllm_plugin.kv_rows import Layout, probe_layout, read_rows, write_rows
+from leyline_agent.vllm_plugin.kv_rows import RowLayout, read_rows, write_rows
+from leyline_agent.vllm_plugin.layer_rows import layer_layout
 
 __all__ = ["LAYER_TYPES", "RowForward", "repair_problem"]
 
@@ -65,9 +67,10 @@ def repair_problem(model: Any) -> str | None:
 class RowForward:
     """The row forward of one worker's model (module doc)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, vllm_config: Any) -> None:
         self.model = model
-        self._layout: Layout | None = None
+        self._config = vllm_config
+        self._layout: RowLayout | None = None
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], rows: Sequence[int], slots: Sequence[int]) -> int:
@@ -82,8 +85,8 @@ class RowForward:
             raise ValueError(f"row {rows[-1]} has no slot ({len(slots)} given)")
         layers = _layers(self.model)
         kv0 = layers[0].self_attn.attn.kv_cache
-        if self._layout is None:
-            self._layout = probe_layout(kv0, str(layers[0].self_attn.attn.isa))
+        if self._layout is None:  # every layer's cache has the first one's shape and strides
+            self._layout = layer_layout(layers[0].self_attn.attn, kv0, self._config)
         dev = kv0.device
         pos = torch.tensor(list(rows), dtype=torch.int64, device=dev)
         row_slots = torch.tensor([slots[r] for r in rows], dtype=torch.int64, device=dev)
@@ -123,14 +126,12 @@ class RowForward:
         qkv, _ = sa.qkv_proj(x)
         q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
         q, k = sa.rotary_emb(pos, q.contiguous(), k.contiguous())
-        kv = attn.kv_cache
-        isa = str(attn.isa)
-        write_rows(kv, row_slots, k.reshape(n, kvh, hd).to(kv.dtype),
-                   v.reshape(n, kvh, hd).to(kv.dtype), isa)  # fmt: skip
+        kv, layout = attn.kv_cache, self._layout
+        assert layout is not None
+        write_rows(kv, row_slots, k.reshape(n, kvh, hd), v.reshape(n, kvh, hd), layout)
         if write_only:
             return x
-        assert self._layout is not None
-        keys, values = read_rows(kv, ctx_slots, Layout(isa, self._layout.keys_transposed))
+        keys, values = read_rows(kv, ctx_slots, layout)
         rep = nh // kvh
         kt = keys.transpose(0, 1).float().repeat_interleave(rep, dim=0)  # [nh, M, hd]
         vt = values.transpose(0, 1).float().repeat_interleave(rep, dim=0)
