@@ -9,7 +9,7 @@ app, over SGLang's real radix cache, allocator and MLA pool on CPU
 hook, prefills by the same model). Both take prompts of at most ``LIMIT`` tokens.
 
 Cases: bad bodies (a 4xx naming the same field, with the same type), ``request_id`` reuse,
-the size limits, a batch refused by one of its directives (the cache bitwise unchanged, no
+the size limits, a flush, a batch refused by one of its directives (the cache bitwise unchanged, no
 counter but ``directive_errors`` moved, and that one only for a miss), and a verb added
 through its mode rule alone, refused by name by both until a backend implements its row
 operation.
@@ -30,6 +30,7 @@ from fastapi.testclient import TestClient
 from leyline_agent import edits
 from leyline_agent.directives import modes
 from leyline_agent.directives.core import Mode
+from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.testing import sglang_pools as sp
 from leyline_agent.testing.server import serve_in_thread
 
@@ -227,3 +228,22 @@ def test_a_verb_added_by_its_rule_alone_is_refused_by_name(leyline, sglang, monk
         assert "'decay' is not executed by this server" in err["message"], err
         s.same(before, s.state())
         assert s.stats() == stats
+
+
+def test_a_flush_forgets_alike(side):
+    """``POST /leyline/v1/flush``: the same answer fields; the rows are gone (a directive
+    on them is a miss), no request held any, and no counter moved but that miss."""
+    t = _tokens(7)
+    side.cache(t)
+    stats = side.stats()
+    r = side.http.post("/leyline/v1/flush")
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert set(j) == set(FlushResponse.model_fields), j
+    assert j["flushed_tokens"] >= len(t) - 1 and j["kept_tokens"] == 0, j
+    miss = side.directive({"tokens": t, "directives": [D]})
+    assert miss.status_code == 409, miss.text
+    after = side.stats()
+    assert (after["splices"], after["fallbacks"], after["directive_errors"]) == (
+        stats["splices"], stats["fallbacks"], stats["directive_errors"] + 1
+    )  # fmt: skip

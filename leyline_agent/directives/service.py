@@ -27,7 +27,8 @@ a plan on it, release it, and count. Everything else is the service's, in this o
 12. error mapping: a ``LeylineError`` or an invalid body becomes the OpenAI-shaped error
     body with the field (``http_errors``), for transports without their own handlers.
 
-Steps 1-4 are ``admit`` (pure), 6-11 ``run``. ``run`` is a coroutine; a backend that never
+Steps 1-4 are ``admit`` (pure), 6-11 ``run``. ``flush`` empties a tenant's part of the
+cache through the backend (``POST /leyline/v1/flush``). ``run`` is a coroutine; a backend that never
 suspends (the embedded engine, on its worker thread) is driven to its end by ``run_inline``.
 """
 
@@ -43,6 +44,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import ValidationError
 
 from leyline_agent.directives.core import Mode
+from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
 from leyline_agent.directives.pipeline import Plan, compile_request, decide
 from leyline_agent.directives.validate import (
@@ -59,6 +61,7 @@ from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse
 __all__ = [
     "DirectiveBackend",
     "DirectiveService",
+    "FlushedRows",
     "HeldPrefix",
     "ServedModel",
     "error_answer",
@@ -101,6 +104,24 @@ class DirectiveBackend(Protocol[H]):
     async def count(self, ns: Namespace, update: Callable[[Counters], None]) -> None:
         """Apply ``update`` to the counters ``ns``'s tenant's stats read."""
         ...
+
+    async def flush(self, tenant: str) -> FlushedRows:
+        """Free every cached row of ``tenant`` that no request in flight holds, and its
+        pins; counters untouched."""
+        ...
+
+
+class FlushedRows(Protocol):
+    """What a backend's flush did: rows freed, the tenant's rows still held, pins dropped."""
+
+    @property
+    def flushed_tokens(self) -> int: ...
+
+    @property
+    def kept_tokens(self) -> int: ...
+
+    @property
+    def dropped_pins(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +197,18 @@ class DirectiveService:
         except LeylineError as e:
             return error_answer(*classify(e))
         return 200, resp.model_dump(mode="json")
+
+    async def flush(self, tenant: str, backend: DirectiveBackend[Any]) -> FlushResponse:
+        """``POST /leyline/v1/flush``'s cache part (``directives.flush``): the server adds
+        what else it drops of the tenant (conversations, stored responses)."""
+        rows = await backend.flush(tenant)
+        return FlushResponse(
+            tenant=tenant,
+            flushed_tokens=rows.flushed_tokens,
+            kept_tokens=rows.kept_tokens,
+            dropped_pins=rows.dropped_pins,
+            dropped_conversations=0,
+        )
 
     # -- helpers -------------------------------------------------------------------------
     async def _execute(

@@ -49,7 +49,7 @@ from leyline_agent.directives.pipeline import Plan, applied_answer
 from leyline_agent.directives.service import run_directive, run_inline
 from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.cache.kv_pool import KVPool
-from leyline_agent.engine.cache.prefix_cache import PrefixCache
+from leyline_agent.engine.cache.prefix_cache import FlushReport, PrefixCache
 from leyline_agent.engine.cache.radix import Match
 from leyline_agent.engine.model.runner import ModelRunner
 from leyline_agent.engine.repair import repair_rows
@@ -102,6 +102,10 @@ class SpliceHost(Protocol):
     def counters(self, tenant: str) -> Counters: ...
 
     def evict(self) -> None: ...
+
+    def flush(self, tenant: str) -> FlushReport:
+        """Empty ``tenant``'s part of the cache (takes the engine lock)."""
+        ...
 
 
 class _Backend:
@@ -239,6 +243,9 @@ class EngineDirectives:
     async def count(self, ns: Namespace, update: Callable[[Counters], None]) -> None:
         with self.host.stepper.exclusive():
             update(self.host.counters(ns.tenant))
+
+    async def flush(self, tenant: str) -> FlushReport:
+        return self.host.flush(tenant)
 
 
 @dataclass(slots=True)

@@ -108,15 +108,15 @@ async def flush(request: Request) -> FlushResponse:
     st, responses = state(request), responses_store(request)
     tenant = namespace(request).tenant
 
+    service = directive_service(request)
+
     def job(engine: ServedEngine) -> FlushResponse:  # on the worker: between two engine steps
-        rep = engine.flush(tenant)  # the cache, then its memory
-        return FlushResponse(
-            tenant=tenant,
-            flushed_tokens=rep.flushed_tokens,
-            kept_tokens=rep.kept_tokens,
-            dropped_pins=rep.dropped_pins,
-            dropped_conversations=st.conversations.forget_tenant(tenant),
-            dropped_responses=responses.forget_tenant(tenant),
+        rows = run_inline(service.flush(tenant, engine.directive_backend))  # cache, memory
+        return rows.model_copy(
+            update={
+                "dropped_conversations": st.conversations.forget_tenant(tenant),
+                "dropped_responses": responses.forget_tenant(tenant),
+            }
         )
 
     return await run_connected(request, st.worker, job)

@@ -36,16 +36,30 @@ from leyline_agent.directives.pipeline import Plan
 from leyline_agent.errors import RuntimeUnavailableError
 from leyline_agent.namespaces import Namespace
 from leyline_agent.sglang_plugin.batch import ROW_OPS, plan_calls, response_for
-from leyline_agent.sglang_plugin.scheduler_hook import RPC_CHECK, RPC_LOOKUP, encode_lookup_kwargs
+from leyline_agent.sglang_plugin.scheduler_hook import (
+    RPC_CHECK,
+    RPC_FLUSH,
+    RPC_LOOKUP,
+    encode_lookup_kwargs,
+)
 from leyline_agent.wire import Counters, DirectivesResponse
 
-__all__ = ["CachedBase", "SGLangBackend", "Transport"]
+__all__ = ["CachedBase", "Flushed", "SGLangBackend", "Transport"]
 
 
 class Transport(Protocol):
     async def rpc(self, method: str, kwargs: dict[str, Any]) -> str: ...
 
     async def prefill(self, token_ids: list[int], extra_key: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Flushed:
+    """``leyline_flush``'s answer (SGLang keeps no pins)."""
+
+    flushed_tokens: int
+    kept_tokens: int
+    dropped_pins: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,3 +117,11 @@ class SGLangBackend:
 
     async def count(self, ns: Namespace, update: Callable[[Counters], None]) -> None:
         update(self.counters)
+
+    async def flush(self, tenant: str) -> Flushed:
+        """Every row no request holds, of every namespace: SGLang serves one tenant."""
+        answer = await self.transport.rpc(RPC_FLUSH, {})
+        if not answer:
+            raise RuntimeUnavailableError(f"{RPC_FLUSH} came back without its answer")
+        got = json.loads(answer)
+        return Flushed(int(got["flushed_tokens"]), int(got["kept_tokens"]))

@@ -1,8 +1,10 @@
-"""``POST /leyline/v1/directives`` and ``GET /leyline/v1/stats`` on SGLang's HTTP server.
+"""``POST /leyline/v1/directives``, ``GET /leyline/v1/stats`` and ``POST /leyline/v1/flush``
+on SGLang's HTTP server.
 
 The plugin framework can hook any function: a ``BEFORE`` hook on
 ``http_server._setup_and_run_http_server`` (called once in the main process, before
-uvicorn starts) adds the two routes to SGLang's FastAPI ``app``. The route speaks the same
+uvicorn starts) adds the routes to SGLang's FastAPI ``app``. A flush frees every cached row no request
+holds (SGLang serves one tenant, ``""``; ``scheduler_hook.leyline_flush``). The route speaks the same
 wire models as ``leyline serve`` (``leyline_agent.wire``), so the agent-side
 ``HTTPRuntime`` works against either server.
 
@@ -35,7 +37,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from leyline_agent.directives.service import error_answer
-from leyline_agent.http_errors import validation_answer
+from leyline_agent.errors import LeylineError
+from leyline_agent.http_errors import classify, validation_answer
 from leyline_agent.namespaces import SESSION_HEADER, named_namespace
 from leyline_agent.sglang_plugin.batch import PREFILL_PARAMS
 from leyline_agent.sglang_plugin.client import directive_service
@@ -71,6 +74,14 @@ class SGLangRoute:
         return await self.service.answer(
             body, lambda session: named_namespace(session, session_header), self.backend
         )
+
+    async def flush(self) -> tuple[int, dict[str, Any]]:
+        """``POST /leyline/v1/flush`` (one tenant, ``""``): (status, JSON body)."""
+        try:
+            out = await self.service.flush("", self.backend)
+        except LeylineError as e:
+            return error_answer(*classify(e))
+        return 200, out.model_dump(mode="json")
 
     async def prefill(self, token_ids: list[int], extra_key: str) -> None:
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -117,8 +128,13 @@ def add_routes(app: Any, route: SGLangRoute) -> None:
     async def stats() -> JSONResponse:
         return JSONResponse(route.counters.to_stats().model_dump(mode="json"))
 
+    async def flush() -> JSONResponse:
+        status, content = await route.flush()
+        return JSONResponse(content, status_code=status)
+
     app.add_api_route("/leyline/v1/directives", directives, methods=["POST"])
     app.add_api_route("/leyline/v1/stats", stats, methods=["GET"])
+    app.add_api_route("/leyline/v1/flush", flush, methods=["POST"])
 
 
 def before_http_server(server_args: Any, tokenizer_manager: Any, template_manager: Any,

@@ -41,6 +41,7 @@ _ANONYMOUS_KEY = ANONYMOUS.key
 __all__ = [
     "ANSWER_ATTR",
     "RPC_CHECK",
+    "RPC_FLUSH",
     "RPC_FORGET",
     "RPC_LOOKUP",
     "RPC_METHOD",
@@ -52,6 +53,7 @@ __all__ = [
     "encode_splice_kwargs",
     "install",
     "leyline_check",
+    "leyline_flush",
     "leyline_forget",
     "leyline_lookup",
     "leyline_splice",
@@ -62,6 +64,7 @@ RPC_METHOD = "leyline_splice"
 RPC_CHECK = "leyline_check"
 RPC_FORGET = "leyline_forget"
 RPC_LOOKUP = "leyline_lookup"
+RPC_FLUSH = "leyline_flush"
 ANSWER_ATTR = "leyline_rpc_answer"  # where a method leaves its answer for the RPC's reply
 _ERROR_PREFIX = "leyline:"
 
@@ -182,6 +185,24 @@ def leyline_lookup(scheduler: Any, *, tokens_json: Any, namespace: Any = _ANONYM
     setattr(scheduler, ANSWER_ATTR, json.dumps({"cached_tokens": n}))
 
 
+def leyline_flush(scheduler: Any) -> None:
+    """The RPC method: every cached row no request holds is evicted, in every namespace
+    (SGLang serves one tenant); answered as ``{"flushed_tokens": n, "kept_tokens": m}``,
+    ``m`` the rows requests in flight still lock."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from leyline_agent.sglang_plugin.treeview import check_tree
+
+    tree = scheduler.tree_cache
+    try:
+        check_tree(tree)
+    except LeylineError as e:
+        raise SpliceRpcError(f"{_ERROR_PREFIX}{type(e).__name__}: {e}") from e
+    freed = tree.evict(EvictParams(num_tokens=tree.evictable_size())).num_tokens_evicted
+    kept = tree.evictable_size() + tree.protected_size()
+    setattr(scheduler, ANSWER_ATTR, json.dumps({"flushed_tokens": freed, "kept_tokens": kept}))
+
+
 def around_rpc_request(original: Any, scheduler: Any, recv_req: Any, *args: Any) -> Any:
     """``HookType.AROUND`` on ``Scheduler.handle_rpc_request``: SGLang runs the method (and
     its barrier) as always; an answer the method left on the scheduler goes into the
@@ -242,6 +263,7 @@ def install(scheduler: Any) -> None:
     scheduler.leyline_check = types.MethodType(leyline_check, scheduler)
     scheduler.leyline_forget = types.MethodType(leyline_forget, scheduler)
     scheduler.leyline_lookup = types.MethodType(leyline_lookup, scheduler)
+    scheduler.leyline_flush = types.MethodType(leyline_flush, scheduler)
 
 
 def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
