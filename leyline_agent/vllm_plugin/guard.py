@@ -176,7 +176,7 @@ class LeylineGuard:
         headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         chat = {**scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode(), "headers": headers}
-        out = translating(send, req.model)
+        out = translating(send, req)
         await self._other(chat, http_guards.replay(body, receive), out, CHAT_PATH)
 
     async def _other(self, scope: Any, receive: Any, send: Any, path: str) -> None:

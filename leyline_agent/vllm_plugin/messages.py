@@ -8,8 +8,9 @@ vLLM's own Anthropic routes (which know no ``context_management``):
   the request goes on as a ``/v1/chat/completions`` request through the guard's chat handling
   (``chat_front``: conversations, ``context_management``, client edits and drift spliced,
   the answer annotated, the reply committed), and vLLM's chat answer, a JSON body or a
-  stream, is converted back as it passes (``message_answer``; ``MessageEvents``). An answer
-  that is not a 200 passes unchanged.
+  stream, is converted back as it passes (``message_answer``; ``MessageEvents``), with
+  Anthropic's hints listed in ``leyline.ignored`` (``ignored_fields``). An answer that is not
+  a 200 passes unchanged.
 - ``/v1/messages/count_tokens``: the prompt's tokens as vLLM's chat route renders them
   (``EditRunner.render_chat``); with ``context_management``, after the edits that would
   trigger on it as a fresh conversation (``front.turns.plan_turn``, pure), plus
@@ -31,8 +32,10 @@ from leyline_agent.front.messages import (
     MessageEvents,
     MessagesRequest,
     chat_body,
+    ignored_fields,
     message_answer,
     parse_request,
+    with_ignored,
 )
 from leyline_agent.front.turns import plan_turn
 from leyline_agent.vllm_plugin.chat_front import ChatFront, FrontTurnEngine
@@ -78,11 +81,13 @@ async def count_tokens(front: ChatFront, raw: bytes) -> dict[str, Any]:
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-def translating(send: Send, model: str) -> Send:
+def translating(send: Send, req: MessagesRequest) -> Send:
     """An ASGI ``send`` that turns a 200 chat answer into a Message, or a chat stream into
-    Anthropic's events (module doc); any other answer passes unchanged."""
+    Anthropic's events (module doc), listing ``req``'s hints in ``leyline.ignored``
+    (``ignored_fields``); any other answer passes unchanged."""
     held: dict[str, Any] = {}
-    events = MessageEvents(model)
+    model, notes = req.model, ignored_fields(req)
+    events = MessageEvents(model, notes)
     buf = b""
 
     async def body(data: bytes, more: bool) -> None:
@@ -111,7 +116,7 @@ def translating(send: Send, model: str) -> Send:
         if not stream:
             if more:
                 return
-            out = json.dumps(message_answer(json.loads(buf), model)).encode()
+            out = json.dumps(with_ignored(message_answer(json.loads(buf), model), notes)).encode()
             headers = [*others, (b"content-type", b"application/json"),
                        (b"content-length", str(len(out)).encode())]  # fmt: skip
             await send({**start, "headers": headers})

@@ -9,6 +9,8 @@ prompt with the same counts, and a scripted 6-turn tool loop with ``clear_tool_u
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 
 from .conftest import KEY
@@ -127,3 +129,24 @@ def test_clear_thinking_is_spliced_alike(both):
                            m.usage.input_tokens + m.usage.cache_read_input_tokens)  # fmt: skip
     assert views["leyline"] == views["vllm"]
     assert views["leyline"][:2] == ("clear_thinking_20251015", 1)
+
+
+def test_hints_are_listed_alike(both):
+    """Anthropic's hints (``service_tier``, ``metadata.user_id``, ``cache_control`` on the
+    request and on a block) are listed in ``leyline.ignored`` by path on both servers, in the
+    Message and in the stream's ``message_delta``."""
+    body = {"max_tokens": 2, "temperature": 0, "service_tier": "auto",
+            "metadata": {"user_id": "u"}, "cache_control": {"type": "ephemeral"},
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "Name a colour.", "cache_control": {"type": "ephemeral"}}]}]}  # fmt: skip
+    want = ["service_tier", "cache_control", "metadata.user_id",
+            "messages[0].content[0].cache_control"]  # fmt: skip
+    for srv in both:
+        r = srv.post("/v1/messages", {**body, "model": srv.model})
+        assert r.status_code == 200, (srv.name, r.text)
+        assert sorted(n["field"] for n in r.json()["leyline"]["ignored"]) == sorted(want), srv.name
+        r = srv.post("/v1/messages", {**body, "model": srv.model, "stream": True})
+        assert r.status_code == 200, (srv.name, r.text)
+        (delta,) = [json.loads(ln[6:]) for ln in r.text.splitlines()
+                    if ln.startswith("data: ") and '"message_delta"' in ln]  # fmt: skip
+        assert sorted(n["field"] for n in delta["leyline"]["ignored"]) == sorted(want), srv.name
