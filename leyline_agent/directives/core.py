@@ -4,24 +4,5 @@ root contract module so that ``wire``, ``trajectory`` and ``http_errors`` import
 above them; modules of this package and the layers above may import either name.
 """
 
-from leyline_agent.edits import (
-    RESERVED_MODES,
-    Directive,
-    ImplementedMode,
-    MessageEdit,
-    Mode,
-    check_mode,
-    plan_batch,
-    splice_tokens,
-)
-
-__all__ = [
-    "RESERVED_MODES",
-    "Directive",
-    "ImplementedMode",
-    "MessageEdit",
-    "Mode",
-    "check_mode",
-    "plan_batch",
-    "splice_tokens",
-]
+from leyline_agent.edits import *  # noqa: F403  (the names of edits.__all__)
+from leyline_agent.edits import __all__ as __all__
