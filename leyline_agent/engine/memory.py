@@ -15,11 +15,22 @@ trims it, so other threads only wait for the arena they share).
 
 Where the C library is not glibc (musl, macOS, Windows) there is no ``malloc_trim``: the
 trimmer says so once in the log (``available`` is False) and does nothing else.
+
+A trim returns only whole free pages. ``tune_allocator()`` (called by ``leyline serve`` before
+the model loads) keeps freed memory in such pages: large blocks (``MMAP_THRESHOLD_BYTES`` and
+up: a 1 MB prompt's token lists, a tokenizer's buffers) are mapped on their own and unmapped
+when freed (glibc otherwise raises its threshold after each large free, and the next large
+blocks land in the heaps between small live ones), and at most ``ARENA_MAX`` arenas are made
+(one per thread otherwise, each keeping its own free pages). Measured with
+``leyline bench store-budget`` (40 responses of 1 MB input): the RSS over a warm start went
+from +363 MB to +95 MB, and after a flush from +229 MB to +31 MB. Settings given in the
+environment (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``) are left as they are.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import threading
 import time
@@ -29,23 +40,49 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["MemoryTrimmer", "load_malloc_trim"]
+__all__ = ["MemoryTrimmer", "load_malloc_trim", "tune_allocator"]
 
 IDLE_INTERVAL_S = 1.0
 BUSY_INTERVAL_S = 10.0
+MMAP_THRESHOLD_BYTES = 128 * 1024
+ARENA_MAX = 2
+_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's malloc.h
 
 
 def load_malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim`` (``int malloc_trim(size_t pad)``), or None elsewhere."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):
+    libc = _libc()
+    fn = getattr(libc, "malloc_trim", None)
+    if fn is None:
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
+
+
+def _libc() -> ctypes.CDLL | None:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def tune_allocator() -> dict[str, int]:
+    """Set glibc's mmap threshold and arena cap (module doc); returns what it set (empty
+    where the C library is not glibc, which the log says)."""
+    libc = _libc()
+    if libc is None:
+        log.info("allocator settings unavailable (not glibc): left as they are")
+        return {}
+    done = {}
+    for env, option, value in (
+        ("MALLOC_MMAP_THRESHOLD_", _M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+        ("MALLOC_ARENA_MAX", _M_ARENA_MAX, ARENA_MAX),
+    ):
+        if env not in os.environ and libc.mallopt(ctypes.c_int(option), ctypes.c_int(value)):
+            done[env] = value
+    return done
 
 
 class MemoryTrimmer:

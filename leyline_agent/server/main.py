@@ -144,6 +144,9 @@ def api_keys(args: argparse.Namespace):  # -> ApiKeys
 def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
     """The Host allowlist: on for a loopback bind or with ``--allowed-host``, else None."""
     names = list(getattr(args, "allowed_host", None) or [])
+    from leyline_agent.engine.memory import tune_allocator
+
+    log.info("allocator", **tune_allocator())  # before the model and the threads (memory.py)
     host = getattr(args, "host", None) or DEFAULT_HOST
     return names if names or _is_loopback(host) else None
 
