@@ -127,6 +127,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("splice", "bench_splice", "splice vs FORGET vs a forward, in-process (mini models)"),
         ("soak", "soak_rss", "RSS of leyline serve over rounds of streaming clients"),
         ("soak-hostile", "soak_hostile", "normal clients' latency beside hostile ones, 5xx, RSS"),
+        ("store-budget", "store_budget", "Responses store: RSS under 1 MB inputs, stats, flush"),
         ("drift", "bench_drift", "reasoning-agent replay: plain cache, drift splices, kept"),
         ("splice-stream", "bench_splice_stream", "a stream's gaps while another session splices"),
         ("directive", "bench_directive", "one directive's cost over HTTP, on every server"),
