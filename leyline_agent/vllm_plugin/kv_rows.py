@@ -24,7 +24,6 @@ from leyline_agent.vllm_plugin.cache_layout import RowLayout, UnsupportedLayoutE
 
 __all__ = [
     "BackendWrite",
-    "Layout",
     "RowLayout",
     "UnsupportedLayoutError",
     "move_rows",
@@ -36,13 +35,6 @@ __all__ = [
 
 # (cache, slots [N], keys [N, H, key_width], values [N, H, value_width]) -> None
 BackendWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-def _sized(kv: torch.Tensor, layout: RowLayout) -> RowLayout:
-    if layout.key_width >= 0:
-        return layout
-    d = kv.shape[3] // 2  # a CPU-form layout: keys and values of equal width
-    return RowLayout(layout.kind, d, d, layout.keys_transposed)
 
 
 def _chunk_index(kv: torch.Tensor, slots: torch.Tensor, layout: RowLayout):
@@ -61,7 +53,6 @@ def read_rows(
     kv: torch.Tensor, slots: torch.Tensor, layout: RowLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys ``[N, H, key_width]`` and values ``[N, H, value_width]`` at ``slots`` (copies)."""
-    layout = _sized(kv, layout)
     if layout.kind == "chunk":
         flat, blk, heads, kpos, vpos = _chunk_index(kv, slots, layout)
         return flat[blk, heads, kpos], flat[blk, heads, vpos]
@@ -73,14 +64,9 @@ def read_rows(
 
 def write_rows(
     kv: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    layout: RowLayout | str,
+    layout: RowLayout,
 ) -> None:  # fmt: skip
-    """Write ``keys``/``values`` (as :func:`read_rows` returns them) at ``slots``; given the
-    CPU backend's ISA name instead of a layout, through that backend's op."""
-    if isinstance(layout, str):
-        _cpu_write(layout)(kv, slots, keys, values)
-        return
-    layout = _sized(kv, layout)
+    """Write ``keys``/``values`` (as :func:`read_rows` returns them) at ``slots``."""
     if layout.kind == "chunk":
         flat, blk, heads, kpos, vpos = _chunk_index(kv, slots, layout)
         flat[blk, heads, kpos] = keys.to(kv.dtype)
@@ -126,15 +112,10 @@ def scratch_like(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 def probe_layout(
-    kv: torch.Tensor, candidates: Sequence[RowLayout] | str, write: BackendWrite | None = None,
-    backend: str = "CPU_ATTN",
-) -> RowLayout:  # fmt: skip
+    kv: torch.Tensor, candidates: Sequence[RowLayout], write: BackendWrite, backend: str
+) -> RowLayout:
     """The candidate that explains where ``write`` (the backend's op) stores known rows;
-    ``kv`` itself is not touched. Given the CPU backend's ISA name instead: that backend's
-    candidates and op."""
-    if isinstance(candidates, str):
-        write, candidates = _cpu_write(candidates), _cpu_candidates(kv)
-    assert write is not None
+    ``kv`` itself is not touched."""
     _, h, b, _ = kv.shape
     first = candidates[0]
     gen = torch.Generator().manual_seed(0)
@@ -157,28 +138,3 @@ def probe_layout(
         f"cache shape {list(kv.shape)}, strides {list(kv.stride())}) where the plugin "
         "cannot read them back"
     )
-
-
-# -- the CPU backend (CPU_ATTN), for callers that hold only a layer's ISA name ---------------
-def _cpu_write(isa: str) -> BackendWrite:
-    from vllm import _custom_ops as ops
-
-    def write(kv: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        nb, h, b, _ = kv.shape
-        key_cache, value_cache = kv.view(nb, h, 2 * b, -1).chunk(2, dim=2)  # as the backend
-        ops.cpu_attn_reshape_and_cache(
-            keys.contiguous(), values.contiguous(), key_cache, value_cache, slots, isa
-        )
-
-    return write
-
-
-def _cpu_candidates(kv: torch.Tensor) -> tuple[RowLayout, ...]:
-    d = kv.shape[3] // 2
-    return tuple(RowLayout("chunk", d, d, t) for t in (True, False)) + (RowLayout("paged", d, d),)
-
-
-def Layout(isa: str, keys_transposed: bool) -> RowLayout:  # noqa: N802  (the CPU form's name)
-    """The CPU backend's chunk layout (``isa`` names its op's path; the layout does not
-    depend on it once probed)."""
-    return RowLayout("chunk", -1, -1, keys_transposed)
