@@ -150,3 +150,49 @@ def test_hints_are_listed_alike(both):
         (delta,) = [json.loads(ln[6:]) for ln in r.text.splitlines()
                     if ln.startswith("data: ") and '"message_delta"' in ln]  # fmt: skip
         assert sorted(n["field"] for n in delta["leyline"]["ignored"]) == sorted(want), srv.name
+
+
+def think_loop(client, srv, salt: str, cm=None) -> list[tuple[object, int]]:
+    """Six turns whose assistant turns each open with a long ``thinking`` block (a
+    ``<think>`` span the template renders); per turn (message, prefilled tokens)."""
+    msgs = [{"role": "user", "content": f"Plan the work {salt}."}]
+    out = []
+    for k in range(6):
+        extra = {"context_management": cm} if cm else {}
+        m = client.beta.messages.create(
+            model=srv.model, max_tokens=3, messages=msgs, extra_body=GREEDY,
+            betas=["context-management-2025-06-27"], extra_headers={"X-Leyline-Session": salt},
+            **extra,
+        )  # fmt: skip
+        spliced = sum(d.get("prefilled_tokens", 0) for d in m.model_extra["leyline"]["directives"])
+        out.append((m, m.usage.input_tokens + spliced))
+        text = "".join(b.text for b in m.content if b.type == "text")
+        think = " ".join(f"{salt}step{k}_{j} weighs option {j * k}" for j in range(20))
+        msgs = [*msgs, {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": think, "signature": ""},
+                    {"type": "text", "text": text or "ok"}]},
+                {"role": "user", "content": f"Go on {k}."}]  # fmt: skip
+    return out
+
+
+def test_clear_thinking_loop_is_spliced_alike(both):
+    """``clear_thinking_20251015`` (keep 1) over 6 turns on both servers: the same
+    ``applied_edits``, at least 3 AMORTIZE splices, prefill at most 1.10x the unedited loop."""
+    cm = {"edits": [{"type": "clear_thinking_20251015",
+                     "keep": {"type": "thinking_turns", "value": 1}}]}  # fmt: skip
+    edits = {}
+    for srv in both:
+        client, salt = sdk(srv), f"tl{both[1].block}{srv.name}"
+        before = srv.stats()["splices"]["amortize"]
+        edited = think_loop(client, srv, salt + "e", cm)
+        spliced = srv.stats()["splices"]["amortize"] - before
+        plain = think_loop(client, srv, salt + "p")
+        edits[srv.name] = [[(e.type, e.cleared_thinking_turns)
+                            for e in m.context_management.applied_edits] for m, _ in edited]  # fmt: skip
+        assert spliced >= 3, (srv.name, spliced)
+        total_edited, total_plain = sum(p for _, p in edited), sum(p for _, p in plain)
+        print(f"{srv.name} block {both[1].block}: clear_thinking prefilled {total_edited} vs "
+              f"{total_plain} unedited = {total_edited / total_plain:.3f}x, {spliced} splices")  # fmt: skip
+        assert total_edited <= 1.10 * total_plain, (srv.name, total_edited, total_plain)
+    assert edits["leyline"] == edits["vllm"]
+    assert edits["leyline"][5] == [("clear_thinking_20251015", 4)]
