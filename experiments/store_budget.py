@@ -1,15 +1,16 @@
 """The Responses store's byte budget over HTTP: does a real ``leyline serve`` keep its RSS within it?
 
-Starts ``leyline serve`` (``soak_rss.start_server``) with one API key and stores
-``--responses`` responses, each with an ``input`` of ``--input-bytes`` bytes of text (``store``
-on, 1 output token), from ``--clients`` clients (each with its own key of the one tenant: a key's body
-bytes in flight are bounded, ``--max-key-body-bytes``). The text is a line the tokenizer covers in
-few tokens, repeated, so a 1 MB input is a prompt within the model's context that the
-prefix cache serves after the first request. Printed, every ``--every`` responses and at
-the end: the server's RSS, and the tenant's ``stored_responses`` / ``stored_response_bytes``
-from ``/leyline/v1/stats``; then the RSS and the stats after ``/leyline/v1/flush`` and its
-``dropped_responses``. The budget is the store's per-tenant limit (``StoreLimits``: 256 MiB);
-the RSS growth over the warm start (after ``--warmup`` responses and a flush) is set beside it.
+Starts ``leyline serve`` (``soak_rss.start_server``) and stores ``--responses`` responses,
+each with an ``input`` of ``--input-bytes`` bytes of text (``store`` on, 1 output token), from
+``--clients`` clients, each with its own key of one tenant (a key's body bytes in flight are
+bounded: ``--max-key-body-bytes``). The text is a line the tokenizer covers in few tokens,
+repeated (``testing.reliability.long_input``), so a 1 MB input is a prompt within the
+model's context that the prefix cache serves after the first request. Printed, every
+``--every`` responses and at the end: the server's RSS, and the tenant's
+``stored_responses`` / ``stored_response_bytes`` from ``/leyline/v1/stats``; then the RSS and
+the stats after ``/leyline/v1/flush`` and its ``dropped_responses``. The budget is the
+store's per-tenant limit (``StoreLimits``: 256 MiB); the RSS growth over the warm start
+(after ``--warmup`` responses and a flush) is set beside it.
 
     leyline bench store-budget --model DIR                     # 5,000 x 1 MB, 2 clients
     leyline bench store-budget --model DIR --responses 300 --every 100
@@ -26,15 +27,11 @@ from pathlib import Path
 import httpx
 
 from leyline_agent.server.responses_store import StoreLimits
+from leyline_agent.testing.reliability import long_input
 
 from .soak_rss import rss_mb, start_server
 
 KEYS = [f"store-budget-key-{k}" for k in range(64)]  # one per client, one tenant
-LINE = "#" + "-" * 75 + "x"  # "#---…" is one token of the test models' tokenizers
-
-
-def _input(nbytes: int) -> str:
-    return (LINE * (nbytes // len(LINE) + 1))[:nbytes]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     keys.write_text("".join(f"{k} tenant\n" for k in KEYS))
     proc, url = start_server(model, "--api-key-file", str(keys))
     auth = {"Authorization": f"Bearer {KEYS[0]}"}
-    text = _input(args.input_bytes)
+    text = long_input(args.input_bytes)
     budget_mb = StoreLimits().tenant_bytes / 2**20
     print(f"{args.responses} responses of {args.input_bytes} bytes of input, {args.clients} "
           f"clients; store budget {budget_mb:.0f} MiB per tenant", flush=True)  # fmt: skip

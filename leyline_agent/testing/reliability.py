@@ -18,7 +18,8 @@ request. The thresholds are the caller's (tests/reliability/conftest.py, the soa
 
 Hostile bodies' parts shared by the tests and the soak benchmark: ``failing_call_history``
 (a chat whose tool result a ``failed_call`` edit reads), ``nested_array`` (a schema nested
-``depth`` arrays deep) and ``function_tool``.
+``depth`` arrays deep) and ``function_tool``; ``long_input`` (a megabyte of text that is a
+prompt within the test models' context) is shared with ``bench store-budget``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "failing_call_history",
     "function_tool",
     "key_file_text",
+    "long_input",
     "nested_array",
 ]
 
@@ -311,3 +313,12 @@ def nested_array(depth: int) -> dict[str, Any]:
 def function_tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     """A chat request's function tool."""
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+_LONG_LINE = "#" + "-" * 75 + "x"  # "#---…" is one token of the test models' tokenizer
+
+
+def long_input(nbytes: int) -> str:
+    """``nbytes`` of ASCII text the test models' tokenizer covers in about 2 tokens per 77
+    bytes: a 1 MB input is a prompt (26,000 tokens) within their 32,768-token context."""
+    return (_LONG_LINE * (nbytes // len(_LONG_LINE) + 1))[:nbytes]

@@ -9,6 +9,9 @@ and its byte budget and TTL on the store itself (sizes computed here with ``json
 - ``/leyline/v1/stats`` counts the tenant's stored responses and bytes; ``/leyline/v1/flush``
   drops them (``dropped_responses``) and they read as unknown afterwards; the other tenant's
   are untouched;
+- 4 responses of a 250 KB ``input`` (a prompt within the context): counted, the server's RSS
+  grows by less than the store's per-tenant budget (256 MiB), and after flush it is within
+  64 MB of where it was before them (``leyline bench store-budget`` runs 1 MB inputs);
 - ``ResponseStore``: entries past the tenant's byte budget go least recently used first, the
   bytes it counts are the entries' compact JSON, and an entry past its TTL reads as unknown.
 """
@@ -17,13 +20,16 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from leyline_agent.server.responses_store import ResponseStore, StoredResponse, StoreLimits
-from leyline_agent.testing.reliability import ALICE, MALLORY, MALLORY_2
+from leyline_agent.testing.reliability import ALICE, MALLORY, MALLORY_2, long_input
 
 RESPONSES = "/v1/responses"
+LARGE_RESPONSES = 4
+INPUT_BYTES = 250_000  # 6,500 tokens: its first prefill stays short on a loaded machine
 
 
 def _body(name: str, **extra) -> dict:
@@ -88,6 +94,34 @@ def test_stats_count_the_store_and_flush_clears_it(post, http, as_key, served_na
     for r in ours:
         assert http.get(f"{RESPONSES}/{r['id']}", headers=as_key(MALLORY)).status_code == 404
     assert http.get(f"{RESPONSES}/{theirs['id']}", headers=as_key(ALICE)).status_code == 200
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the RSS from /proc")
+def test_large_inputs_stay_within_the_store_budget(live, post, http, as_key, served_name):
+    # a scaled run of `leyline bench store-budget` (1 MB inputs: runs/store-budget)
+    body = _body(served_name, input=long_input(INPUT_BYTES), max_output_tokens=1)
+    assert post(RESPONSES, body).status_code == 200  # the prefix cache and the threads warm
+    assert http.post("/leyline/v1/flush", headers=as_key(MALLORY)).status_code == 200
+    warm = _rss_mb(live.process.pid)
+    for _ in range(LARGE_RESPONSES):
+        r = post(RESPONSES, body)
+        assert r.status_code == 200, r.text[:300]
+    counted = http.get("/leyline/v1/stats", headers=as_key(MALLORY)).json()
+    assert counted["stored_responses"] == LARGE_RESPONSES
+    assert counted["stored_response_bytes"] >= LARGE_RESPONSES * INPUT_BYTES
+    grown = _rss_mb(live.process.pid) - warm
+    assert grown < StoreLimits().tenant_bytes / 2**20, grown  # the documented budget
+    flushed = http.post("/leyline/v1/flush", headers=as_key(MALLORY)).json()
+    assert flushed["dropped_responses"] == LARGE_RESPONSES
+    time.sleep(1.5)  # the engine trims once idle
+    assert _rss_mb(live.process.pid) - warm < 64, (warm, grown)
 
 
 def _entry(k: int, size: int) -> StoredResponse:
