@@ -30,7 +30,7 @@ log = structlog.get_logger(__name__)
 __all__ = ["LANE_NICE", "LARGE_TEXT_CHARS", "tokenize"]
 
 LARGE_TEXT_CHARS = 64 * 1024
-LANE_NICE = 10
+LANE_NICE = 5
 
 
 def _lower_priority() -> None:
