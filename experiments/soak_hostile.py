@@ -8,9 +8,10 @@ plus as many hostile ones). Normal clients send short chats (20 to 100 words,
 (regexes that backtrack, placeholders turned patterns, unclosed think tags, huge or deep schemas, 10,000 edits, a borrowed server session, a remote ``$ref``, a
 stored response with a large ``metadata``, malformed JSON). Printed: every status per kind
 of request with its time to answer (median and worst), the 5xx count, the normal requests' p50 / p99 in quiet and in hostile phases
-and their ratio, and the server's RSS before the run, after it, and after
-``/leyline/v1/flush`` of both tenants (also flushed at the end of every hostile phase: the
-RSS after each of those flushes shows whether anything accumulates from cycle to cycle).
+and their ratio, and the server's RSS before the run, after the first quiet phase (warmed by
+normal traffic alone), after the run, and after ``/leyline/v1/flush`` of both tenants (also
+flushed at the end of every hostile phase: the RSS after each of those flushes shows whether
+anything accumulates from cycle to cycle).
 
     leyline bench soak-hostile --model DIR                      # 32 clients, 10 minutes
     leyline bench soak-hostile --model DIR --clients 8 --phases 2 --phase-s 20
@@ -211,9 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         for th in threads:
             th.start()
         rss_cycles = []  # after each hostile phase's flush: flat if nothing accumulates
+        rss_warm = float("nan")
         for k in range(2 * args.phases):
             phase[0] = ("quiet", "hostile")[k % 2]
             time.sleep(max(0.0, min(args.phase_s, until - time.monotonic())))
+            if k == 0:  # the server warmed by normal traffic alone: what a flush comes back to
+                rss_warm = rss_mb(proc.pid)
             if k % 2 and k < 2 * args.phases - 1:
                 _flush(url)
                 rss_cycles.append(rss_mb(proc.pid))
@@ -240,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {len(xs)} | {_p(xs, 50):.3f} | {_p(xs, 99):.3f} |")
     print(f"normal p99 hostile / quiet = {_p(h, 99) / _p(q, 99):.2f}x; "
           f"p50 = {_p(h, 50) / _p(q, 50):.2f}x")  # fmt: skip
-    print(f"RSS: start {rss_start:.0f} MB, after the run {rss_after:.0f} MB, "
-          f"after flush {rss_flushed:.0f} MB")  # fmt: skip
+    print(f"RSS: start {rss_start:.0f} MB, after the first quiet phase {rss_warm:.0f} MB, "
+          f"after the run {rss_after:.0f} MB, after flush {rss_flushed:.0f} MB")  # fmt: skip
     cycles = [*rss_cycles, rss_flushed]
     print("RSS after each hostile phase's flush: " + ", ".join(f"{x:.0f}" for x in cycles)
           + " MB")  # fmt: skip
