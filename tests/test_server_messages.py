@@ -16,6 +16,8 @@ import anthropic
 import httpx
 import pytest
 
+from leyline_agent.testing.messages_loops import think_loop
+
 ARCH = "llama"
 TOOL = {
     "name": "read_file",
@@ -278,37 +280,23 @@ def test_cache_control_marks_are_listed_by_path_streamed_and_counted(server, nam
     assert after.get(key, 0) - before.get(key, 0) == 2, (before, after)
 
 
-def think_loop(client, name, turns, salt, context_management=None):
-    """A scripted loop whose assistant turns each open with a long ``thinking`` block (the
-    template renders it as a ``<think>`` span); per turn (message, prefilled tokens)."""
-    msgs = [{"role": "user", "content": f"Plan the work {salt}."}]
-    out = []
-    for k in range(turns):
-        extra = {"context_management": context_management} if context_management else {}
-        m = client.beta.messages.create(
-            model=name, max_tokens=3, extra_body=GREEDY, messages=msgs, betas=BETA, **extra
-        )
-        spliced = sum(d.get("prefilled_tokens", 0) for d in m.model_extra["leyline"]["directives"])
-        out.append((m, m.usage.input_tokens + spliced))
-        text = "".join(b.text for b in m.content if b.type == "text")
-        think = " ".join(f"{salt}step{k}_{j} weighs option {j * k}" for j in range(20))
-        msgs = [*msgs, {"role": "assistant", "content": [
-                    {"type": "thinking", "thinking": think, "signature": ""},
-                    {"type": "text", "text": text or "ok"}]},
-                {"role": "user", "content": f"Go on {k}."}]  # fmt: skip
-    return out
-
-
 def test_clear_thinking_loop_splices_and_prefills_like_the_unedited_loop(client, server, name):
     """``clear_thinking_20251015`` (keep 1) over 6 turns: each turn reports the thinking turns
     it cleared, each newly cleared block is spliced (AMORTIZE, at least 3), and the loop
     prefills at most 1.10x the tokens of the same loop without edits."""
     cm = {"edits": [{"type": "clear_thinking_20251015",
                      "keep": {"type": "thinking_turns", "value": 1}}]}  # fmt: skip
+
+    def send(cm):
+        return lambda msgs: client.beta.messages.create(
+            model=name, max_tokens=3, extra_body=GREEDY, messages=msgs, betas=BETA,
+            **({"context_management": cm} if cm else {}),
+        )  # fmt: skip
+
     before = stats(server)["splices"]["amortize"]
-    edited = think_loop(client, name, 6, "te", cm)
+    edited = think_loop(send(cm), "te")
     spliced = stats(server)["splices"]["amortize"] - before
-    plain = think_loop(client, name, 6, "tp")
+    plain = think_loop(send(None), "tp")
     for k, (m, _) in enumerate(edited):
         (edit,) = m.context_management.applied_edits
         assert (edit.type, edit.cleared_thinking_turns) == (

@@ -13,6 +13,8 @@ import json
 
 import anthropic
 
+from leyline_agent.testing.messages_loops import prefilled, think_loop
+
 from .conftest import KEY
 
 TOOL = {"name": "read_file", "description": "read a file",
@@ -41,8 +43,7 @@ def loop(client, srv, salt: str, cm=None) -> list[tuple[object, int]]:
             betas=["context-management-2025-06-27"], extra_headers={"X-Leyline-Session": salt},
             **extra,
         )  # fmt: skip
-        spliced = sum(d.get("prefilled_tokens", 0) for d in m.model_extra["leyline"]["directives"])
-        out.append((m, m.usage.input_tokens + spliced))
+        out.append((m, prefilled(m)))
         text = "".join(b.text for b in m.content if b.type == "text")
         use = {"type": "tool_use", "id": f"toolu_{salt}{k}", "name": "read_file",
                "input": {"path": f"f{k}.py"}}  # fmt: skip
@@ -75,24 +76,34 @@ def test_messages_and_count_tokens_alike(both):
     assert views[0] == views[1]
 
 
+def edited_vs_plain(srv, what: str, run, cm) -> list:
+    """``run(salt suffix, context_management)`` with ``cm`` and without: at least 3 AMORTIZE
+    splices, and at most 1.10x the unedited run's prefill; the edited run's messages."""
+    before = srv.stats()["splices"]["amortize"]
+    edited = run("e", cm)
+    spliced = srv.stats()["splices"]["amortize"] - before
+    plain = run("p", None)
+    assert spliced >= 3, (srv.name, what, spliced)
+    total_edited, total_plain = sum(p for _, p in edited), sum(p for _, p in plain)
+    print(f"{srv.name}, {what}: prefilled {total_edited} vs {total_plain} "
+          f"unedited = {total_edited / total_plain:.3f}x, {spliced} splices")  # fmt: skip
+    assert total_edited <= 1.10 * total_plain, (srv.name, what, total_edited, total_plain)
+    return [m for m, _ in edited]
+
+
 def test_clear_tool_uses_is_spliced_alike(both):
     edits = {}
     for srv in both:
-        client = sdk(srv)
-        salt = f"msg{both[1].block}{srv.name}"
-        before = srv.stats()["splices"]["amortize"]
-        edited = loop(client, srv, salt + "e", CLEAR)
-        spliced = srv.stats()["splices"]["amortize"] - before
-        plain = loop(client, srv, salt + "p")
+        client, salt = sdk(srv), f"msg{both[1].block}{srv.name}"
+
+        def run(suffix, cm, client=client, srv=srv, salt=salt):
+            return loop(client, srv, salt + suffix, cm)
+
+        edited = edited_vs_plain(srv, f"clear_tool_uses (block {both[1].block})", run, CLEAR)
         edits[srv.name] = [
             [(e.type, e.cleared_tool_uses) for e in m.context_management.applied_edits]
-            for m, _ in edited
+            for m in edited
         ]
-        assert spliced >= 3, (srv.name, spliced)
-        total_edited, total_plain = sum(p for _, p in edited), sum(p for _, p in plain)
-        print(f"{srv.name} block {both[1].block}: prefilled {total_edited} vs {total_plain} "
-              f"unedited = {total_edited / total_plain:.3f}x, {spliced} splices")  # fmt: skip
-        assert total_edited <= 1.10 * total_plain, (srv.name, total_edited, total_plain)
     assert edits["leyline"] == edits["vllm"]
     assert edits["leyline"][5] == [("clear_tool_uses_20250919", 3)]
 
@@ -152,29 +163,6 @@ def test_hints_are_listed_alike(both):
         assert sorted(n["field"] for n in delta["leyline"]["ignored"]) == sorted(want), srv.name
 
 
-def think_loop(client, srv, salt: str, cm=None) -> list[tuple[object, int]]:
-    """Six turns whose assistant turns each open with a long ``thinking`` block (a
-    ``<think>`` span the template renders); per turn (message, prefilled tokens)."""
-    msgs = [{"role": "user", "content": f"Plan the work {salt}."}]
-    out = []
-    for k in range(6):
-        extra = {"context_management": cm} if cm else {}
-        m = client.beta.messages.create(
-            model=srv.model, max_tokens=3, messages=msgs, extra_body=GREEDY,
-            betas=["context-management-2025-06-27"], extra_headers={"X-Leyline-Session": salt},
-            **extra,
-        )  # fmt: skip
-        spliced = sum(d.get("prefilled_tokens", 0) for d in m.model_extra["leyline"]["directives"])
-        out.append((m, m.usage.input_tokens + spliced))
-        text = "".join(b.text for b in m.content if b.type == "text")
-        think = " ".join(f"{salt}step{k}_{j} weighs option {j * k}" for j in range(20))
-        msgs = [*msgs, {"role": "assistant", "content": [
-                    {"type": "thinking", "thinking": think, "signature": ""},
-                    {"type": "text", "text": text or "ok"}]},
-                {"role": "user", "content": f"Go on {k}."}]  # fmt: skip
-    return out
-
-
 def test_clear_thinking_loop_is_spliced_alike(both):
     """``clear_thinking_20251015`` (keep 1) over 6 turns on both servers: the same
     ``applied_edits``, at least 3 AMORTIZE splices, prefill at most 1.10x the unedited loop."""
@@ -183,16 +171,20 @@ def test_clear_thinking_loop_is_spliced_alike(both):
     edits = {}
     for srv in both:
         client, salt = sdk(srv), f"tl{both[1].block}{srv.name}"
-        before = srv.stats()["splices"]["amortize"]
-        edited = think_loop(client, srv, salt + "e", cm)
-        spliced = srv.stats()["splices"]["amortize"] - before
-        plain = think_loop(client, srv, salt + "p")
+
+        def run(suffix, cm, client=client, srv=srv, salt=salt):
+            def send(msgs):
+                return client.beta.messages.create(
+                    model=srv.model, max_tokens=3, messages=msgs, extra_body=GREEDY,
+                    betas=["context-management-2025-06-27"],
+                    extra_headers={"X-Leyline-Session": salt + suffix},
+                    **({"context_management": cm} if cm else {}),
+                )  # fmt: skip
+
+            return think_loop(send, salt + suffix)
+
+        edited = edited_vs_plain(srv, f"clear_thinking (block {both[1].block})", run, cm)
         edits[srv.name] = [[(e.type, e.cleared_thinking_turns)
-                            for e in m.context_management.applied_edits] for m, _ in edited]  # fmt: skip
-        assert spliced >= 3, (srv.name, spliced)
-        total_edited, total_plain = sum(p for _, p in edited), sum(p for _, p in plain)
-        print(f"{srv.name} block {both[1].block}: clear_thinking prefilled {total_edited} vs "
-              f"{total_plain} unedited = {total_edited / total_plain:.3f}x, {spliced} splices")  # fmt: skip
-        assert total_edited <= 1.10 * total_plain, (srv.name, total_edited, total_plain)
+                            for e in m.context_management.applied_edits] for m in edited]  # fmt: skip
     assert edits["leyline"] == edits["vllm"]
     assert edits["leyline"][5] == [("clear_thinking_20251015", 4)]
