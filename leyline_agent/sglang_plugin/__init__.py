@@ -18,10 +18,11 @@ node), the ``TokenToKVPoolAllocator`` (hands out and takes back slots), the KV p
   reply's message.
 - ``batch``: pure, from a ``directives.pipeline.Plan`` to the ``DirectiveCalls`` that
   execute it, and the answer.
-- ``executor``: the request through ``directives.pipeline`` (compile, ``leyline_lookup``,
-  decide), then the one check -> prefill -> splice loop, over a transport.
-- ``client``: ``SGLangRuntime`` (the ``Runtime`` protocol over an embedded ``sglang.Engine``).
-- ``http_route``: ``POST /leyline/v1/directives`` on SGLang's own HTTP server.
+- ``executor``: ``SGLangBackend``, the ``directives.service.DirectiveBackend`` over a
+  transport: ``leyline_lookup``, every check, then the prefill -> splice loop; flush.
+- ``client``: ``SGLangRuntime`` (the ``Runtime`` protocol over an embedded ``sglang.Engine``),
+  and the ``DirectiveService`` of a served model (``directive_service``).
+- ``http_route``: the service's routes on SGLang's own HTTP server.
 - ``launch``: ``leyline serve --engine sglang``.
 
 ``register`` is the ``sglang.srt.plugins`` entry point; SGLang's ``load_plugins()`` calls it
