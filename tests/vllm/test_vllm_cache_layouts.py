@@ -324,11 +324,11 @@ def test_mla_wrong_stride_order_and_sparse_are_refused():
 
 
 # -- CPU_ATTN -------------------------------------------------------------------------------
-def test_cpu_backend_rows_move_with_its_own_op():
-    n = 32  # the CPU kernels take block sizes in multiples of 32
+def _cpu_setup(alloc_layout: KVCacheLayout, n: int = 32):
+    """CPU_ATTN layers (the real backend, its impl's write code and op); ``n`` rows a block:
+    the CPU kernels take multiples of 32."""
     spec = FullAttentionSpec(block_size=n, num_kv_heads=HEADS, head_size=D, dtype=torch.float32)
-    layout = CPUAttentionBackend.supported_kv_cache_layouts()[0]
-    views = _allocate(spec, layout)
+    views = _allocate(spec, alloc_layout)
     fake = types.SimpleNamespace(attn_type="decoder", kv_cache_dtype="auto")
     impl = types.SimpleNamespace(
         do_kv_cache_update=types.MethodType(CPUAttentionBackendImpl.do_kv_cache_update, fake)
@@ -336,6 +336,22 @@ def test_cpu_backend_rows_move_with_its_own_op():
     isa = _get_attn_isa(torch.float32, n, D)
     layers = [_layer(kv, CPUAttentionBackend, impl, spec, isa=isa, _k_scale_float=1.0,
                      _v_scale_float=1.0) for kv in views]  # fmt: skip
+    return spec, views, impl, layers
+
+
+def test_cpu_backend_refuses_what_it_does_not_declare():
+    declared = CPUAttentionBackend.supported_kv_cache_layouts()[0]
+    _, views, _, layers = _cpu_setup(KVCacheLayout.LBNHC)
+    with pytest.raises(UnsupportedLayoutError, match="backend CPU_ATTN: the cache's stride order"):
+        layer_layout(layers[0], views[0], _config(layers, declared, LLAMA))
+    with pytest.raises(UnsupportedLayoutError, match="backend CPU_ATTN: the resolved layout LBNHC"):
+        layer_layout(layers[0], views[0], _config(layers, KVCacheLayout.LBNHC, LLAMA))
+
+
+def test_cpu_backend_rows_move_with_its_own_op():
+    n = 32
+    layout = CPUAttentionBackend.supported_kv_cache_layouts()[0]
+    spec, views, impl, layers = _cpu_setup(layout, n)
     cfg = _config(layers, layout, LLAMA)
     rows = layer_layout(layers[0], views[0], cfg)
     inv = LlamaRotaryEmbedding(LLAMA).inv_freq
