@@ -252,7 +252,8 @@ def test_every_field_of_the_messages_table(server, name):
 
 def test_cache_control_marks_are_listed_by_path_streamed_and_counted(server, name):
     """``cache_control`` on a system block, a text block, a tool_result's block and a tool:
-    each listed by its path (in ``message_delta`` when streamed), counted in stats."""
+    each listed by its path (in ``message_delta`` when streamed; by ``count_tokens`` too),
+    counted in stats."""
     use = {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "a"}}
     mark = {"cache_control": {"type": "ephemeral"}}
     result = {"type": "tool_result", "tool_use_id": "toolu_1",
@@ -275,9 +276,13 @@ def test_cache_control_marks_are_listed_by_path_streamed_and_counted(server, nam
                   if ln.startswith("data: ") and '"message_delta"' in ln]  # fmt: skip
     (delta,) = deltas
     assert sorted(n["field"] for n in delta["leyline"]["ignored"]) == sorted(want)
+    counted = {k: v for k, v in body.items() if k not in ("max_tokens", "temperature")}
+    r = httpx.post(f"{server.url}/v1/messages/count_tokens", json=counted, timeout=60)
+    assert r.status_code == 200, r.text
+    assert sorted(n["field"] for n in r.json()["leyline"]["ignored"]) == sorted(want)
     after = stats(server)["ignored_fields"]
     key = "messages.content.cache_control"  # counted without list indices
-    assert after.get(key, 0) - before.get(key, 0) == 2, (before, after)
+    assert after.get(key, 0) - before.get(key, 0) == 3, (before, after)
 
 
 def test_clear_thinking_loop_splices_and_prefills_like_the_unedited_loop(client, server, name):

@@ -12,7 +12,8 @@ counted and logged, as the OpenAI routes' are (``request_fields``).
 ``POST /v1/messages/count_tokens`` answers ``input_tokens``: the prompt the request renders
 with the served template; with ``context_management``, the prompt after the edits that would
 trigger on it as a fresh conversation (``front.turns.plan_turn``: pure, nothing spliced), and
-``context_management.original_input_tokens`` the prompt before them, as Anthropic answers.
+``context_management.original_input_tokens`` the prompt before them, as Anthropic answers;
+its hints are listed in ``leyline.ignored`` too.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from leyline_agent.front.messages import (
     ignored_fields,
     message_answer,
     parse_request,
+    with_ignored,
 )
 from leyline_agent.front.turns import plan_turn
 from leyline_agent.server.completions import check_messages, messages_for_template
@@ -56,8 +58,7 @@ _CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
 async def create_message(request: Request) -> Response:
     req = parse_request(MessagesRequest, request.state.json_body)
     chat = parse_request(ChatCompletionRequest, chat_body(req, _CHAT_FIELDS))
-    # Anthropic's hints: listed by the chat answer's leyline.ignored, counted and logged
-    ignore(request, [Ignored(n["field"], n["reason"]) for n in ignored_fields(req)])
+    _ignore_hints(request, req)  # the chat answer lists them in leyline.ignored
     model = state(request).model.id
     answer = await chat_completions(chat, request)
     if not req.stream:
@@ -74,7 +75,18 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     req = parse_request(CountTokensRequest, request.state.json_body)
     chat = parse_request(ChatCompletionRequest, chat_body(req, _CHAT_FIELDS))
-    return JSONResponse(await count_prompt(request, chat))
+    notes = _ignore_hints(request, req)
+    return JSONResponse(with_ignored(await count_prompt(request, chat), notes))
+
+
+def _ignore_hints(
+    request: Request, req: CountTokensRequest | MessagesRequest
+) -> list[dict[str, str]]:
+    """Anthropic's hints in ``req`` (``ignored_fields``), counted and logged as the OpenAI
+    routes' are; returned as ``leyline.ignored`` lists them."""
+    notes = ignored_fields(req)
+    ignore(request, [Ignored(n["field"], n["reason"]) for n in notes])
+    return notes
 
 
 async def count_prompt(request: Request, chat: ChatCompletionRequest) -> dict[str, Any]:

@@ -14,7 +14,7 @@ vLLM's own Anthropic routes (which know no ``context_management``):
 - ``/v1/messages/count_tokens``: the prompt's tokens as vLLM's chat route renders them
   (``EditRunner.render_chat``); with ``context_management``, after the edits that would
   trigger on it as a fresh conversation (``front.turns.plan_turn``, pure), plus
-  ``context_management.original_input_tokens``.
+  ``context_management.original_input_tokens``; its hints listed in ``leyline.ignored``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ async def count_tokens(front: ChatFront, raw: bytes) -> dict[str, Any]:
             "context_management": {"original_input_tokens": original},
         }
 
-    return await asyncio.to_thread(counted)
+    return with_ignored(await asyncio.to_thread(counted), ignored_fields(req))
 
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]

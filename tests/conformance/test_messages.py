@@ -145,7 +145,7 @@ def test_clear_thinking_is_spliced_alike(both):
 def test_hints_are_listed_alike(both):
     """Anthropic's hints (``service_tier``, ``metadata.user_id``, ``cache_control`` on the
     request and on a block) are listed in ``leyline.ignored`` by path on both servers, in the
-    Message and in the stream's ``message_delta``."""
+    Message, in the stream's ``message_delta`` and by ``count_tokens`` (its block's mark)."""
     body = {"max_tokens": 2, "temperature": 0, "service_tier": "auto",
             "metadata": {"user_id": "u"}, "cache_control": {"type": "ephemeral"},
             "messages": [{"role": "user", "content": [
@@ -161,6 +161,11 @@ def test_hints_are_listed_alike(both):
         (delta,) = [json.loads(ln[6:]) for ln in r.text.splitlines()
                     if ln.startswith("data: ") and '"message_delta"' in ln]  # fmt: skip
         assert sorted(n["field"] for n in delta["leyline"]["ignored"]) == sorted(want), srv.name
+        counted = {k: v for k, v in body.items() if k in ("messages", "system", "tools")}
+        r = srv.post("/v1/messages/count_tokens", {**counted, "model": srv.model})
+        assert r.status_code == 200, (srv.name, r.text)
+        fields = sorted(n["field"] for n in r.json()["leyline"]["ignored"])
+        assert fields == ["messages[0].content[0].cache_control"], srv.name
 
 
 def test_clear_thinking_loop_is_spliced_alike(both):
