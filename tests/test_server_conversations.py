@@ -54,3 +54,21 @@ def test_a_user_message_edit_is_not_believed_without_the_call_ids():
     store, raw = _store(REPLY_TEXT)
     assert store.find("", None, [*raw, REPLY_TEXT]) is not None
     assert store.find("", None, [*_edited(raw), REPLY_TEXT]) is None
+
+
+def test_a_tenants_conversations_are_bounded_by_their_text_lru_first():
+    store = ConversationStore(per_tenant_chars=10_000)
+    ids = []
+    for k in range(10):  # 1,000 characters sent + 1,000 served + a 10-character reply each
+        conv = store.new("t", None)
+        conv.raw = [{"role": "user", "content": f"{k}" * 1000}]
+        conv.served, conv.reply = list(conv.raw), {"role": "assistant", "content": "r" * 10}
+        store.save("t", conv)
+        ids.append(conv.id)
+    kept = [cid for cid in ids if cid in store._tenants["t"]]
+    assert kept == ids[-4:]  # 4 x 2,010 fit in 10,000; a fifth would not
+    other = store.new("u", None)
+    other.raw = other.served = [{"role": "user", "content": "x" * 50_000}]
+    store.save("u", other)  # over the budget alone: the one just saved is kept
+    assert len(store) == 5
+    assert store.forget_tenant("t") == 4 and len(store) == 1

@@ -36,7 +36,9 @@ same state (a client with the same opening, arriving together) continues another
 starts its own, and a repeat of the last prompt never continues an anonymous conversation
 (it proves nothing about who sent it). The answer's commit saves the next state unclaimed;
 a request that fails leaves its state claimed, so the client's next turn starts afresh.
-Bounded: the least recently used conversations are forgotten. Cost: a lookup compares the
+Bounded: the least recently used conversations are forgotten, past ``per_tenant`` of them
+or past ``per_tenant_chars`` characters of message text (the prompt as sent and as served,
+and the reply) in a tenant's conversations; the one just saved is always kept. Cost: a lookup compares the
 request with each conversation of its tenant (and key, or session); without an echo (or a
 declared edit) no message may differ, so a conversation whose last message differs from the
 request's message at that place is ruled out by that one comparison before any walk over
@@ -78,6 +80,7 @@ __all__ = [
 
 CONVERSATION_PREFIX = SERVER_SESSION_PREFIX  # an anonymous conversation's session
 DEFAULT_CONVERSATIONS = 4096
+DEFAULT_CONVERSATION_CHARS = 64 << 20  # per tenant (a 1 MB prompt counts twice: sent, served)
 _clock = itertools.count(1)
 
 
@@ -144,12 +147,17 @@ class Match:
 class ConversationStore:
     """Conversations per tenant; thread-safe."""
 
-    def __init__(self, per_tenant: int = DEFAULT_CONVERSATIONS) -> None:
-        if per_tenant < 1:
-            raise ValueError(f"per_tenant: {per_tenant} must be >= 1")
-        self.per_tenant = per_tenant
+    def __init__(
+        self,
+        per_tenant: int = DEFAULT_CONVERSATIONS,
+        per_tenant_chars: int = DEFAULT_CONVERSATION_CHARS,
+    ) -> None:
+        if per_tenant < 1 or per_tenant_chars < 1:
+            raise ValueError(f"per_tenant {per_tenant}, chars {per_tenant_chars}: must be >= 1")
+        self.per_tenant, self.per_tenant_chars = per_tenant, per_tenant_chars
         self._lock = threading.Lock()
         self._tenants: dict[str, OrderedDict[str, Conversation]] = {}
+        self._chars: dict[str, dict[str, int]] = {}  # tenant -> conversation id -> its text
 
     def find(
         self,
@@ -247,12 +255,19 @@ class ConversationStore:
 
     def save(self, tenant: str, conv: Conversation) -> None:
         conv.used = next(_clock)
+        size = sum(len(message_text(m)) for m in (*conv.raw, *conv.served, conv.reply or {}))
         with self._lock:
             convs = self._tenants.setdefault(tenant, OrderedDict())
+            chars = self._chars.setdefault(tenant, {})
             convs[conv.id] = conv
             convs.move_to_end(conv.id)
-            while len(convs) > self.per_tenant:
-                convs.popitem(last=False)
+            chars[conv.id] = size
+            total = sum(chars.values())
+            while len(convs) > self.per_tenant or (
+                len(convs) > 1 and total > self.per_tenant_chars
+            ):
+                cid, _ = convs.popitem(last=False)
+                total -= chars.pop(cid, 0)
 
     def forgotten(
         self,
@@ -323,6 +338,7 @@ class ConversationStore:
     def forget_tenant(self, tenant: str) -> int:
         """Drop every conversation of ``tenant`` (a cache flush); how many there were."""
         with self._lock:
+            self._chars.pop(tenant, None)
             return len(self._tenants.pop(tenant, {}))
 
     def __len__(self) -> int:
