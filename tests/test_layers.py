@@ -336,7 +336,7 @@ def test_the_root_contracts_import_nothing_from_a_package_folder(package):
 
 
 # Who may run a directive request's steps (compile, decide, request ids, the body's checks):
-# the one service, and the vLLM plugin's route, which does not mount it yet (issue 39).
+# the one service, and the vLLM plugin's route, which does not mount it yet.
 DIRECTIVE_STEPS = {
     "leyline_agent.directives.pipeline": {"compile_request", "decide"},
     "leyline_agent.directives.idempotence": {"fingerprint", "check_request_id"},

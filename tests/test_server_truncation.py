@@ -55,7 +55,7 @@ def test_responses_forced_call_cut_by_the_budget_is_incomplete(client, name):
     # the terminal event carries the whole response, as OpenAI's does; the openai SDK's
     # get_final_response() (3.57 pinned, 3.60 alike) keeps a final response only from
     # response.completed and raises on this, OpenAI's own truncated stream (the SDK's fix,
-    # openai/openai-python PR 3538, is open): read the terminal event's response instead
+    # an open pull request upstream): read the terminal event's response instead
     with client.responses.stream(**kw) as stream:
         with pytest.raises(RuntimeError, match="response.completed"):
             stream.get_final_response()

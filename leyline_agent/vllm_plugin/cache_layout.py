@@ -3,7 +3,7 @@
 vLLM 0.32 views every attention layer's cache as the logical ``[B, H, N, C]`` (blocks,
 head slots, rows per block, content; ``vllm/v1/kv_cache_interface.create_kv_cache_views``),
 with the physical order of those axes given by the engine's resolved ``KVCacheLayout``
-(``layer_view_order``; RFC #42082). The content ``C`` is the spec's ``head_size +
+(``layer_view_order``, per vLLM's layout RFC). The content ``C`` is the spec's ``head_size +
 head_size_v`` elements: key then value for FlashAttention, FlashInfer and Triton attention
 (their write op ``reshape_and_cache_flash`` stores ``kv.transpose(1, 2).split(head_size)``),
 the latent ``[kv_lora_rank | rope band]`` with no value for the MLA backends
