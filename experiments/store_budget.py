@@ -4,7 +4,7 @@ Starts ``leyline serve`` (``soak_rss.start_server``) and stores ``--responses`` 
 each with an ``input`` of ``--input-bytes`` bytes of text (``store`` on, 1 output token), from
 ``--clients`` clients, each with its own key of one tenant (a key's body bytes in flight are
 bounded: ``--max-key-body-bytes``). The text is a line the tokenizer covers in few tokens,
-repeated (``testing.reliability.long_input``), so a 1 MB input is a prompt within the
+repeated (``long_input``), so a 1 MB input is a prompt within the
 model's context that the prefix cache serves after the first request. Printed, every
 ``--every`` responses and at the end: the server's RSS, and the tenant's
 ``stored_responses`` / ``stored_response_bytes`` from ``/leyline/v1/stats``; then the RSS and
@@ -27,11 +27,17 @@ from pathlib import Path
 import httpx
 
 from leyline_agent.server.responses_store import StoreLimits
-from leyline_agent.testing.reliability import long_input
 
 from .soak_rss import rss_mb, start_server
 
 KEYS = [f"store-budget-key-{k}" for k in range(64)]  # one per client, one tenant
+_LONG_LINE = "#" + "-" * 75 + "x"  # "#---…" is one token of the test models' tokenizer
+
+
+def long_input(nbytes: int) -> str:
+    """``nbytes`` of ASCII text the test models' tokenizer covers in about 2 tokens per 77
+    bytes: a 1 MB input is a prompt (26,000 tokens) within their 32,768-token context."""
+    return (_LONG_LINE * (nbytes // len(_LONG_LINE) + 1))[:nbytes]
 
 
 def main(argv: list[str] | None = None) -> int:

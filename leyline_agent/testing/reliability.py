@@ -32,6 +32,8 @@ from typing import Any, Self
 
 import httpx
 
+from leyline_agent.experiments.store_budget import long_input
+
 __all__ = [
     "ALICE",
     "ALICE_2",
@@ -313,12 +315,3 @@ def nested_array(depth: int) -> dict[str, Any]:
 def function_tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     """A chat request's function tool."""
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
-
-
-_LONG_LINE = "#" + "-" * 75 + "x"  # "#---…" is one token of the test models' tokenizer
-
-
-def long_input(nbytes: int) -> str:
-    """``nbytes`` of ASCII text the test models' tokenizer covers in about 2 tokens per 77
-    bytes: a 1 MB input is a prompt (26,000 tokens) within their 32,768-token context."""
-    return (_LONG_LINE * (nbytes // len(_LONG_LINE) + 1))[:nbytes]
