@@ -37,6 +37,7 @@ from typing import Any
 from .correctness import edit_spans
 from .quality_arms import ARMS, Arm, Case, Completion, QualityServer
 from .quality_data import load_conversations
+from .replay_counts import common_prefix
 
 __all__ = ["QUICK", "ArmResult", "build_cases", "main", "quick_caption", "run_arms"]
 
@@ -127,15 +128,6 @@ def _run_case(server: QualityServer, arm: Arm, case: Case, tok: Any, greedy: int
     return ArmResult(case.id, case.kind, case.variant, arm.name, first, total, argmax, outside)
 
 
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _check_cache(
     arm: Arm, case: Case, prompt: list[int], cached: int, exact: list[list[int]]
 ) -> None:
@@ -144,7 +136,7 @@ def _check_cache(
     if arm.splice and cached < len(case.edited):
         raise RuntimeError(f"{arm.name} on {case.id}: {cached} prompt tokens from the cache, "
                            f"fewer than T' ({len(case.edited)}): the answer did not read the splice")  # fmt: skip
-    allowed = max((_lcp(prompt, p) for p in exact), default=0)
+    allowed = max((common_prefix(prompt, p) for p in exact), default=0)
     if not arm.splice and cached > allowed:
         raise RuntimeError(f"{arm.name} on {case.id}: {cached} prompt tokens from the cache, but "
                            f"exact prefills since the flush share only {allowed} with it")  # fmt: skip

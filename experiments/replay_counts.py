@@ -24,10 +24,11 @@ from typing import Any
 from .replay import personalize
 from .trajectories import TrajectoryRecord
 
-__all__ = ["count"]
+__all__ = ["common_prefix", "count"]
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -66,11 +67,11 @@ def count(
             edited = ids(session.plan(history, traj.tools).messages_to_send, traj.tools)
             plain = ids(history, traj.tools)
             if turn == 0:  # what an earlier session's first prompt shares with this one
-                last_edited = max(firsts, key=lambda f: _common(edited, f), default=[])
-                last_plain = max(firsts, key=lambda f: _common(plain, f), default=[])
+                last_edited = max(firsts, key=lambda f: common_prefix(edited, f), default=[])
+                last_plain = max(firsts, key=lambda f: common_prefix(plain, f), default=[])
                 firsts.append(edited)
-            out["radix"] += len(edited) - _common(edited, last_edited)
-            out["new"] += len(plain) - _common(plain, last_plain)
+            out["radix"] += len(edited) - common_prefix(edited, last_edited)
+            out["new"] += len(plain) - common_prefix(plain, last_plain)
             out["requests"] += 1
             out["prompt_tokens"] += len(edited)
             out["longest_prompt"] = max(out["longest_prompt"], len(edited))
