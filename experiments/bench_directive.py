@@ -73,7 +73,7 @@ def _once(
 def main(argv: list[str] | None = None) -> int:
     import httpx
 
-    from leyline_agent.vllm_plugin.local_server import QUIET_AFTER_REQUEST_S as quiet
+    from leyline_agent.launch import QUIET_AFTER_REQUEST_S as quiet
 
     from .side_by_side import start_target
 

@@ -151,7 +151,7 @@ def _step(gen: Any, out: list[dict], errors: list[BaseException]) -> None:
 def _settle_s(args: argparse.Namespace) -> float:
     """Seconds between two arms' steps: on vLLM, ``QUIET_AFTER_REQUEST_S`` (a server just
     used keeps a core busy for about a second); ``leyline serve`` goes quiet at once (0)."""
-    from leyline_agent.vllm_plugin.local_server import QUIET_AFTER_REQUEST_S
+    from leyline_agent.launch import QUIET_AFTER_REQUEST_S
 
     if args.settle_s is not None:
         return args.settle_s
@@ -167,7 +167,7 @@ def _server(args: argparse.Namespace, arm: str, model: Path, context: int, env: 
     """The arm's server, a context manager that yields ``(base URL, served model name)``."""
     from contextlib import contextmanager
 
-    from leyline_agent.vllm_plugin.local_server import serve_vllm
+    from leyline_agent.launch import serve_vllm
 
     from .bench_serve import leyline_serve
 

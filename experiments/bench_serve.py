@@ -31,15 +31,14 @@ import argparse
 import json
 import os
 import random
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from leyline_agent.launch import serve_leyline
 
 
 @dataclass(slots=True)
@@ -133,43 +132,11 @@ def run_clients(url: str, model: str, prompts: list[list[int]], decode: int) -> 
 def leyline_serve(
     model: Path, flags: list[str], env: dict[str, str] | None, log: Path | None
 ) -> Iterator[str]:
-    """``leyline serve --model MODEL FLAGS`` in a child process on a free loopback port;
-    its base URL once ``/health`` answers. Stopped with SIGTERM (a clean shutdown)."""
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "leyline_agent.cli", "serve", "--model", str(model)]
-    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port), *flags], stdout=out, stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"leyline serve exited ({proc.returncode}); see --log")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("leyline serve was not ready after 300 s")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
-        if log:
-            out.close()  # type: ignore[union-attr]
+    """``leyline serve --model MODEL FLAGS`` in a child process on a free loopback port
+    (``launch.serve_leyline``); its base URL once ``/health`` answers. Stopped with SIGTERM
+    (a clean shutdown)."""
+    with serve_leyline(model, *flags, env=env, log_path=log, timeout=300) as srv:
+        yield srv.url
 
 
 def _load() -> str:

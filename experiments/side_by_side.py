@@ -20,16 +20,15 @@ tools. Outputs: ``results.json``, ``results.md`` (with splice/vanilla-vLLM ratio
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from leyline_agent.errors import LeylineError, RuntimeUnavailableError
+from leyline_agent.errors import LeylineError
+from leyline_agent.launch import QUIET_AFTER_REQUEST_S, serve_leyline, serve_vllm
 
 from .http_replay import replay_http
 from .mechanism import POLICIES, cap_messages
@@ -114,34 +113,12 @@ def run_target(
 def leyline_serve(model_dir: Path, *args: str) -> Iterator[str]:
     """``leyline serve --model model_dir *args`` (``.venv``'s) on a free port, up until the
     block ends: its base URL (no ``/v1``)."""
-    import httpx
-
-    from leyline_agent.vllm_plugin.local_server import free_port
-
-    port = free_port()
-    exe = _ROOT / ".venv" / "bin" / "leyline"
-    log = open(f"/tmp/leyline-serve-{port}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [str(exe), "serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu", *args],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            if proc.poll() is not None:
-                raise RuntimeUnavailableError(
-                    f"leyline serve exited ({proc.returncode}), see {log.name}"
-                )
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-        log.close()
+    log = Path(tempfile.mkstemp(prefix="leyline-serve-", suffix=".log")[1])
+    python = str(_ROOT / ".venv" / "bin" / "python")
+    with serve_leyline(
+        model_dir, "--device", "cpu", *args, python=python, log_path=log, timeout=300
+    ) as srv:
+        yield srv.url
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -241,8 +218,6 @@ def _target(name: str) -> tuple[str, int | None]:
 
 def start_target(stack: ExitStack, name: str, model_dir: Path) -> tuple[str, str]:
     """The target's server, up until ``stack`` closes: ``(base URL, served model)``."""
-    from leyline_agent.vllm_plugin.local_server import serve_vllm
-
     base, block = _target(name)
     if base == "leyline":
         return stack.enter_context(leyline_serve(model_dir)) + "/v1", model_dir.name
@@ -258,8 +233,6 @@ def main(args: Any) -> int:
     target's arms one after another, so a change of the machine's load lands on all alike.
     Between two runs a pause of ``QUIET_AFTER_REQUEST_S`` (a vLLM server just used keeps a
     core busy for about a second)."""
-    from leyline_agent.vllm_plugin.local_server import QUIET_AFTER_REQUEST_S
-
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         raise LeylineError(f"--model: no model folder at {model_dir} (leyline make-model)")

@@ -13,35 +13,21 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from leyline_agent.launch import serve_leyline
 
-def start_server(model: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """``leyline serve`` on a free loopback port; returns once ``/health`` answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "leyline_agent.cli", "serve", "--model", str(model)]
-    proc = subprocess.Popen([*cmd, "--port", str(port), *extra], stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise RuntimeError("leyline serve exited before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError("leyline serve was not ready")
+
+def start_server(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``leyline serve`` on a free loopback port (``launch.serve_leyline``); returns once
+    ``/health`` answers."""
+    srv = serve_leyline(model, *extra, timeout=300)
+    return srv.process, srv.url
 
 
 def rss_mb(pid: int) -> float:

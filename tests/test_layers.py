@@ -79,9 +79,10 @@ ALLOWED: dict[str, set[str]] = {
     },  # fmt: skip
     "api": {"contracts", "directives", "policies", "agent"},
     "cli": {"contracts", "policies", "engine", "server", "experiments"},
+    "launch": {"contracts"},  # the one launcher of real servers (tests and benchmarks)
     "experiments": {
         "contracts", "directives", "policies", "front", "agent", "integrations", "kernels",
-        "reference", "engine", "server", "sglang_plugin", "vllm_plugin",
+        "reference", "engine", "server", "sglang_plugin", "vllm_plugin", "launch",
     },  # fmt: skip
     "testing": set(),  # anything: fixtures and doubles
 }

@@ -31,8 +31,7 @@ import torch
 import vllm  # noqa: F401  (this folder needs the vLLM venv: fail loudly, never skip)
 
 from leyline_agent.engine.checkpoints.store import model_dir
-from leyline_agent.testing.server import ServerProcess, serve_in_process
-from leyline_agent.vllm_plugin.local_server import serve_vllm
+from leyline_agent.testing.server import ServerProcess, serve_in_process, serve_vllm
 
 KEY = "sk-conformance"
 BLOCKS = [32, 128]

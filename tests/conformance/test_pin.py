@@ -35,8 +35,7 @@ import httpx
 import pytest
 
 from leyline_agent.engine.checkpoints.store import model_dir
-from leyline_agent.testing.server import wait_ready
-from leyline_agent.vllm_plugin.local_server import serve_vllm
+from leyline_agent.testing.server import serve_vllm, wait_ready
 
 KEY = "sk-conformance"  # conftest's
 TTL = os.environ.get("LEYLINE_CONFORMANCE_PIN_TTL_S", "300")

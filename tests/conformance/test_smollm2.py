@@ -31,7 +31,7 @@ from leyline_agent.directives.repair import DEFAULT_BUDGET, RepairSpan, select_r
 from leyline_agent.experiments.quality_data import load_conversations
 from leyline_agent.reference.hf_reference import hf_greedy
 from leyline_agent.reference.kv_reference import RefState, logits_from_kv
-from leyline_agent.vllm_plugin.local_server import serve_vllm
+from leyline_agent.testing.server import serve_vllm
 
 KEY = "sk-conformance"  # conftest's
 TOL = 1e-4

@@ -22,7 +22,7 @@ import vllm  # noqa: F401  (this folder needs the vLLM venv: fail loudly, never 
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.reference.kv_reference import RefState, logits_from_kv
-from leyline_agent.vllm_plugin.local_server import VLLMServer, serve_vllm
+from leyline_agent.testing.server import ServerProcess, serve_vllm
 
 BLOCK = 32
 TOP = 20
@@ -35,7 +35,7 @@ def ids(seed: int, n: int) -> list[int]:
 
 @dataclass
 class Live:
-    srv: VLLMServer
+    srv: ServerProcess
     model: Any  # transformers model: the ground truth
     client: httpx.Client
     block: int = BLOCK

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
-from leyline_agent.vllm_plugin.local_server import serve_vllm
+from leyline_agent.testing.server import serve_vllm
 
 BLOCK = 32
 POOL = ["--num-gpu-blocks-override", "65", "--max-model-len", "2048"]

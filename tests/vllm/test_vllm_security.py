@@ -24,7 +24,7 @@ import pytest
 import vllm  # noqa: F401  (this folder needs the vLLM venv)
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
-from leyline_agent.vllm_plugin.local_server import serve_vllm
+from leyline_agent.testing.server import serve_vllm
 
 KEY = "sk-test-leyline"
 BLOCK = 32

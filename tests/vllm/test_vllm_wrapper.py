@@ -13,7 +13,7 @@ import openai
 
 from leyline_agent import wrap_openai
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
-from leyline_agent.vllm_plugin.local_server import serve_vllm
+from leyline_agent.testing.server import serve_vllm
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "trajectory_10turn.json"
 
