@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.codex import FINAL, PROBE, SCRIPT, run_codex
-from leyline_agent.testing.vllm_script import PROMPTS_ENV, SCRIPT_ENV
 from leyline_agent.testing.server import serve_vllm
+from leyline_agent.testing.vllm_script import PROMPTS_ENV, SCRIPT_ENV
 
 from .conftest import BLOCK
 
