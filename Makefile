@@ -46,4 +46,4 @@ SLOW_TESTS := cache_provenance_fuzz client_codex engine_paged gpu_check engine_g
 check: setup
 	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests --ignore=tests/vllm --ignore=tests/conformance \
-		--ignore=tests/reliability $(foreach t,$(SLOW_TESTS),--ignore=tests/test_$(t).py)
+		--ignore=tests/reliability $(foreach t,$(SLOW_TESTS),--ignore-glob=*/tests/*/test_$(t).py)

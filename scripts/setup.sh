@@ -22,7 +22,7 @@ find_python() {
     return 1
 }
 
-# The Codex CLI (tests/test_client_codex.py runs it against leyline serve): npm, pinned, into
+# The Codex CLI (tests/frameworks/test_client_codex.py runs it against leyline serve): npm, pinned, into
 # the ignored .clients/codex; skipped when that version is there, or when npm is missing.
 CODEX_VERSION=0.171.0
 CODEX_PKG="$ROOT/.clients/codex/node_modules/@openai/codex/package.json"

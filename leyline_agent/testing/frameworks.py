@@ -1,4 +1,4 @@
-"""What the agent-framework tests share (``tests/test_framework_*.py``).
+"""What the agent-framework tests share (``tests/frameworks/test_framework_*.py``).
 
 ``scripted_server(script, client_edits=..., paths=...)``: a real ``leyline serve`` app on
 loopback whose tiny engine answers the script (``ScriptedEngine``); yields ``(server,

@@ -15,7 +15,7 @@ from leyline_agent.policies import (
     load_policy,
 )
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "policies"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "policies"
 
 CUSTOM = textwrap.dedent(
     '''

@@ -168,7 +168,7 @@ def test_bad_knobs(knobs, needle):
 def test_the_fixture_failed_edit_is_stubbed():
     from pathlib import Path
 
-    msgs = json.loads((Path(__file__).parent / "data" / "trajectory_10turn.json").read_text())
+    msgs = json.loads((Path(__file__).resolve().parents[1] / "data" / "trajectory_10turn.json").read_text())
     res = run(FailedCallDetector(), msgs)
     bad = [
         i for i, m in enumerate(msgs) if m["role"] == "tool" and m["content"].startswith("Invalid")

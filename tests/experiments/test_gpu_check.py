@@ -17,7 +17,7 @@ import pytest
 
 from leyline_agent.experiments import gpu_check, results
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

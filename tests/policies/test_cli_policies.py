@@ -12,7 +12,7 @@ import pytest
 
 from leyline_agent.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "data" / "trajectory_10turn.json"
 
 

@@ -1,7 +1,7 @@
 """The C rotation backend (kernels/rotate_band.c) against the torch reference, bitwise.
 
 The reference's own exactness (against float64 RoPE and Hugging Face's rotary code) is
-tests/test_kernels_exactness.py, which runs the C backend too; here: every shape the
+tests/kernels/test_kernels_exactness.py, which runs the C backend too; here: every shape the
 kernel takes gives the reference's bits, and the plans it does not take go to the
 reference."""
 

@@ -27,7 +27,7 @@ from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.trajectory import apply_edits
 from leyline_agent.wire import DirectivesRequest
 
-FIXTURE = Path(__file__).resolve().parent / "data" / "trajectory_10turn.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "trajectory_10turn.json"
 KEY = "tenant-key-1"
 
 

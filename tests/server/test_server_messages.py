@@ -228,7 +228,7 @@ FIELDS = {
 def test_every_field_of_the_messages_table(server, name):
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
     section = doc.split("## Anthropic Messages API", 1)[1].split("\n## ")[0]
     rows = [ln.split("|")[1] for ln in section.splitlines() if ln.startswith("| `")]
     documented = {f for row in rows for f in re.findall(r"`([a-z_]+)", row)} - {"user_id"}

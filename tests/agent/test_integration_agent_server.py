@@ -25,7 +25,7 @@ from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.engine.engine import Engine
 from leyline_agent.testing.server import serve_in_thread
 
-FIXTURE = Path(__file__).resolve().parent / "data" / "trajectory_10turn.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "trajectory_10turn.json"
 SLACK = 8  # tokens: the server's cache also holds the model's own reply, which the
 # agent replaces by its scripted turn; a few reply tokens may match by chance.
 

@@ -19,7 +19,7 @@ import openai
 
 from leyline_agent.agent.wrappers import wrap_openai
 
-FIXTURE = Path(__file__).resolve().parent / "data" / "trajectory_10turn.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "trajectory_10turn.json"
 
 CLEAN_TOOLS = [
     {

@@ -11,7 +11,7 @@ from leyline_agent.cli import build_parser
 from leyline_agent.cli import main as cli_main
 from leyline_agent.experiments import results
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _table_handler(args: argparse.Namespace) -> int:
