@@ -25,6 +25,8 @@ from leyline_agent.testing.scripted import ScriptedModel
 from leyline_agent.testing.stub_server import StubServer
 from leyline_agent.wire import DirectivesRequest
 
+pytestmark = pytest.mark.slow
+
 OLD = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"}]
 NEW = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "[elided]"}]
 

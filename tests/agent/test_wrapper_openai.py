@@ -23,6 +23,8 @@ from leyline_agent.testing.frameworks import stale_tool_results
 from leyline_agent.testing.scripted import ScriptedModel, text_turn, tool_turn
 from leyline_agent.testing.stub_server import StubServer
 
+pytestmark = pytest.mark.slow
+
 TOOLS = [
     {
         "type": "function",

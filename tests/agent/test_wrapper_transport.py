@@ -22,6 +22,8 @@ from leyline_agent.errors import LeylineError
 from leyline_agent.testing.scripted import ScriptedModel, text_turn, tool_turn
 from leyline_agent.testing.stub_server import StubServer
 
+pytestmark = pytest.mark.slow
+
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
 KEEP = 1
 

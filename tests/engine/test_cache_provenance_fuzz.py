@@ -36,6 +36,8 @@ from leyline_agent.namespaces import Namespace
 from leyline_agent.reference.cache_oracle import CacheOracle
 from leyline_agent.wire import DirectivesRequest
 
+pytestmark = pytest.mark.slow
+
 CHAINS = int(os.environ.get("LEYLINE_FUZZ_CHAINS", "600"))
 REPETITIVE_CHAINS = int(os.environ.get("LEYLINE_FUZZ_REPETITIVE_CHAINS", "300"))
 EVICTION_CHAINS = int(os.environ.get("LEYLINE_FUZZ_EVICTION_CHAINS", "240"))

@@ -19,6 +19,8 @@ from leyline_agent.engine.model.context import SeqRows
 from leyline_agent.engine.model.runner import slot_runs
 from leyline_agent.engine.scheduler import DEFAULT_STEP_TOKENS, GPU_STEP_TOKENS, step_tokens_for
 
+pytestmark = pytest.mark.slow
+
 
 def _reference(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, slots: torch.Tensor, scale):
     """float64 attention of ``q [1, H, t, d]`` over rows ``slots`` of ``pk/pv [KVH, S, d]``,

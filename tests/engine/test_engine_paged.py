@@ -18,6 +18,8 @@ from leyline_agent.engine.model.attention import mla_absorbed, mla_project
 from leyline_agent.engine.model.runner import StepInput, slot_runs
 from leyline_agent.kernels import decode_attn
 
+pytestmark = pytest.mark.slow
+
 ARCHS = ["deepseek_v2", "deepseek_v3", "llama", "qwen3"]
 TOL = 1e-4
 

@@ -14,6 +14,8 @@ from leyline_agent.engine.cache.allocator import SlotAllocator
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.engine.engine import Engine, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 
 def test_trim_drops_only_a_free_top():
     grown: list[int] = []

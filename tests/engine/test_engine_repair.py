@@ -20,6 +20,8 @@ from leyline_agent.engine.engine import Engine, SamplingParams
 from leyline_agent.reference.kv_reference import logits_from_kv, plain_kv
 from leyline_agent.wire import DirectivesRequest
 
+pytestmark = pytest.mark.slow
+
 ARCHS = ["deepseek_v2", "llama", "qwen3"]
 TOL = 1e-5
 S, E = 20, 41

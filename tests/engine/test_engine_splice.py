@@ -24,6 +24,8 @@ from leyline_agent.reference.kv_reference import (
 )
 from leyline_agent.wire import DirectivesRequest
 
+pytestmark = pytest.mark.slow
+
 ARCHS = ["deepseek_v2", "deepseek_v3", "llama", "qwen3"]
 TOL = 1e-4
 

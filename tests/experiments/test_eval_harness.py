@@ -26,6 +26,8 @@ from leyline_agent.testing.purr import PURR_FIX  # noqa: E402
 from leyline_agent.testing.scripted import ReplayModel  # noqa: E402
 from leyline_agent.testing.stub_server import StubServer  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 VIEW = {"content": "Let me read the code.", "tool": "view", "arguments": {"path": "purr_code.py"}}
 FIX_TURNS = [
     VIEW,

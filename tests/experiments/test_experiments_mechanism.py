@@ -22,6 +22,8 @@ from leyline_agent.errors import LeylineError
 from leyline_agent.experiments.mechanism import BenchSettings, run_mechanism
 from leyline_agent.experiments.replay import ARMS
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:

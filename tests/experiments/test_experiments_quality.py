@@ -21,6 +21,8 @@ from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.experiments.quality import build_cases
 from leyline_agent.experiments.quality_data import generate, load_conversations
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def convs():

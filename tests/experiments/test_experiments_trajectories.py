@@ -7,6 +7,8 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import debug_gym  # noqa: E402, F401  -- set up by scripts/setup.sh; fail, never skip
@@ -19,6 +21,8 @@ from leyline_agent.experiments.trajectories import (  # noqa: E402
     write_trajectories,
 )
 from leyline_agent.policies.failed_call import DEFAULT_PATTERNS  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 
 def test_generator_is_real_and_deterministic(tmp_path: Path) -> None:

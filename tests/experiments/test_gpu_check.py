@@ -17,6 +17,8 @@ import pytest
 
 from leyline_agent.experiments import gpu_check, results
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

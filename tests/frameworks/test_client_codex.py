@@ -14,8 +14,12 @@ The same against ``vllm serve`` + the plugin: ``tests/vllm/test_vllm_codex.py``.
 
 from __future__ import annotations
 
+import pytest
+
 from leyline_agent.testing.codex import FINAL, PROBE, SCRIPT, run_codex
 from leyline_agent.testing.frameworks import scripted_server, stats
+
+pytestmark = pytest.mark.slow
 
 
 def test_codex_exec_on_its_defaults(tmp_path):

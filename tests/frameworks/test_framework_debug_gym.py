@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 import httpx
+import pytest
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # debug-gym imports litellm
 
@@ -44,6 +45,8 @@ from leyline_agent.testing.frameworks import (  # noqa: E402
 )
 from leyline_agent.testing.purr import PURR_FIX  # noqa: E402
 from leyline_agent.testing.scripted_engine import tool_call  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 KEEP = 2
 SCRIPT = [

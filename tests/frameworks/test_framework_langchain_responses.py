@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -19,6 +20,8 @@ from langchain_openai import ChatOpenAI
 from leyline_agent import LeylineTransport
 from leyline_agent.testing.frameworks import scripted_server, stats
 from leyline_agent.testing.scripted_engine import tool_call
+
+pytestmark = pytest.mark.slow
 
 CALLS, KEEP = 5, 2
 STUB = "[stale output of read_file elided]"

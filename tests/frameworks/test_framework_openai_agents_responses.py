@@ -30,6 +30,8 @@ from leyline_agent.agent.transport import LeylineTransport
 from leyline_agent.testing.frameworks import scripted_server, stats
 from leyline_agent.testing.scripted_engine import tool_call
 
+pytestmark = pytest.mark.slow
+
 CALLS, KEEP = 7, 2
 SCRIPT = [*(tool_call("read_file", {"path": f"f{k}.py"}) for k in range(CALLS)), "Read them all."]
 STUB = "[stale output of read_file elided]"

@@ -40,7 +40,7 @@ from leyline_agent.testing.frameworks import (  # noqa: E402
 from leyline_agent.testing.scripted_engine import tool_call  # noqa: E402
 
 # pydantic-ai 2.x prefers httpx2 clients; LeylineTransport is an httpx one (still accepted)
-pytestmark = pytest.mark.filterwarnings("ignore:`httpx.AsyncClient` support:UserWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`httpx.AsyncClient` support:UserWarning")]
 
 N_CALLS = 4
 KEEP = 2

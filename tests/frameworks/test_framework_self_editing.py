@@ -28,6 +28,8 @@ from leyline_agent.agent.wrappers import wrap_openai
 from leyline_agent.testing.frameworks import scripted_server, stats
 from leyline_agent.testing.scripted_engine import tool_call
 
+pytestmark = pytest.mark.slow
+
 TURNS = 7
 KEEP = 2
 SCRIPT = [tool_call("read_file", {"path": f"f{k}.py"}) for k in range(TURNS - 1)] + ["All read."]

@@ -30,6 +30,8 @@ from leyline_agent.agent.transport import LeylineTransport  # noqa: E402
 from leyline_agent.testing.frameworks import Recorder, rendered, scripted_server, stats  # noqa: E402
 from leyline_agent.testing.scripted_engine import tool_call  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 N_CALLS = 4
 KEEP = 2
 PREFIX = "Observation:"

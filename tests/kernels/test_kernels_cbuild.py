@@ -12,6 +12,8 @@ import pytest
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("module", ["decode_attn", "skinny_linear"])
 def test_without_a_compiler_a_kernel_is_unavailable_and_says_why(tmp_path, module):

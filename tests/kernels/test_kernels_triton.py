@@ -16,6 +16,8 @@ import triton
 
 from leyline_agent.kernels import LAUNCHES, RopeSpec, rotate_band
 
+pytestmark = pytest.mark.slow
+
 # Values of one dtype ulp (relative) at most: fp32 results that differ in the last bit can
 # round to neighbouring bf16/fp16 values.
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}

@@ -11,6 +11,8 @@ import pytest
 
 from leyline_agent.agent.wrappers import wrap_openai
 
+pytestmark = pytest.mark.slow
+
 ARCH = "llama"
 
 SERVER_KWARGS = {"client_edits": "amortize"}

@@ -7,8 +7,12 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.server import free_port
+
+pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "leyline_agent.cli"]
 

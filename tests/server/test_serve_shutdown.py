@@ -15,9 +15,12 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from leyline_agent.testing.server import serve_in_process
 from leyline_agent.testing.token_ids import random_ids
+
+pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 2.0
 STREAMS = 3

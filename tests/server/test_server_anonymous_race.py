@@ -20,6 +20,8 @@ import pytest
 
 from leyline_agent.testing.server import serve_in_thread
 
+pytestmark = pytest.mark.slow
+
 CLIENTS = 8
 TRIALS = 20
 TURNS = 5

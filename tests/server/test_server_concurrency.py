@@ -28,6 +28,8 @@ from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.testing.slow_engine import SlowTokens
 from leyline_agent.testing.token_ids import random_ids
 
+pytestmark = pytest.mark.slow
+
 THREADS = 8
 DELAY_S = 0.01
 

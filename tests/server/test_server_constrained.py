@@ -22,6 +22,8 @@ import pytest
 from leyline_agent.engine.engine import Engine
 from leyline_agent.testing.server import serve_in_thread
 
+pytestmark = pytest.mark.slow
+
 ARCH = "llama"
 READ = {
     "type": "object",

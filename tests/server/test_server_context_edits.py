@@ -18,6 +18,8 @@ import pytest
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.server import serve_in_thread
 
+pytestmark = pytest.mark.slow
+
 ARCH = "deepseek_v2"
 TOOLS = [
     {

@@ -26,6 +26,8 @@ from leyline_agent.namespaces import SESSION_HEADER
 from leyline_agent.reference.kv_reference import RefState, logits_from_kv
 from leyline_agent.testing.server import serve_in_thread
 
+pytestmark = pytest.mark.slow
+
 THINK = " ".join(f"step {k}: check the value of x{k} against the spec." for k in range(25))
 CALL = {"id": "call_drift0", "type": "function",
         "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}  # fmt: skip

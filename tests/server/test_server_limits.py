@@ -21,6 +21,8 @@ import pytest
 from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.testing.token_ids import random_ids
 
+pytestmark = pytest.mark.slow
+
 MIB = 1024 * 1024
 PROMPT_LIMIT = 64
 CAP = 8

@@ -18,6 +18,8 @@ import pytest
 
 from leyline_agent.testing.messages_loops import think_loop
 
+pytestmark = pytest.mark.slow
+
 ARCH = "llama"
 TOOL = {
     "name": "read_file",

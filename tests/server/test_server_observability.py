@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from leyline_agent.testing.server import serve_in_process, serve_in_thread
 
+pytestmark = pytest.mark.slow
+
 ARCH = "llama"
 CM = {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens",
        "value": 1}, "keep": {"type": "tool_uses", "value": 1}}]}  # fmt: skip

@@ -29,6 +29,8 @@ from leyline_agent.reference.kv_reference import RefState, logits_from_kv
 from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.testing.threads import run_together
 
+pytestmark = pytest.mark.slow
+
 ARCH = "deepseek_v2"
 
 

@@ -12,6 +12,8 @@ import torch
 
 from leyline_agent.testing.token_ids import random_ids
 
+pytestmark = pytest.mark.slow
+
 ARCH = "llama"
 K = 2
 

@@ -25,6 +25,8 @@ from leyline_agent.testing.frameworks import scripted_server
 from leyline_agent.testing.scripted_engine import tool_call
 from leyline_agent.testing.server import serve_in_thread
 
+pytestmark = pytest.mark.slow
+
 GEN = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 # Qwen3's switch (an empty think block when thinking is off) and a gpt-oss-like effort line
 TEMPLATE = (

@@ -18,6 +18,8 @@ import pytest
 from leyline_agent.testing.server import serve_in_process, serve_in_thread
 from leyline_agent.testing.token_ids import random_ids
 
+pytestmark = pytest.mark.slow
+
 KEYS = {"alpha-key": None, "beta-key": None, "team-key-1": "team", "team-key-2": "team"}
 
 

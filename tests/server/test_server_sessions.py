@@ -22,6 +22,8 @@ from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.testing.threads import run_together
 
+pytestmark = pytest.mark.slow
+
 ARCH = "deepseek_v2"
 SESSIONS = 16
 SHARED = [random.Random(999).randrange(3, 5990) for _ in range(16)]  # one system prefix for all

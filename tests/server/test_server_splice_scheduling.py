@@ -29,6 +29,8 @@ from leyline_agent.reference.kv_reference import RefState, logits_from_kv
 from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.testing.token_ids import random_ids
 
+pytestmark = pytest.mark.slow
+
 R_LEN = 4000
 START, END = 40, 50
 

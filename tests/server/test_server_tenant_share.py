@@ -19,6 +19,8 @@ import pytest
 from leyline_agent.testing.server import serve_in_process
 from leyline_agent.testing.token_ids import random_ids
 
+pytestmark = pytest.mark.slow
+
 CACHE_TOKENS = 600
 PROMPT = 200  # each cached prompt + output: 201 rows; two of them pass one tenant's share
 FLOOD = 5

@@ -19,6 +19,8 @@ from leyline_agent.families import TOOL_FORMATS, tool_format
 from leyline_agent.server.tool_calls import ResponseStream, parse_response, split_reasoning
 from leyline_agent.testing.server import serve_in_thread
 
+pytestmark = pytest.mark.slow
+
 TOOLS = [
     {"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "lines": {"type": "integer"}}}}},
 ]  # fmt: skip

@@ -15,6 +15,8 @@ import pytest
 
 from leyline_agent.directives.tool_prompt import set_setting, template_tools
 
+pytestmark = pytest.mark.slow
+
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Get the current weather in a city",

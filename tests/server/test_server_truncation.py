@@ -11,6 +11,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 TOOLS = [{"type": "function", "function": {
     "name": "write_note", "description": "Write a note",
     "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
