@@ -61,6 +61,7 @@ from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse
 __all__ = [
     "DirectiveBackend",
     "DirectiveService",
+    "Flushed",
     "FlushedRows",
     "HeldPrefix",
     "ServedModel",
@@ -122,6 +123,15 @@ class FlushedRows(Protocol):
 
     @property
     def dropped_pins(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Flushed:
+    """A backend's ``FlushedRows`` as plain numbers (an engine that keeps no pins: 0)."""
+
+    flushed_tokens: int
+    kept_tokens: int
+    dropped_pins: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from leyline_agent.directives.core import Mode
 from leyline_agent.directives.modes import executed_by
 from leyline_agent.directives.pipeline import Plan
+from leyline_agent.directives.service import Flushed
 from leyline_agent.errors import RuntimeUnavailableError
 from leyline_agent.namespaces import Namespace
 from leyline_agent.sglang_plugin.batch import ROW_OPS, plan_calls, response_for
@@ -44,22 +45,13 @@ from leyline_agent.sglang_plugin.scheduler_hook import (
 )
 from leyline_agent.wire import Counters, DirectivesResponse
 
-__all__ = ["CachedBase", "Flushed", "SGLangBackend", "Transport"]
+__all__ = ["CachedBase", "SGLangBackend", "Transport"]
 
 
 class Transport(Protocol):
     async def rpc(self, method: str, kwargs: dict[str, Any]) -> str: ...
 
     async def prefill(self, token_ids: list[int], extra_key: str) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Flushed:
-    """``leyline_flush``'s answer (SGLang keeps no pins)."""
-
-    flushed_tokens: int
-    kept_tokens: int
-    dropped_pins: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,46 +1,47 @@
-"""API-server side: ``POST /leyline/v1/directives``, ``GET /leyline/v1/stats`` and the
-``X-Leyline-Session`` middleware, as a ``vllm.endpoint_plugins`` plugin.
+"""API-server side: ``POST /leyline/v1/directives``, ``GET /leyline/v1/stats``,
+``POST /leyline/v1/flush``, as a ``vllm.endpoint_plugins`` plugin.
 
-A request goes through ``directives.pipeline`` as on every backend: compiled, the cached
-length of its base asked of the EngineCore (``cached_prefix``: a ``lock`` released at once),
-then decided: a miss (``CacheMissError``, 409, or the ``fallback`` answer), a noop, or a plan
-on the cached prefix, nothing held or changed until then.
+A directive goes through ``directives.service.DirectiveService``, as on ``leyline serve`` and
+SGLang (parse, namespace, ``request_id``, model and limits, per-namespace order,
+idempotence, compile, decide, counters). ``VLLMRoute`` is its ``DirectiveBackend`` over the
+EngineCore ops (``engine_ops``), all in the directive's namespace (its salt, ``salt_for``):
 
-Execution of one AMORTIZE ``(s, e, R)`` of the plan (directives run right to left, each on
-the sequence the previous one left), all calls in the directive's namespace (its salt):
+- ``hold``: ``lock`` the base's cached full blocks (and the rows the plugin holds past them),
+  held until ``release``, so nothing the decision counted on is evicted before it runs;
+- ``execute``: every check that needs no write first (directives on, REPAIR's row forward
+  known, ``T'`` within ``max_model_len``), then per directive, right to left (each on the
+  sequence the previous one left):
 
-1. ``lock`` (EngineCore): the working sequence's cached full blocks, held;
-2. the head ``T[:s] + R`` as an ordinary vLLM request (one greedy token) through
-   ``engine_client.generate``: vLLM's own prefill computes ``R`` over the cached prefix; its
-   blocks are held when it finishes (``scheduler.HOLD_KEY``);
-3. ``splice`` (EngineCore): the tail re-packed into fresh blocks with its keys rotated by
-   ``delta`` on every worker, ``T'`` registered in the prefix cache. A REPAIR directive is
-   this AMORTIZE, and inside the same op, before ``T'`` is registered, the workers recompute
-   its selected tail rows in their fresh slots (``row_forward``; the rows ``leyline serve``
-   selects, ``directives.repair``, at the directive's budget or ``DEFAULT_BUDGET``). In a
-   batch each REPAIR directive is repaired on the sequence it leaves (``leyline serve``
-   repairs once, on the final ``T'``): one REPAIR directive is the same on both.
+  1. ``lock(stage=s)``: the working sequence's cached blocks, held;
+  2. the head ``T[:s] + R`` as an ordinary vLLM request (one greedy token) through
+     ``engine_client.generate``: vLLM's own prefill computes ``R`` over the cached prefix;
+     its blocks are held when it finishes (``scheduler.HOLD_KEY``);
+  3. ``splice``: the tail re-packed into fresh blocks with its keys rotated by ``delta`` on
+     every worker, ``T'`` registered in the prefix cache. A REPAIR directive is this
+     AMORTIZE, and inside the same op, before ``T'`` is registered, the workers recompute
+     its selected tail rows (``row_forward``; the rows ``leyline serve`` selects,
+     ``directives.repair``). In a batch each REPAIR directive is repaired on the sequence it
+     leaves (``leyline serve`` repairs once, on the final ``T'``).
+
+  A FORGET ``(s, e, R)`` stages ``T[:s]``'s rows, ``forget`` drops the namespace's cached
+  blocks and held rows of ``T'`` past ``s``, then ``T'`` is an ordinary request;
+- ``flush``: every pin, and every cached block no request holds.
 
 Rows past a sequence's last full block are held by the plugin and handed to the next
-request (``held_rows``, ``connector``): ``lock`` counts them as cached and, with ``stage``,
-hands ``T[block_start(s):s]`` to the head, so ``R`` is prefilled over the rows the session
-holds. FORGET ``(s, e, R)``: ``T[:s]``'s rows are staged the same way, ``forget`` drops the
-namespace's cached blocks and held rows of ``T'`` past ``s``, then ``T'`` is an ordinary
-request that computes from ``s`` on. The EngineCore pins each splice's ``T'`` for the
+request (``held_rows``, ``connector``). The EngineCore pins each splice's ``T'`` for the
 namespace's next request (``pins``); the route remembers which namespaces it spliced in
 (``watched``) so that only their requests ask the EngineCore (``arrive``) whether the result
-was lost, which the answer then says (``pin_report``). Everything that can be checked
-without the cache (the body, the model name, token ids, spans, the setup the plugin
-supports) is checked before any of these calls. Directives of one namespace are serialized (one lock per salt); namespaces run side by side.
+was lost, which the answer then says (``pin_report``). Stats are the route's
+``wire.Counters`` (directives, drift) with the EngineCore's request and cache counts.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import json
-import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -48,26 +49,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from leyline_agent.chat_input import canonical_messages, canonical_tools
-from leyline_agent.directives import Directive, http_guards
+from leyline_agent.directives import Directive
 from leyline_agent.directives.compile import render
+from leyline_agent.directives.core import Mode
 from leyline_agent.directives.flush import FlushResponse
-from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
 from leyline_agent.directives.modes import executed_by, rule_of
-from leyline_agent.directives.pipeline import (
-    Plan,
-    TokenForm,
-    applied_answer,
-    compile_request,
-    decide,
-)
+from leyline_agent.directives.pipeline import Plan, applied_answer
 from leyline_agent.directives.repair import DEFAULT_BUDGET, DEFAULT_SELECTOR
-from leyline_agent.directives.validate import (
-    RequestLimits,
-    check_served,
-    checked,
-    longest_token_bytes,
-    parse_directives,
-)
+from leyline_agent.directives.service import DirectiveService, Flushed, ServedModel
+from leyline_agent.directives.validate import RequestLimits, checked, longest_token_bytes
 from leyline_agent.errors import (
     CacheMissError,
     DirectiveError,
@@ -76,7 +66,8 @@ from leyline_agent.errors import (
 )
 from leyline_agent.families import chat_format, token_id
 from leyline_agent.front.conversations import ConversationStore
-from leyline_agent.namespaces import DEFAULT_TENANT, SESSION_HEADER, named_namespace
+from leyline_agent.http import guards as http_guards
+from leyline_agent.namespaces import DEFAULT_TENANT, SESSION_HEADER, Namespace, named_namespace
 from leyline_agent.vllm_plugin.errors import error_content
 from leyline_agent.vllm_plugin.guard import BODY_KEY
 from leyline_agent.vllm_plugin.namespace import salt_for
@@ -85,12 +76,12 @@ from leyline_agent.vllm_plugin.scheduler import HOLD_KEY
 from leyline_agent.wire import (
     BODY_EDITS,
     CLIENT_EDITS,
+    Counters,
     DirectivesRequest,
     DirectivesResponse,
-    StatsResponse,
 )
 
-__all__ = ["EXECUTES", "VLLMRoute", "add_routes"]
+__all__ = ["EXECUTES", "Locked", "VLLMRoute", "add_routes"]
 
 log = structlog.get_logger(__name__)
 _ERROR_TYPES = {
@@ -102,29 +93,36 @@ _ERROR_TYPES = {
 # (``row_forward``); a model whose layers the row forward does not know is refused (503).
 ROW_OPS = frozenset({"move", "prefill", "recompute"})
 EXECUTES = executed_by(ROW_OPS)
-_MEMORY = 1024  # request ids remembered per namespace for idempotent retries
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Locked:
+    """``hold``'s answer: the first ``length`` tokens of the base are cached, held by
+    ``lock_id`` (None: nothing cached, nothing held)."""
+
+    length: int
+    lock_id: str | None
 
 
 class VLLMRoute:
+    """The plugin's app state: the directive service and its backend on vLLM's engine client,
+    the chat front's conversations and renderer, and the counters ``/leyline/v1/stats``
+    reads."""
+
     def __init__(self, engine_client: Any, model_names: list[str]) -> None:
         self.engine = engine_client
         self.model_names = model_names
-        self.splices = {"amortize": 0, "forget": 0}
-        self.rotated_tokens = 0
-        self.prefilled_tokens = 0
-        self.repaired_tokens = 0
-        self.fallbacks = 0
-        self.directive_errors = 0
-        self.drift_splices = 0  # chat turns whose token drift was spliced (chat_front)
-        self.drift_unspliced: dict[str, int] = {}  # ... found but not spliced, by reason
-        self._locks: dict[str, asyncio.Lock] = {}  # one per namespace (salt)
-        self._info: dict[str, Any] | None = None
-        self._limits: RequestLimits | None = None
-        self.memory: RequestMemory[dict[str, Any]] = RequestMemory(_MEMORY)
-        self.watched: OrderedDict[str, None] = OrderedDict()  # salts with a pinned result
+        self.counters = Counters()
         self.conversations = ConversationStore()  # the chat front's (``chat_front``)
+        self.watched: OrderedDict[str, None] = OrderedDict()  # salts with a pinned result
         self.app_state: Any = None  # the app's state (``render_chat``; set by init_state)
+        self._info: dict[str, Any] | None = None
+        self._service: DirectiveService | None = None
         self._warned_render = False
+
+    @property
+    def executes(self) -> frozenset[Mode]:
+        return EXECUTES
 
     # -- engine calls --------------------------------------------------------------------
     async def rpc(self, op: str, **kwargs: Any) -> dict[str, Any]:
@@ -177,6 +175,13 @@ class VLLMRoute:
             self._info = await self.rpc("describe")
         return self._info
 
+    async def _on(self) -> dict[str, Any]:
+        """``describe``'s facts; 503 naming the setting at fault if directives are off."""
+        info = await self.info()
+        if info.get("problem"):
+            raise RuntimeUnavailableError(f"{info['problem']} (Leyline directives are off)")
+        return info
+
     async def prefill(self, ids: list[int], salt: str, hold_id: str | None = None) -> None:
         """One ordinary request for ``ids`` (one greedy token) in namespace ``salt``."""
         from vllm.sampling_params import SamplingParams
@@ -206,115 +211,80 @@ class VLLMRoute:
         while len(self.watched) > DEFAULT_WATCHED:  # the scheduler's bound too
             self.watched.popitem(last=False)
 
-    async def limits(self) -> RequestLimits:
-        """The bounds every directive is checked against, as ``leyline serve`` checks them
-        (``directives.validate``): the vocabulary, ``max_model_len``, the longest token's
-        bytes (found once)."""
-        if self._limits is None:
-            info = await self.info()
-            tok = self.engine.get_tokenizer() if hasattr(self.engine, "get_tokenizer") else None
-            longest = longest_token_bytes(tok) if tok is not None else None
-            self._limits = RequestLimits(
-                int(info["vocab_size"]), int(info["max_model_len"]), longest
+    # -- the service ---------------------------------------------------------------------
+    async def service(self) -> DirectiveService:
+        """The ``DirectiveService`` of the served model (made on first use): its names, the
+        vocabulary, ``max_model_len``, the longest token's bytes, the chat format."""
+        if self._service is None:
+            info, tok = await self.info(), self.tokenizer()
+            limits = RequestLimits(
+                int(info["vocab_size"]), int(info["max_model_len"]), longest_token_bytes(tok)
             )
-        return self._limits
+            boundary = token_id(tok, chat_format(info.get("model_type")).message_boundary)
+            model = ServedModel(
+                self.model_names[0], tok, limits, boundary, tuple(self.model_names[1:])
+            )
+            self._service = DirectiveService(model)
+        return self._service
 
-    # -- the directive route ---------------------------------------------------------------
     async def directives(self, body: Any, session_header: str | None) -> tuple[int, dict[str, Any]]:
-        t0 = time.perf_counter()
-        try:  # the checks every Leyline front runs, in the same order (``leyline_routes``)
-            req = parse_directives(body)
-            ns = named_namespace(req.session, session_header)
-            key = salt_for(ns)
-            check_request_id(req.request_id)
-            check_served(req.model, self.model_names[0], self.model_names[1:])
-            req = checked(req, await self.limits())
-        except Exception as e:  # noqa: BLE001 - a bad request is an answer too
-            self.directive_errors += 1
-            return error_content(e)
-        digest = fingerprint(req)
-        async with self._namespace_lock(key):  # the lookup and the run: one at a time
-            try:
-                seen = self.memory.lookup(key, req.request_id, digest)
-                if seen is not None:
-                    return 200, seen
-                resp = await self._run(req, session_header)
-            except Exception as e:  # noqa: BLE001 - every failure is an answer
-                self.directive_errors += 1
-                status, content = error_content(e)
-                if status >= 500:
-                    log.error("leyline directive failed", error=repr(e))
-                return status, content
-            resp = resp.model_copy(update={"elapsed_s": time.perf_counter() - t0})
-            self._count(resp)
-            self.conversations.directive_ran(ns, req)  # what it forgot stays forgotten
-            content = resp.model_dump(mode="json")
-            self.memory.remember(key, req.request_id, digest, content)
-        return 200, content
+        """``POST /leyline/v1/directives``: (status, JSON body)."""
+        try:
+            svc = await self.service()
+            req, ns = svc.admit(body, lambda s: named_namespace(s, session_header))
+            async with svc.ordered(ns):
+                resp = await svc.run(req, ns, self)
+        except Exception as e:  # noqa: BLE001 - every failure is an answer
+            status, content = error_content(e)
+            if status >= 500:
+                log.error("leyline directive failed", error=repr(e))
+            return status, content
+        self.conversations.directive_ran(ns, req)  # what it forgot stays forgotten
+        return 200, resp.model_dump(mode="json")
 
     async def run_edits(self, req: DirectivesRequest, session: str) -> DirectivesResponse:
         """A message-form directive made by the chat front (``chat_front``: a chat request's
-        ``leyline.edits``), checked and run as the directive route runs one, in the
-        session's order, and counted; a failure is counted and raised."""
-        t0 = time.perf_counter()
-        try:
-            req = checked(req, await self.limits())
-            ns = named_namespace(req.session, session, server_made=True)
-            async with self._namespace_lock(salt_for(ns)):
-                resp = await self._run(req, session)
-        except Exception:
-            self.directive_errors += 1
-            raise
-        resp = resp.model_copy(update={"elapsed_s": time.perf_counter() - t0})
-        self._count(resp)
+        ``leyline.edits``), checked and run by the service as a directive request is, in
+        the session's order, and counted; a failure is raised."""
+        svc = await self.service()
+        req = checked(req, svc.model.limits)
+        ns = named_namespace(req.session, session, server_made=True)
+        async with svc.ordered(ns):
+            return await svc.run(req, ns, self)
+
+    # -- DirectiveBackend ----------------------------------------------------------------
+    async def hold(self, base: list[int], ns: Namespace) -> Locked:
+        await self._on()
+        lock = await self.rpc("lock", tokens=base, salt=salt_for(ns))
+        return Locked(int(lock["cached_tokens"]), lock["lock_id"])
+
+    async def release(self, held: Locked, ns: Namespace, answer: DirectivesResponse | None) -> None:
+        if held.lock_id is not None:
+            await self.rpc("release", ids=[held.lock_id])
+
+    async def count(self, ns: Namespace, update: Callable[[Counters], None]) -> None:
+        update(self.counters)
+
+    async def execute(self, plan: Plan, held: Locked, ns: Namespace) -> DirectivesResponse:
+        info = await self._on()  # the checks before the first write
+        if len(plan.new_tokens) > int(info["max_model_len"]):
+            n, limit = len(plan.new_tokens), info["max_model_len"]
+            raise DirectiveError(f"directives: T' has {n} tokens > max_model_len {limit}")
+        if any(rule_of(d.mode, EXECUTES).repairs for d in plan.order):
+            workers = info.get("workers") or [{}]
+            if workers[0].get("repair_problem"):
+                raise RuntimeUnavailableError(workers[0]["repair_problem"])
+        resp = await self._splice(plan, salt_for(ns))
+        self.counters.prefilled_tokens += resp.prefilled_tokens  # the plugin's own requests
         return resp
 
-    def _count(self, resp: DirectivesResponse) -> None:
-        for k, v in resp.splices.items():
-            self.splices[k] = self.splices.get(k, 0) + v
-        self.rotated_tokens += resp.rotated_tokens
-        self.prefilled_tokens += resp.prefilled_tokens
-        self.repaired_tokens += resp.repaired_tokens
-        self.fallbacks += int(resp.fallback)
+    async def flush(self, tenant: str) -> Flushed:
+        await self._on()
+        done = await self.rpc("flush")
+        self.watched.clear()
+        return Flushed(done["flushed_tokens"], done["kept_tokens"], done["dropped_pins"])
 
-    def _namespace_lock(self, key: str) -> asyncio.Lock:
-        """Directives of one namespace run one at a time; namespaces run side by side (each
-        EngineCore op is atomic, and two namespaces never write the same blocks)."""
-        if len(self._locks) > 4096:  # forget idle sessions' locks
-            self._locks = {k: v for k, v in self._locks.items() if v.locked()}
-        return self._locks.setdefault(key, asyncio.Lock())
-
-    async def _run(self, req: DirectivesRequest, session_header: str | None) -> DirectivesResponse:
-        """``req`` through ``directives.pipeline``: compiled, the base looked up in the
-        namespace's cache (``cached_prefix``), decided, and the plan executed."""
-        # checked by the caller (a client's ids in ``directives``; the chat front's own)
-        salt = salt_for(named_namespace(req.session, session_header, server_made=True))
-        info = await self.info()
-        if info.get("problem"):
-            raise RuntimeUnavailableError(f"{info['problem']} (Leyline directives are off)")
-        tok = self.engine.get_tokenizer() if hasattr(self.engine, "get_tokenizer") else None
-        marker = chat_format(info.get("model_type")).message_boundary
-        boundary = token_id(tok, marker) if tok is not None else None
-        compiled = compile_request(req, tok, int(info["vocab_size"]), boundary, EXECUTES)
-        if isinstance(compiled, TokenForm):
-            _check_length(compiled, int(info["max_model_len"]))
-        cached = await self.cached_prefix(compiled.base, salt) if compiled.needs_lookup else 0
-        decision = decide(compiled, cached, req)
-        if isinstance(decision, DirectivesResponse):
-            return decision
-        if any(rule_of(d.mode, EXECUTES).repairs for d in decision.order):
-            workers = info.get("workers") or [{}]
-            if workers[0].get("repair_problem"):  # before anything is held or written
-                raise RuntimeUnavailableError(workers[0]["repair_problem"])
-        return await self._execute(decision, salt)
-
-    async def cached_prefix(self, tokens: list[int], namespace: str) -> int:
-        """``directives.backend.PrefixLookup``: the cached length of ``tokens`` under the
-        salt ``namespace`` (full blocks and the rows the plugin holds), held by nothing."""
-        lock = await self.rpc("lock", tokens=tokens, salt=namespace, hold=False)
-        return int(lock["cached_tokens"])
-
-    async def _execute(self, plan: Plan, salt: str) -> DirectivesResponse:
+    async def _splice(self, plan: Plan, salt: str) -> DirectivesResponse:
         cur = list(plan.base)
         splices = {"amortize": 0, "forget": 0}
         reused = prefilled = rotated = repaired = 0
@@ -364,40 +334,32 @@ class VLLMRoute:
             repaired=repaired,
         )  # fmt: skip
 
-    async def flush(self) -> dict[str, Any]:
-        """Every pin is dropped and every cached block no request holds is freed
-        (``/leyline/v1/flush``, as on ``leyline serve``), and the chat front's conversations
-        are forgotten. Counters are untouched."""
-        info = await self.info()
-        if info.get("problem"):
-            raise RuntimeUnavailableError(f"{info['problem']} (Leyline directives are off)")
-        done = await self.rpc("flush")
-        self.watched.clear()
-        return FlushResponse(
-            tenant="", flushed_tokens=done["flushed_tokens"], kept_tokens=done["kept_tokens"],
-            dropped_pins=done["dropped_pins"],
-            dropped_conversations=self.conversations.forget_tenant(DEFAULT_TENANT),
-        ).model_dump(mode="json")  # fmt: skip
+    # -- flush and stats -----------------------------------------------------------------
+    async def flush_all(self) -> dict[str, Any]:
+        """``/leyline/v1/flush`` (one tenant): the cache's part (``flush``) and the chat
+        front's conversations. Counters are untouched."""
+        out: FlushResponse = await (await self.service()).flush(DEFAULT_TENANT, self)
+        dropped = self.conversations.forget_tenant(DEFAULT_TENANT)
+        return out.model_copy(update={"dropped_conversations": dropped}).model_dump(mode="json")
 
     async def stats(self) -> dict[str, Any]:
+        """The route's counters with the EngineCore's request and cache counts: a
+        directive's own prefills are counted on top of the requests'."""
         s = await self.rpc("stats")
-        return StatsResponse(
+        c = self.counters
+        counts = dataclasses.replace(
+            c,
             requests=s["requests"],
             prompt_tokens=s["prompt_tokens"],
             cached_tokens=s["cached_tokens"],
-            prefilled_tokens=s["prompt_tokens"] - s["cached_tokens"] + self.prefilled_tokens,
+            prefilled_tokens=s["prompt_tokens"] - s["cached_tokens"] + c.prefilled_tokens,
             generated_tokens=s["generated_tokens"],
-            splices=dict(self.splices),
-            rotated_tokens=self.rotated_tokens,
-            repaired_tokens=self.repaired_tokens,
-            fallbacks=self.fallbacks,
-            directive_errors=self.directive_errors,
+            pin_evictions=s["pin_evictions"],
+        )
+        return counts.to_stats(
             cache_tokens=s["cache_tokens"],
             cache_capacity_tokens=s["cache_capacity_tokens"],
-            drift_splices=self.drift_splices,
-            drift_unspliced=dict(self.drift_unspliced),
             pinned_tokens=s["pinned_tokens"],
-            pin_evictions=s["pin_evictions"],
             features=(BODY_EDITS, CLIENT_EDITS),  # chat_front applies them
         ).model_dump(mode="json")
 
@@ -407,15 +369,6 @@ def _repair_of(d: Directive) -> dict[str, Any]:
     it gives none) and the selector, those ``leyline serve`` uses by default."""
     budget = DEFAULT_BUDGET if d.budget is None else d.budget
     return {"budget": budget, "selector": DEFAULT_SELECTOR}
-
-
-def _check_length(compiled: TokenForm, limit: int) -> None:
-    """A token-form ``T`` and ``T'`` within ``max_model_len`` (text replacements are only
-    counted once tokenized)."""
-    if len(compiled.base) > limit:
-        raise DirectiveError(f"tokens: {len(compiled.base)} tokens exceed max_model_len {limit}")
-    if len(compiled.new_tokens) > limit:
-        raise DirectiveError(f"directives: T' has {len(compiled.new_tokens)} tokens > {limit}")
 
 
 def add_routes(app: Any) -> None:
@@ -446,11 +399,7 @@ def add_routes(app: Any) -> None:
 
     async def directives(request: Request) -> JSONResponse:
         async def work(route: VLLMRoute) -> tuple[int, dict[str, Any]]:
-            try:
-                body = await body_of(request)
-            except http_guards.GuardError:
-                route.directive_errors += 1
-                raise
+            body = await body_of(request)  # a refused body changes no counter
             return await route.directives(body, request.headers.get(SESSION_HEADER))
 
         return await answer(request, work)
@@ -468,7 +417,7 @@ def add_routes(app: Any) -> None:
                 raise http_guards.GuardError(
                     "this route takes no fields; send no body or {}", "body"
                 )
-            return 200, await route.flush()
+            return 200, await route.flush_all()
 
         return await answer(request, work)
 
