@@ -15,7 +15,7 @@
    them to the namespace's next request whose prompt starts with their tokens
    (``leyline_match``), so vLLM computes only what follows them. A namespace that holds a
    prompt's first rows in a held block is routed as if it held the first block.
-4. **Pins** (``pins.PinTable``): a splice result's full blocks are held with one extra
+4. **Pins** (``pins.BlockPins``): a splice result's full blocks are held with one extra
    reference each (its rows past them stay in the held-rows table, which passes over a
    pinned namespace) until the namespace's next request is scheduled (it holds them
    itself then), its next directive, ``LEYLINE_PIN_TTL_S`` or a flush; pinned blocks stay
@@ -47,7 +47,7 @@ from vllm.v1.request import Request
 from leyline_agent.namespaces import ANONYMOUS
 from leyline_agent.vllm_plugin.held_rows import HeldRows, HeldRowsTable, RowsMatch
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, route_salt, salt_for
-from leyline_agent.vllm_plugin.pins import Arrival, PinTable, Refs, Watch, ttl_from_env
+from leyline_agent.vllm_plugin.pins import Arrival, BlockPins, Refs, Watch, ttl_from_env
 from leyline_agent.vllm_plugin.sequences import SequenceIndex
 from leyline_agent.wire import Counters
 
@@ -79,7 +79,7 @@ class LeylineScheduler(Scheduler):
         self._leyline_heads: dict[str, str] = {}  # request id -> hold id
         self._leyline_ns: dict[str, str] = {}  # request id -> its Leyline namespace's salt
         pool_blocks = int(self.block_pool.num_gpu_blocks)
-        self.leyline_pins = PinTable(_BlockRows(self), ttl_from_env(), pool_blocks // 2)
+        self.leyline_pins = BlockPins(_BlockRows(self), ttl_from_env(), pool_blocks // 2)
         self._leyline_swept = time.monotonic()
         self.leyline_sequences = SequenceIndex()  # rows inside cached full blocks
         self.leyline_rows = HeldRowsTable(
@@ -331,7 +331,7 @@ class LeylineScheduler(Scheduler):
             salt,
             None if partial is None else int(partial.block_id),
         )
-        self._leyline_apply(self.leyline_pins.pin(ns, watch))
+        self._leyline_apply(self.leyline_pins.pin_blocks(ns, watch))
 
     def leyline_arrive(self, ns: str) -> Arrival:
         arrival = self.leyline_pins.arrive(ns)

@@ -13,7 +13,7 @@ import pytest
 from leyline_agent.vllm_plugin.pins import (
     DEFAULT_TTL_S,
     TTL_ENV,
-    PinTable,
+    BlockPins,
     Refs,
     Watch,
     ttl_from_env,
@@ -76,10 +76,10 @@ class Clock:
         return self.now
 
 
-def _splice(pool: Pool, table: PinTable, ns: str, n: int, tokens=None) -> Watch:
+def _splice(pool: Pool, table: BlockPins, ns: str, n: int, tokens=None) -> Watch:
     blocks = pool.allocate(n, ns)
     w = Watch(tuple(tokens or range(n * 4)), tuple(blocks), tuple(pool.key[b] for b in blocks), ns)
-    pool.apply(table.pin(ns, w))
+    pool.apply(table.pin_blocks(ns, w))
     pool.release(blocks)  # the splice's own references end; the pin's stay
     return w
 
@@ -91,7 +91,7 @@ def _flood(pool: Pool, k: int) -> None:
 
 def _setup(n=16, ttl=300.0, budget=8):
     pool, clock = Pool(n), Clock()
-    table = PinTable(Rows(pool), ttl, budget, clock=clock)
+    table = BlockPins(Rows(pool), ttl, budget, clock=clock)
     return pool, clock, table
 
 
@@ -127,7 +127,7 @@ def test_a_pin_that_stops_holding_then_loses_its_rows_is_counted(how):
         pool.apply(table.expire())
     assert table.pinned_blocks == 0
     _flood(pool, 1)
-    assert table.count_lost() == 1 and table.count_lost() == 0
+    assert table.count_lost() == ["A"] and table.count_lost() == []
     arrival = table.arrive("A")
     assert arrival.lost and not arrival.watched
     assert table.pin_evictions == 1  # counted once (sweep), told once (arrival)
@@ -138,7 +138,7 @@ def test_a_broken_pin_whose_rows_survive_is_not_reported():
     pool, _, table = _setup()
     _splice(pool, table, "A", 3)
     pool.apply(table.break_oldest())
-    assert table.count_lost() == 0
+    assert table.count_lost() == []
     assert table.arrive("A").lost is False
 
 
@@ -166,7 +166,7 @@ def test_held_partial_rows_count_while_the_pin_lasts():
     blocks = pool.allocate(2, "A")
     rows.partial_held.add(100)
     w = Watch(tuple(range(9)), tuple(blocks), tuple(pool.key[b] for b in blocks), "A", 100)
-    pool.apply(table.pin("A", w))
+    pool.apply(table.pin_blocks("A", w))
     rows.partial_held.clear()  # dropped from the held-rows table
     assert table.arrive("A").lost is True
 

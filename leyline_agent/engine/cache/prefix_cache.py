@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from leyline_agent.engine.cache.allocator import SlotAllocator
-from leyline_agent.engine.cache.pins import PinTable
+from leyline_agent.engine.cache.pins import TreePins
 from leyline_agent.engine.cache.radix import Evicted, Match, RadixCache
 from leyline_agent.namespaces import Namespace
 
@@ -69,7 +69,7 @@ class PrefixCache:
         # A tenant's share in rows (None: no shares, one LRU over everybody).
         self.share_tokens = None if tenant_share is None else int(tenant_share * budget_tokens)
         self.tree = RadixCache()
-        self.pins = PinTable(self.tree, pin_ttl_s)
+        self.pins = TreePins(self.tree, pin_ttl_s)
 
     # ---------------------------------------------------------------- lookups
     def match(self, tokens: Sequence[int], ns: Namespace) -> Match:
