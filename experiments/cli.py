@@ -22,7 +22,7 @@ import importlib
 from collections.abc import Callable
 from pathlib import Path
 
-from .results import recorded
+from .reports.results import recorded
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -109,7 +109,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/http"), help="output folder")
     p.set_defaults(func=recorded("bench http", _bench_http, Path("runs/http")))
 
-    from .bench_engine import add_arguments as bench_engine_arguments  # stdlib only
+    from .bench.bench_engine import add_arguments as bench_engine_arguments  # stdlib only
 
     p = bench.add_parser(
         "engine", help="engine vs transformers generate: decode/prefill by context, concurrency"
@@ -117,20 +117,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_engine_arguments(p)
     p.set_defaults(func=recorded("bench engine", _bench_engine, Path("runs/engine")))
 
-    from .bench_serve import add_arguments as bench_serve_arguments  # stdlib only
+    from .bench.bench_serve import add_arguments as bench_serve_arguments  # stdlib only
 
     p = bench.add_parser("serve", help="leyline serve: aggregate tok/s of C streaming clients")
     bench_serve_arguments(p)
     p.set_defaults(func=recorded("bench serve", _bench_serve, Path("runs/serve")))
 
     for verb, module, help_text in (
-        ("splice", "bench_splice", "splice vs FORGET vs a forward, in-process (mini models)"),
-        ("soak", "soak_rss", "RSS of leyline serve over rounds of streaming clients"),
-        ("soak-hostile", "soak_hostile", "normal clients' latency beside hostile ones, 5xx, RSS"),
-        ("store-budget", "store_budget", "Responses store: RSS under 1 MB inputs, stats, flush"),
-        ("drift", "bench_drift", "reasoning-agent replay: plain cache, drift splices, kept"),
-        ("splice-stream", "bench_splice_stream", "a stream's gaps while another session splices"),
-        ("directive", "bench_directive", "one directive's cost over HTTP, on every server"),
+        ("splice", "bench.bench_splice", "splice vs FORGET vs a forward, in-process (mini models)"),
+        ("soak", "bench.soak_rss", "RSS of leyline serve over rounds of streaming clients"),
+        ("soak-hostile", "bench.soak_hostile", "normal clients' latency beside hostile ones, 5xx, RSS"),
+        ("store-budget", "bench.store_budget", "Responses store: RSS under 1 MB inputs, stats, flush"),
+        ("drift", "bench.bench_drift", "reasoning-agent replay: plain cache, drift splices, kept"),
+        ("splice-stream", "bench.bench_splice_stream", "a stream's gaps while another session splices"),
+        ("directive", "bench.bench_directive", "one directive's cost over HTTP, on every server"),
     ):
         p = bench.add_parser(verb, help=help_text, add_help=False)
         p.set_defaults(
@@ -143,21 +143,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", type=Path, default=Path("docs/results.md"), help="the page to write")
     p.set_defaults(func=_bench_report)
 
-    from .bench_grammar import add_arguments as bench_grammar_arguments  # stdlib only
+    from .bench.bench_grammar import add_arguments as bench_grammar_arguments  # stdlib only
 
     p = bench.add_parser("grammar", help="constrained decoding: ms/token with and without a grammar")
     bench_grammar_arguments(p)
-    p.set_defaults(func=recorded("bench grammar", _module_main("bench_grammar", whole=True),
+    p.set_defaults(func=recorded("bench grammar", _module_main("bench.bench_grammar", whole=True),
                                  Path("runs/grammar")))  # fmt: skip
 
     check = sub.add_parser("check", help="correctness reports").add_subparsers(
         dest="check", metavar="WHAT"
     )
-    from .gpu_check import add_arguments as gpu_check_arguments  # stdlib only
+    from .check.gpu_check import add_arguments as gpu_check_arguments  # stdlib only
 
     p = check.add_parser("gpu", help="the prepared GPU check (scripts/gpu_check.sh runs it)")
     gpu_check_arguments(p)
-    p.set_defaults(func=_module_main("gpu_check", whole=True))
+    p.set_defaults(func=_module_main("check.gpu_check", whole=True))
     p = check.add_parser("correctness", help="splice vs full context: argmax agreement, bf16 drift")
     p.add_argument("--model", required=True, help="model folder")
     p.add_argument("--out", type=Path, default=Path("runs/correctness"), help="output folder")
@@ -168,18 +168,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         func=recorded("check correctness", _check_correctness, Path("runs/correctness"))
     )
 
-    from .quality import add_arguments as quality_arguments  # no torch at import
+    from .check.quality import add_arguments as quality_arguments  # no torch at import
 
     p = check.add_parser("quality", help="real model: FULL vs FORGET vs a splice on agent conversations")
     quality_arguments(p)
-    p.set_defaults(func=recorded("check quality", _module_main("quality", whole=True),
+    p.set_defaults(func=recorded("check quality", _module_main("check.quality", whole=True),
                                  Path("runs/quality")))  # fmt: skip
 
-    from .bf16_facts import add_arguments as bf16_arguments  # no torch at import
+    from .check.bf16_facts import add_arguments as bf16_arguments  # no torch at import
 
     p = check.add_parser("bf16", help="real model: bf16 logits error, key drift, cache-state dependence")
     bf16_arguments(p)
-    p.set_defaults(func=recorded("check bf16", _module_main("bf16_facts", whole=True), Path("runs/bf16")))
+    p.set_defaults(func=recorded("check bf16", _module_main("check.bf16_facts", whole=True), Path("runs/bf16")))
 
     ev = sub.add_parser("eval", help="agent evaluations").add_subparsers(
         dest="eval", metavar="WHAT"
@@ -258,9 +258,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _eval_mini_nightmare(args: argparse.Namespace) -> int:
-    from .eval_config import load_eval_config
-    from .eval_report import markdown
-    from .eval_run import run_eval
+    from .eval.eval_config import load_eval_config
+    from .eval.eval_report import markdown
+    from .eval.eval_run import run_eval
 
     over: dict = {}
     if args.task_timeout is not None:
@@ -290,19 +290,19 @@ def _eval_mini_nightmare(args: argparse.Namespace) -> int:
 
 
 def _bench_mechanism(args: argparse.Namespace) -> int:
-    from .mechanism import main as mechanism_main
+    from .bench.mechanism import main as mechanism_main
 
     return mechanism_main(args)
 
 
 def _bench_side_by_side(args: argparse.Namespace) -> int:
-    from .side_by_side import main as side_main
+    from .bench.side_by_side import main as side_main
 
     return side_main(args)
 
 
 def _bench_http(args: argparse.Namespace) -> int:
-    from .side_by_side import main_http
+    from .bench.side_by_side import main_http
 
     return main_http(args)
 
@@ -318,7 +318,7 @@ def _module_main(module: str, whole: bool = False) -> Callable[[argparse.Namespa
 
 
 def _bench_report(args: argparse.Namespace) -> int:
-    from .results import write_results
+    from .reports.results import write_results
 
     n = write_results(args.runs, args.to)
     print(f"{args.to}: {n} recorded run(s) from {args.runs}")
@@ -326,30 +326,30 @@ def _bench_report(args: argparse.Namespace) -> int:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from .bench_engine import main
+    from .bench.bench_engine import main
 
     return main(args)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from .bench_serve import main
+    from .bench.bench_serve import main
 
     return main(args)
 
 
 def _check_correctness(args: argparse.Namespace) -> int:
-    from .correctness import main as correctness_main
+    from .check.correctness import main as correctness_main
 
     return correctness_main(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import main as demo_main
+    from .reports.demo import main as demo_main
 
     return demo_main(args)
 
 
 def _trajectories_generate(args: argparse.Namespace) -> int:
-    from .trajectories import main as trajectories_main
+    from .replay.trajectories import main as trajectories_main
 
     return trajectories_main(args)

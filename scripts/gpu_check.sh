@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check (issue 38): assemble the project on a bare GPU machine, then run
-# `leyline check gpu` (experiments/gpu_check.py), every figure recorded under OUTDIR.
+# `leyline check gpu` (experiments/check/gpu_check.py), every figure recorded under OUTDIR.
 #
 #   scripts/gpu_check.sh --wheels          here (with a registry): fill .gpu-wheels/
 #   scripts/gpu_check.sh OUTDIR            there: install the wheels, assemble, run (<= 8 min)

@@ -21,7 +21,7 @@ selector decides which:
   splice).
 
 The measured ablation (other selectors included: CacheBlend's K/V deviation, which needs
-tensors) is ``experiments/repair_ablation.py``.
+tensors) is ``experiments/check/repair_ablation.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 DEFAULT_BUDGET = 0.05  # fraction of a tail recomputed when a directive gives none
-DEFAULT_SELECTOR = "match+ngram"  # chosen by experiments/repair_ablation.py (docs/results.md)
+DEFAULT_SELECTOR = "match+ngram"  # chosen by experiments/check/repair_ablation.py (docs/results.md)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from typing import Any, Self
 
 import httpx
 
-from leyline_agent.experiments.store_budget import long_input
+from leyline_agent.experiments.bench.store_budget import long_input
 
 __all__ = [
     "ALICE",

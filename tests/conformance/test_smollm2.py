@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from leyline_agent.directives.repair import DEFAULT_BUDGET, RepairSpan, select_rows
-from leyline_agent.experiments.quality_data import load_conversations
+from leyline_agent.experiments.check.quality_data import load_conversations
 from leyline_agent.reference.hf_reference import hf_greedy
 from leyline_agent.reference.kv_reference import RefState, logits_from_kv
 from leyline_agent.testing.server import serve_vllm

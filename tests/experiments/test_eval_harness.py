@@ -19,9 +19,9 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 import debug_gym  # noqa: E402, F401  -- set up by scripts/setup.sh; fail, never skip
 
 from leyline_agent.errors import LeylineError, RuntimeUnavailableError  # noqa: E402
-from leyline_agent.experiments.dataset import installed_task_root  # noqa: E402
-from leyline_agent.experiments.eval_config import load_eval_config  # noqa: E402
-from leyline_agent.experiments.eval_run import run_eval  # noqa: E402
+from leyline_agent.experiments.eval.dataset import installed_task_root  # noqa: E402
+from leyline_agent.experiments.eval.eval_config import load_eval_config  # noqa: E402
+from leyline_agent.experiments.eval.eval_run import run_eval  # noqa: E402
 from leyline_agent.testing.purr import PURR_FIX  # noqa: E402
 from leyline_agent.testing.scripted import ReplayModel  # noqa: E402
 from leyline_agent.testing.stub_server import StubServer  # noqa: E402
@@ -177,7 +177,7 @@ def test_arm_order_does_not_change_hit_rates(tmp_path: Path) -> None:
 
 
 def test_pytest_durations_are_scrubbed_from_eval_output() -> None:
-    from leyline_agent.experiments.nightmare import scrub_durations
+    from leyline_agent.experiments.eval.nightmare import scrub_durations
 
     out = "F\n==== 1 failed in 0.75s ====\n"
     assert scrub_durations(out) == "F\n==== 1 failed ====\n"

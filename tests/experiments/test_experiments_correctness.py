@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
-from leyline_agent.experiments.correctness import run_correctness, summary_lines
+from leyline_agent.experiments.check.correctness import run_correctness, summary_lines
 
 
 def test_report(tmp_path: Path) -> None:

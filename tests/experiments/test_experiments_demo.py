@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from leyline_agent.experiments.demo import run_demo
-from leyline_agent.experiments.replay import ARMS
+from leyline_agent.experiments.replay.replay import ARMS
+from leyline_agent.experiments.reports.demo import run_demo
 
 
 def test_demo_writes_everything(tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ import pytest
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.errors import LeylineError
-from leyline_agent.experiments.mechanism import BenchSettings, run_mechanism
-from leyline_agent.experiments.replay import ARMS
+from leyline_agent.experiments.bench.mechanism import BenchSettings, run_mechanism
+from leyline_agent.experiments.replay.replay import ARMS
 
 pytestmark = pytest.mark.slow
 
@@ -101,9 +101,9 @@ def test_interleaved_arms_take_turns_and_count_as_alone() -> None:
     prefilled tokens it counts when replayed alone (deterministic given the arm)."""
     from leyline_agent.engine.engine import Engine
     from leyline_agent.engine.model.loader import load
-    from leyline_agent.experiments.mechanism import POLICIES, cap_messages
-    from leyline_agent.experiments.replay import replay, replay_interleaved
-    from leyline_agent.experiments.trajectories import DEFAULT_SET, load_trajectories
+    from leyline_agent.experiments.bench.mechanism import POLICIES, cap_messages
+    from leyline_agent.experiments.replay.replay import replay, replay_interleaved
+    from leyline_agent.experiments.replay.trajectories import DEFAULT_SET, load_trajectories
     from leyline_agent.policies import load_policies
 
     ld = load(tiny_model_dir("llama"), dtype="float32", device="cpu")

@@ -18,8 +18,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
-from leyline_agent.experiments.quality import build_cases
-from leyline_agent.experiments.quality_data import generate, load_conversations
+from leyline_agent.experiments.check.quality import build_cases
+from leyline_agent.experiments.check.quality_data import generate, load_conversations
 
 pytestmark = pytest.mark.slow
 
@@ -77,8 +77,8 @@ ARCH = "llama"
 
 
 def test_the_cache_check_refuses_rows_an_arm_may_not_read():
-    from leyline_agent.experiments.quality import _check_cache
-    from leyline_agent.experiments.quality_arms import ARMS, Case
+    from leyline_agent.experiments.check.quality import _check_cache
+    from leyline_agent.experiments.check.quality_arms import ARMS, Case
 
     case = Case("c", "general", "stub", [1, 2, 3, 4, 5, 6], 2, 4, [9], [7, 8])  # T' = 1 2 9 5 6
     _check_cache(ARMS["forget"], case, [1, 2, 9, 5, 6, 7, 8], 2, [[1, 2, 3, 4, 5, 6, 7, 8]])
@@ -93,8 +93,8 @@ def test_shared_prefixes_give_the_cold_arms_answers(convs, server, tok, name):
     """--share-prefix (the demo's form) against every arm started from a flushed cache:
     the same first tokens, logprobs and fact log P, with FORGET reading the rows before the
     edit from the cache only when prefixes are shared."""
-    from leyline_agent.experiments.quality import run_arms
-    from leyline_agent.experiments.quality_arms import ARMS, QualityServer
+    from leyline_agent.experiments.check.quality import run_arms
+    from leyline_agent.experiments.check.quality_arms import ARMS, QualityServer
 
     sample = [convs[0], next(c for c in convs if c["kind"] == "quoted_next")]
     cases = build_cases(tok, sample, ["stub"])

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from leyline_agent.experiments.replay_counts import count
-from leyline_agent.experiments.trajectories import TrajectoryRecord
+from leyline_agent.experiments.replay.replay_counts import count
+from leyline_agent.experiments.replay.trajectories import TrajectoryRecord
 from leyline_agent.policies import MessageEdit, Policy, Trajectory
 
 OUTPUT = " ".join(f"line {i} of a long tool output" for i in range(60))

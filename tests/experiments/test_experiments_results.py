@@ -9,7 +9,7 @@ from pathlib import Path
 
 from leyline_agent.cli import build_parser
 from leyline_agent.cli import main as cli_main
-from leyline_agent.experiments import results
+from leyline_agent.experiments.reports import results
 
 ROOT = Path(__file__).resolve().parents[2]
 

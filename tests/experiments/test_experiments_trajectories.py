@@ -13,8 +13,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import debug_gym  # noqa: E402, F401  -- set up by scripts/setup.sh; fail, never skip
 
-from leyline_agent.experiments.dataset import installed_task_root  # noqa: E402
-from leyline_agent.experiments.trajectories import (  # noqa: E402
+from leyline_agent.experiments.eval.dataset import installed_task_root  # noqa: E402
+from leyline_agent.experiments.replay.trajectories import (  # noqa: E402
     DEFAULT_SET,
     generate_one,
     load_trajectories,

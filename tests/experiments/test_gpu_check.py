@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from leyline_agent.experiments import gpu_check, results
+from leyline_agent.experiments.check import gpu_check
+from leyline_agent.experiments.reports import results
 
 pytestmark = pytest.mark.slow
 

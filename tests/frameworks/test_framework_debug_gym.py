@@ -32,8 +32,8 @@ from debug_gym.logger import DebugGymLogger  # noqa: E402
 
 from leyline_agent.agent.transport import LeylineTransport  # noqa: E402
 from leyline_agent.engine.checkpoints.store import tiny_model_dir  # noqa: E402
-from leyline_agent.experiments.eval_config import load_eval_config  # noqa: E402
-from leyline_agent.experiments.nightmare import load_tasks, make_env, quiet_debug_gym  # noqa: E402
+from leyline_agent.experiments.eval.eval_config import load_eval_config  # noqa: E402
+from leyline_agent.experiments.eval.nightmare import load_tasks, make_env, quiet_debug_gym  # noqa: E402
 from leyline_agent.integrations.debug_gym import LeylineHuggingFaceLLM, make_llm_config  # noqa: E402
 from leyline_agent.testing.frameworks import (  # noqa: E402
     ARCH,

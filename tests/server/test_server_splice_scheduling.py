@@ -24,7 +24,7 @@ import httpx
 import pytest
 import torch
 
-from leyline_agent.experiments.bench_splice_stream import gaps, stream_until
+from leyline_agent.experiments.bench.bench_splice_stream import gaps, stream_until
 from leyline_agent.reference.kv_reference import RefState, logits_from_kv
 from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.testing.token_ids import random_ids

@@ -396,6 +396,6 @@ def test_mla_band_turns_as_vllms_deepseek_rotary():
 
 def test_the_gpu_checks_layout_table_is_vllms():
     """The prepared GPU check lays caches out without vLLM (it cannot travel there)."""
-    from leyline_agent.experiments.vllm_rows import LAYOUTS
+    from leyline_agent.experiments.bench.vllm_rows import LAYOUTS
 
     assert LAYOUTS == {x.name: x.value for x in KVCacheLayout}

@@ -1,6 +1,6 @@
 """Benchmark (not a test): what a grammar costs per decoded token, constrained vs free, one run.
 
-    python -m leyline_agent.experiments.bench_grammar [--arch llama] [--size tiny]
+    python -m leyline_agent.experiments.bench.bench_grammar [--arch llama] [--size tiny]
         [--tokens 64] [--batches 1,4] [--repeats 3] [--threads 1]
 
 One engine on a seeded random-weight model (``leyline make-model``'s checkpoints), one

@@ -122,7 +122,7 @@ def _record(
     name: str, commit: str | None,
 ) -> bool:  # fmt: skip
     """Run one section with its output captured and write its record, failed or not."""
-    from .results import Tee, load_average, write_record
+    from ..reports.results import Tee, load_average, write_record
 
     started, load_before, tee = dt.datetime.now(dt.UTC), load_average(), Tee(sys.stdout)
     ok, command = True, ""
@@ -144,24 +144,24 @@ def _record(
 # ---------------------------------------------------------------------------- sections
 def _kernel(device: str, dry: bool) -> str:
     _kernel_exactness(device)
-    from .bench_kernel import main as bench_kernel
+    from ..bench.bench_kernel import main as bench_kernel
 
     args = KERNEL_ARGS(dry)
     bench_kernel(args)
-    return "python experiments/bench_kernel.py " + shlex.join(args)
+    return "python experiments/bench/bench_kernel.py " + shlex.join(args)
 
 
 def _vllm_rows(device: str, dry: bool) -> str:
-    from .vllm_rows import check
+    from ..bench.vllm_rows import check
 
     blocks = 4 if dry else 8
     check(device, blocks=blocks)
-    return f"experiments/vllm_rows.py: check({device!r}, blocks={blocks})"
+    return f"experiments/bench/vllm_rows.py: check({device!r}, blocks={blocks})"
 
 
 def _engine(device: str, dry: bool) -> str:
-    from .bench_engine import add_arguments as engine_arguments
-    from .bench_engine import main as bench_engine
+    from ..bench.bench_engine import add_arguments as engine_arguments
+    from ..bench.bench_engine import main as bench_engine
 
     ap = argparse.ArgumentParser()
     engine_arguments(ap)
@@ -174,7 +174,7 @@ def _engine(device: str, dry: bool) -> str:
 
 def _splice(argv: Callable[[bool], list[str]]) -> Callable[[str, bool], str]:
     def run(device: str, dry: bool) -> str:
-        from .bench_splice import main as bench_splice
+        from ..bench.bench_splice import main as bench_splice
 
         args = argv(dry)
         rc = bench_splice(args)
@@ -297,7 +297,7 @@ def _engine_mini(device: str, dry: bool) -> str:
             flush=True,
         )
         del eng, cpu
-    return "(engine-mini: in experiments/gpu_check.py)"
+    return "(engine-mini: in experiments/check/gpu_check.py)"
 
 
 def _extend_check(device: str, dry: bool) -> None:
@@ -366,7 +366,7 @@ def _profile(device: str, dry: bool) -> str:
     from leyline_agent.engine.model.runner import StepInput
     from leyline_agent.wire import DirectivesRequest
 
-    from .shapes import engine_for
+    from ..bench.shapes import engine_for
 
     n, dec, half = (256, 4, 64) if dry else (33792, 32, 16384)
     eng = engine_for("llama-1b", device, "bfloat16", 4 * n + 4096, small=dry)
@@ -458,4 +458,4 @@ def _profile(device: str, dry: bool) -> str:
         sync()
     print(f"AMORTIZE at {len(T)} tokens: {a_s * 1e3:.1f} ms")
     show("AMORTIZE (the calling thread)", prof)
-    return "(profile: in experiments/gpu_check.py)"
+    return "(profile: in experiments/check/gpu_check.py)"

@@ -34,10 +34,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..replay.replay_counts import common_prefix
 from .correctness import edit_spans
 from .quality_arms import ARMS, Arm, Case, Completion, QualityServer
 from .quality_data import load_conversations
-from .replay_counts import common_prefix
 
 __all__ = ["QUICK", "ArmResult", "build_cases", "main", "quick_caption", "run_arms"]
 
@@ -301,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
 
     from leyline_agent.engine.checkpoints.fetch import smollm2_dir
 
-    from .side_by_side import leyline_serve
+    from ..bench.side_by_side import leyline_serve
 
     model = Path(args.model) if args.model else smollm2_dir()
     unknown = [a for a in args.arms.split(",") if a not in ARMS]

@@ -270,7 +270,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                                  for x in r if x["boundary"]),
                              "e2e_s": wall[arm]})  # fmt: skip
             print_rows([x for x in rows if x["context"] == context and x["clients"] == c])
-    return {"command": "python -m experiments.bench_drift " + " ".join(args.argv),
+    return {"command": "python -m experiments.bench.bench_drift " + " ".join(args.argv),
             "engine": args.engine, "block_size": args.block_size if args.engine == "vllm" else None,
             "head_drift": args.head_drift, "clock": args.clock, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "load_after": os.getloadavg(), "rows": rows}  # fmt: skip

@@ -30,7 +30,7 @@ from leyline_agent.errors import LeylineError
 
 __all__ = ["TrajectoryRecord", "generate", "load_trajectories", "main", "write_trajectories"]
 
-DEFAULT_SET = Path(__file__).parent / "data" / "trajectories.jsonl"
+DEFAULT_SET = Path(__file__).resolve().parents[1] / "data" / "trajectories.jsonl"
 _SYSTEM = (
     "You debug Python programs. Use one tool per turn: read the code and the tests, run the "
     "tests, step through them with pdb, then edit the code until the tests pass."
@@ -202,8 +202,8 @@ def generate_one(task: str, seed: int, turns: int, data_dir: Path) -> Trajectory
     from debug_gym.gym.entities import Observation  # noqa: F401  (import check)
     from debug_gym.gym.tools.tool import ToolCall
 
-    from .eval_config import load_eval_config
-    from .nightmare import load_tasks, make_env, quiet_debug_gym
+    from ..eval.eval_config import load_eval_config
+    from ..eval.nightmare import load_tasks, make_env, quiet_debug_gym
 
     quiet_debug_gym()
     from debug_gym.logger import DebugGymLogger
@@ -266,7 +266,7 @@ def generate(
     data_dir: Path | None = None,
     progress: bool = False,
 ) -> list[TrajectoryRecord]:
-    from .dataset import TASK_NAMES
+    from ..eval.dataset import TASK_NAMES
 
     if n < 1:
         raise LeylineError(f"--n: must be >= 1, got {n}")
@@ -293,7 +293,7 @@ def generate(
 
 
 def main(args: Any) -> int:
-    from .dataset import resolve_tasks
+    from ..eval.dataset import resolve_tasks
 
     tasks = None if args.tasks == "all" else resolve_tasks(args.tasks)
     recs = generate(

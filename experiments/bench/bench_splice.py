@@ -1,7 +1,7 @@
 """Benchmark (not a test): an edit in the middle of the context, AMORTIZE vs REPAIR vs FORGET
 vs a forward.
 
-    .venv/bin/python -m leyline_agent.experiments.bench_splice [--archs deepseek_v2,llama]
+    .venv/bin/python -m leyline_agent.experiments.bench.bench_splice [--archs deepseek_v2,llama]
         [--halves 2048,4096,8192] [--span 256] [--replacement 16] [--reps 3] [--forget-reps 1]
         [--repair-budget 0.02]
         [--switch] [--drift] [--shapes llama-1b,dsv2-lite --device cuda --dtype bfloat16]

@@ -20,7 +20,7 @@ of the answer's tokens. Fact cases are the file's (``quoted_next``, ``quoted_lat
 ``span_only``) plus, for every setting, the quote variant the file lacks, made from its
 ``span_only`` conversation by writing the quote into the same assistant turn.
 
-    python -m leyline_agent.experiments.repair_ablation --model DIR --out runs/repair-ablation
+    python -m leyline_agent.experiments.check.repair_ablation --model DIR --out runs/repair-ablation
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from leyline_agent.engine.repair import repair_rows
 from leyline_agent.namespaces import DEFAULT_TENANT, Namespace
 from leyline_agent.wire import DirectivesRequest
 
-DATA = Path(__file__).resolve().parent / "data" / "quality_conversations.json"
+DATA = Path(__file__).resolve().parents[1] / "data" / "quality_conversations.json"
 BUDGETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 ENGINE_SELECTORS = tuple(ENGINE_SELECTOR_NAMES)
 SELECTORS = (*ENGINE_SELECTORS, "deviation", "ngram+deviation")
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     per_case: dict[str, dict] = {}
     kinds = {c["id"]: c["kind"] for c in convs}
     a.out.mkdir(parents=True, exist_ok=True)
-    cmd = " ".join(["python -m leyline_agent.experiments.repair_ablation", *(argv or [])])
+    cmd = " ".join(["python -m leyline_agent.experiments.check.repair_ablation", *(argv or [])])
     for k, c in enumerate(convs):
         per_case[c["id"]] = run_case(eng, c, k, selectors, budgets)
         print(f"{k + 1}/{len(convs)} {c['id']} {time.perf_counter() - t0:.0f} s", flush=True)
@@ -290,7 +290,7 @@ CASES = "cases.json"
 def finish(out: Path, started: Any, load_before: Any) -> None:
     """The table and plot from ``out/cases.json``, recorded as a run (``report.json``,
     rendered into docs/results.md by ``leyline bench report``)."""
-    from .results import write_record
+    from ..reports.results import write_record
 
     rec = json.loads((out / CASES).read_text())
     summary = summarize(rec["per_case"], rec["kinds"])

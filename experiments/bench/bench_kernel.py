@@ -1,6 +1,6 @@
 """Effective bandwidth of rotate_band against a plain copy of the same bytes, in one run.
 
-    .venv/bin/python experiments/bench_kernel.py [--rows 4096,32768,262144] [--layers 27]
+    .venv/bin/python experiments/bench/bench_kernel.py [--rows 4096,32768,262144] [--layers 27]
         [--device cpu|cuda] [--dtype bfloat16|float16|float32] [--repeats N]
         [--layer-buffers N]
 

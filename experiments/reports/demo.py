@@ -40,9 +40,9 @@ def run_demo(
     progress: bool = True,
     **bench_overrides: Any,
 ) -> dict[str, Any]:
-    from .correctness import run_correctness, summary_lines
-    from .mechanism import BenchSettings, run_mechanism
-    from .replay import ARMS
+    from ..bench.mechanism import BenchSettings, run_mechanism
+    from ..check.correctness import run_correctness, summary_lines
+    from ..replay.replay import ARMS
 
     t0 = time.perf_counter()
     model = ensure_model(models_dir, arch, size)

@@ -50,7 +50,7 @@ def _chat(url: str, model: str, msgs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _splice_chat(url: str, model: str) -> list[str]:
-    from .quality_data import load_conversations
+    from ..check.quality_data import load_conversations
 
     conv = next(c for c in load_conversations() if c["id"] == "general-02")
     msgs, k = _tool_chat(conv)
@@ -81,10 +81,10 @@ def real_model_section(out: Path) -> list[str]:
 
     from leyline_agent.engine.checkpoints.fetch import smollm2_dir
 
-    from .quality import build_cases, quick_caption, report, run_arms, select_conversations
-    from .quality_arms import ARMS, QualityServer
-    from .quality_data import load_conversations
-    from .side_by_side import leyline_serve
+    from ..bench.side_by_side import leyline_serve
+    from ..check.quality import build_cases, quick_caption, report, run_arms, select_conversations
+    from ..check.quality_arms import ARMS, QualityServer
+    from ..check.quality_data import load_conversations
 
     print("real model: SmolLM2-135M-Instruct (leyline fetch-model smollm2) ...", flush=True)
     model = smollm2_dir()

@@ -30,15 +30,15 @@ from typing import Any
 from leyline_agent.errors import LeylineError
 from leyline_agent.launch import QUIET_AFTER_REQUEST_S, serve_leyline, serve_vllm
 
-from .http_replay import replay_http
+from ..replay.http_replay import replay_http
+from ..replay.trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
 from .mechanism import POLICIES, cap_messages
 from .mechanism import percentile as _pct
-from .trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
 
 __all__ = ["TARGETS", "leyline_serve", "main", "main_http", "run_target", "start_target"]
 
 TARGETS = {"vllm": ("radix",), "vllm-leyline": ("splice",), "leyline": ("splice", "radix")}
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _trajs(path: Path | None, quick: bool) -> list[TrajectoryRecord]:
@@ -243,7 +243,7 @@ def main(args: Any) -> int:
     max_turns = args.max_turns or (6 if args.quick else None)
     n = args.sessions or max(args.concurrency)
     if args.count:
-        from .replay_counts import count, report
+        from ..replay.replay_counts import count, report
 
         counts = count(model_dir, trajs, n, max_turns, _policies)
         print(f"one run ({n} sessions): {report(counts)}")

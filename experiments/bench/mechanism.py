@@ -29,8 +29,8 @@ from typing import Any
 
 from leyline_agent.errors import LeylineError
 
-from .replay import ARMS, replay_interleaved
-from .trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
+from ..replay.replay import ARMS, replay_interleaved
+from ..replay.trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
 
 __all__ = ["BenchSettings", "main", "run_mechanism"]
 
@@ -244,7 +244,7 @@ def run_mechanism(
 
     from leyline_agent.engine.model.loader import load
 
-    from .mechanism_report import write_reports
+    from ..reports.mechanism_report import write_reports
 
     if not Path(model_dir).is_dir():
         raise LeylineError(f"--model: no model folder at {model_dir} (leyline make-model)")
@@ -306,7 +306,7 @@ def settings_from_args(args: Any) -> BenchSettings:
 
 
 def main(args: Any) -> int:
-    from .mechanism_report import markdown
+    from ..reports.mechanism_report import markdown
 
     st = settings_from_args(args)
     rows = run_mechanism(Path(args.model), st, args.out, args.trajectories)

@@ -5,8 +5,8 @@ threads stream chat completions (fresh random prompts, so the cache churns) for
 ``--seconds``. After each round, once the server is idle, it prints the server's RSS (from
 ``/proc/PID/status``) and the ratio to round 1's. A plateau is a ratio near 1.
 
-    python -m experiments.soak_rss --model DIR            # 3 rounds x 64 clients x 120 s
-    python -m experiments.soak_rss --model DIR --rounds 3 --clients 8 --seconds 20
+    python -m experiments.bench.soak_rss --model DIR            # 3 rounds x 64 clients x 120 s
+    python -m experiments.bench.soak_rss --model DIR --rounds 3 --clients 8 --seconds 20
 """
 
 from __future__ import annotations

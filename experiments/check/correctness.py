@@ -32,7 +32,7 @@ from typing import Any
 
 from leyline_agent.errors import LeylineError
 
-from .trajectories import DEFAULT_SET, load_trajectories
+from ..replay.trajectories import DEFAULT_SET, load_trajectories
 
 __all__ = ["agreement", "drift", "edit_spans", "main", "rel_l2"]
 

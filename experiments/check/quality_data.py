@@ -6,7 +6,7 @@ real commands there (``ls``, ``cat``, ``grep -rn``, ``git log``, ``wc -l``, a fa
 ``pytest``) and assembles agent conversations from what they print: a task, assistant
 turns that call a command, tool messages that hold its output, a stale output to stub, and
 a new question. The output is kept in ``data/quality_conversations.json`` (regenerate with
-``python -m leyline_agent.experiments.quality_data``): run-dependent parts of the output
+``python -m leyline_agent.experiments.check.quality_data``): run-dependent parts of the output
 (pytest's timing, the temp path) are normalised so the file is stable.
 
 Two kinds of conversations:
@@ -32,7 +32,7 @@ from typing import Any
 
 __all__ = ["DATA", "generate", "load_conversations"]
 
-DATA = Path(__file__).resolve().parent / "data" / "quality_conversations.json"
+DATA = Path(__file__).resolve().parents[1] / "data" / "quality_conversations.json"
 
 SYSTEM = (
     "You are a coding agent working in a Python repository. You run shell commands, read "

@@ -1,0 +1,1 @@
+"""Correctness and quality reports (``leyline check ...``): what a splice changes in what a model says."""
