@@ -64,18 +64,19 @@ CONTRACTS = {
 # layer -> the layers it may import (besides its own modules)
 ALLOWED: dict[str, set[str]] = {
     "contracts": set(),
-    "directives": {"contracts"},
+    "http": {"contracts"},  # the HTTP guards every front runs, and their ASGI plumbing
+    "directives": {"contracts", "http"},
     "policies": {"contracts"},
     "agent": {"contracts", "policies"},
-    "front": {"contracts", "directives", "policies"},
+    "front": {"contracts", "directives", "policies", "http"},
     "integrations": {"contracts", "policies", "agent"},
     "kernels": {"contracts"},
     "reference": {"contracts"},
     "engine": {"contracts", "directives", "kernels"},
-    "sglang_plugin": {"contracts", "directives", "kernels"},
-    "vllm_plugin": {"contracts", "directives", "kernels", "front"},
+    "sglang_plugin": {"contracts", "directives", "kernels", "http"},
+    "vllm_plugin": {"contracts", "directives", "kernels", "front", "http"},
     "server": {
-        "contracts", "directives", "kernels", "engine", "policies", "front", "sglang_plugin",
+        "contracts", "directives", "kernels", "engine", "policies", "front", "sglang_plugin", "http",
     },  # fmt: skip
     "api": {"contracts", "directives", "policies", "agent"},
     "cli": {"contracts", "policies", "engine", "server", "experiments"},
@@ -87,7 +88,7 @@ ALLOWED: dict[str, set[str]] = {
     "testing": set(),  # anything: fixtures and doubles
 }
 DIRECTIVES_PACKAGE = "leyline_agent.directives"
-TORCH_FREE = {"contracts", "directives", "policies", "front", "agent"}
+TORCH_FREE = {"contracts", "http", "directives", "policies", "front", "agent"}
 TORCH = ("torch", "triton", "transformers")
 
 

@@ -3,7 +3,7 @@
 ``leyline serve`` (``server/errors.py``, which adds what only FastAPI and its worker raise)
 and the vLLM plugin's routes (``vllm_plugin/errors.py``) answer through ``classify`` and
 ``error_code_of``, so the same bad request gets the same status and the same body from
-both: a guard's refusal (``http_guards.GuardError``: its own status, type and code), a body
+both: a guard's refusal (``http.guards.GuardError``: its own status, type and code), a body
 pydantic refused (``ValidationError``: 400, pydantic's error type as the code), then every
 Leyline error as ``http_errors.classify`` answers it.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from leyline_agent.directives.http_guards import GuardError
 from leyline_agent.errors import RequestError
+from leyline_agent.http.guards import GuardError
 from leyline_agent.http_errors import classify as classify_leyline
 from leyline_agent.http_errors import error_body, error_code, validation_answer
 

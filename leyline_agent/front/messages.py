@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from leyline_agent.errors import RequestError
+from leyline_agent.front.context_management import parse_context_management
+from leyline_agent.front.turns import plan_turn
 from leyline_agent.http_errors import field_path
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "MessageEvents",
     "MessagesRequest",
     "chat_body",
+    "count_input_tokens",
     "message_answer",
     "ignored_fields",
     "new_message_id",
@@ -444,7 +447,8 @@ def event(kind: str, data: dict[str, Any]) -> str:
 class MessageEvents:
     """Anthropic's event sequence for one chat stream: ``start()``, then ``chunk(payload)``
     per chat chunk, then ``finish()`` (or ``failed(error)``); ``message_delta`` carries
-    ``context_management`` and ``leyline`` (with ``ignored``) as the chunks gave them."""
+    ``context_management`` and ``leyline`` (with ``ignored``) as the chunks gave them.
+    ``line(text)`` reads one line of the chat stream (``ended``: a failure ended it)."""
 
     def __init__(self, model: str, ignored: list[dict[str, str]] | None = None) -> None:
         self.model = model
@@ -455,6 +459,7 @@ class MessageEvents:
         self._usage: dict[str, Any] | None = None
         # ``ignored``: fields to list in ``leyline.ignored`` beyond what the chunks list
         self._extras: dict[str, Any] = with_ignored({}, ignored or [])
+        self.ended = False  # the chat stream failed: ``failed`` was said, nothing follows
 
     def start(self) -> Iterator[str]:
         message = {
@@ -479,6 +484,18 @@ class MessageEvents:
                 yield from self._tool_delta(call)
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
+
+    def line(self, text: str) -> Iterator[str]:
+        """The events for one line of the chat stream: ``chunk`` for a ``data:`` event,
+        ``failed`` for an error event (after which nothing more is said)."""
+        if self.ended or not text.startswith("data: ") or text[6:].strip() == "[DONE]":
+            return
+        payload = json.loads(text[6:])
+        if "error" in payload:
+            self.ended = True
+            yield from self.failed(payload["error"])
+        else:
+            yield from self.chunk(payload)
 
     def finish(self) -> Iterator[str]:
         yield from self._close()
@@ -524,3 +541,26 @@ class MessageEvents:
         if f.get("arguments"):
             delta = {"type": "input_json_delta", "partial_json": f["arguments"]}
             yield event("content_block_delta", {"index": self._index, "delta": delta})
+
+
+def count_input_tokens(
+    messages: list[dict[str, Any]],
+    canon: list[dict[str, Any]],
+    context_management: object,
+    tools: list[dict[str, Any]] | None,
+    n: Callable[[list[dict[str, Any]]], int],
+    count: Callable[[str], int],
+) -> dict[str, Any]:
+    """``{"input_tokens": n(messages)}`` (``n``: a list's prompt tokens), or with
+    ``context_management`` (``count``: a text's tokens) the tokens of ``canon`` (the
+    canonical form of ``messages``) after the edits that would trigger on it as a fresh
+    conversation, and ``context_management.original_input_tokens`` (``leyline serve``'s ``count_tokens`` and the vLLM plugin's)."""
+    original = n(messages)
+    specs = parse_context_management(context_management, count)
+    if not specs:
+        return {"input_tokens": original}
+    plan = plan_turn(canon, None, specs, "off", n, tools)
+    return {
+        "input_tokens": n(plan.served),
+        "context_management": {"original_input_tokens": original},
+    }

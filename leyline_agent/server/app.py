@@ -28,8 +28,8 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
-from leyline_agent.directives import http_guards
 from leyline_agent.front.context_management import CLIENT_EDIT_MODES
+from leyline_agent.http import guards as http_guards
 from leyline_agent.server import errors
 from leyline_agent.server.completions import CHAT_DEFAULT_MAX_TOKENS, ModelLimits, ServedModel
 from leyline_agent.server.directive_memory import DEFAULT_REMEMBERED, DirectiveMemory

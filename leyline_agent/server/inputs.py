@@ -35,8 +35,8 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel
 
-from leyline_agent.directives import http_guards
 from leyline_agent.directives.validate import check_text_bound, message_text_bytes
+from leyline_agent.http import guards as http_guards
 from leyline_agent.server.errors import RequestError
 from leyline_agent.server.offload import off_loop
 
@@ -63,7 +63,7 @@ class InputLimits:
 
 def check_json_text(body: Any) -> None:
     """Raise ``RequestError`` naming the first lone surrogate, non-finite number or level
-    past ``MAX_JSON_DEPTH`` (the shared walk of ``directives.http_guards``)."""
+    past ``MAX_JSON_DEPTH`` (the shared walk of ``http.guards``)."""
     try:
         http_guards.check_json_text(body)
     except http_guards.GuardError as e:

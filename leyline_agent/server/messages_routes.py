@@ -28,18 +28,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
 from leyline_agent.chat_input import canonical_messages
-from leyline_agent.front.context_management import parse_context_management
 from leyline_agent.front.messages import (
     CountTokensRequest,
     MessageEvents,
     MessagesRequest,
     chat_body,
+    count_input_tokens,
     ignored_fields,
     message_answer,
     parse_request,
     with_ignored,
 )
-from leyline_agent.front.turns import plan_turn
 from leyline_agent.server.completions import check_messages, messages_for_template
 from leyline_agent.server.disconnect import run_connected
 from leyline_agent.server.inputs import raw_json_body
@@ -106,15 +105,8 @@ async def count_prompt(request: Request, chat: ChatCompletionRequest) -> dict[st
         def count(text: str) -> int:
             return len(engine.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
-        original = n(messages)
-        specs = parse_context_management(chat.context_management, count)
-        if not specs:
-            return {"input_tokens": original}
-        plan = plan_turn(canonical_messages(chat.messages), None, specs, "off", n, tools)
-        return {
-            "input_tokens": n(plan.served),
-            "context_management": {"original_input_tokens": original},
-        }
+        canon = canonical_messages(chat.messages)
+        return count_input_tokens(messages, canon, chat.context_management, tools, n, count)
 
     return await run_connected(request, st.worker, counted)
 
@@ -127,14 +119,9 @@ async def _events(answer: StreamingResponse, out: MessageEvents) -> AsyncIterato
         async for frame in frames:
             text = frame if isinstance(frame, str) else bytes(frame).decode()
             for line in text.splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[len("data: ") :])
-                if "error" in payload:
-                    for item in out.failed(payload["error"]):
-                        yield item
-                    return
-                for item in out.chunk(payload):
+                for item in out.line(line):
                     yield item
+                if out.ended:
+                    return
     for item in out.finish():
         yield item

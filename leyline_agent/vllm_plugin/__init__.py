@@ -13,8 +13,8 @@ scheduler that hands blocks to requests, and the workers' KV tensors.
 - ``engine_ops``: ``EngineCore.leyline_rpc``, the ops that run between two engine steps.
 - ``worker`` / ``kv_rows``: ``LeylineWorkerExtension`` (rows copied, keys rotated with
   ``leyline_agent.kernels``), the CPU cache layout probed with the backend's write op.
-- ``route``, ``errors``, ``guard``, ``chat_front``: the HTTP side, same wire contract as
-  ``leyline serve`` (directives, edits riding with a chat request).
+- ``route``, ``errors``, ``guard``: the HTTP side, same wire contract as ``leyline serve``
+  (directives; the chat front ``front.chat_proxy``, edits riding with a chat request).
 - ``pins`` / ``pin_report``: a splice result pinned for its namespace's next request (the
   table, run by the scheduler), and the answer that says when one was lost.
 
@@ -38,7 +38,15 @@ Importing this package imports neither torch nor vLLM.
 from __future__ import annotations
 
 import os
-from typing import Any
+from argparse import Namespace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.datastructures import State
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.protocol import EngineClient
 
 __all__ = [
     "CONNECTOR_CLS",
@@ -75,7 +83,7 @@ def register() -> None:
     create = EngineArgs.create_engine_config
     if not getattr(create, "_leyline", False):
 
-        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def create_engine_config(self: EngineArgs, *args: object, **kwargs: object) -> VllmConfig:
             if self.scheduler_cls is None:
                 self.scheduler_cls = SCHEDULER_CLS
             if not self.worker_extension_cls:
@@ -88,7 +96,7 @@ def register() -> None:
                     kv_connector_module_path=CONNECTOR_CLS.rsplit(".", 1)[0],
                     kv_role="kv_consumer",  # it only loads rows; nothing is handed off
                 )
-            return create(self, *args, **kwargs)
+            return create(self, *args, **kwargs)  # type: ignore[arg-type]
 
         create_engine_config._leyline = True  # type: ignore[attr-defined]
         EngineArgs.create_engine_config = create_engine_config
@@ -100,8 +108,8 @@ class LeylineEndpoints:
     name = PLUGIN_NAME
     required_tasks = ("generate",)
 
-    def attach_router(self, app: Any) -> None:
-        from leyline_agent.directives import http_guards
+    def attach_router(self, app: FastAPI) -> None:
+        from leyline_agent.http import guards as http_guards
         from leyline_agent.vllm_plugin.guard import LeylineGuard
         from leyline_agent.vllm_plugin.pin_report import PinReport
         from leyline_agent.vllm_plugin.route import add_routes
@@ -115,10 +123,12 @@ class LeylineEndpoints:
         build = app.build_middleware_stack
         app.build_middleware_stack = lambda: http_guards.AnthropicKeyHeader(build())
 
-    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+    async def init_state(
+        self, engine_client: EngineClient | None, state: State, args: Namespace
+    ) -> None:
         import structlog
 
-        from leyline_agent.vllm_plugin.chat_front import ChatFront
+        from leyline_agent.front.chat_proxy import ChatFront
         from leyline_agent.vllm_plugin.guard import FRONT_STATE, KEYS_STATE, api_keys
         from leyline_agent.vllm_plugin.route import VLLMRoute
 

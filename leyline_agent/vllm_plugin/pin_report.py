@@ -23,9 +23,9 @@ from typing import Any
 
 import structlog
 
-from leyline_agent.directives import http_guards
+from leyline_agent.http import guards as http_guards
+from leyline_agent.http.asgi import annotate
 from leyline_agent.namespaces import ANONYMOUS
-from leyline_agent.vllm_plugin.chat_front import annotate
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, salt_for
 
 __all__ = ["LOST", "PinReport"]
@@ -80,7 +80,7 @@ def _salt(raw: bytes) -> str | None:
 
 
 def _reporting(send: Any, fields: dict[str, Any]) -> Any:
-    """An ASGI ``send`` that merges ``fields`` (``chat_front.annotate``) into a 200 JSON
+    """An ASGI ``send`` that merges ``fields`` (``http.asgi.annotate``) into a 200 JSON
     answer, or into a stream's event that carries ``usage``; any other answer passes
     unchanged."""
     mode, buf, start = "", b"", {}

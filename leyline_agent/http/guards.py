@@ -34,10 +34,11 @@ import hmac
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, MutableMapping, Sequence
 from typing import Any
 
 from leyline_agent.errors import InvalidRequestError
+from leyline_agent.http.asgi import ASGIApp, Receive, Scope, Send, header
 from leyline_agent.http_errors import error_body
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "authentication_error",
     "GuardError",
     "JSONBodyError",
+    "MESSAGES_PATHS",
     "PayloadTooLargeError",
     "bearer_problem",
     "check_json_text",
@@ -56,6 +58,7 @@ __all__ = [
     "key_digests",
     "parse_json",
     "read_body",
+    "replay",
     "send_error",
 ]
 
@@ -102,20 +105,13 @@ class AuthenticationError(GuardError):
 
 
 # -- body size ---------------------------------------------------------------------------
-def _header(headers: Headers, name: bytes) -> bytes | None:
-    for k, v in headers:
-        if k.lower() == name:
-            return v
-    return None
-
-
 def content_length_over(headers: Headers, limit: int) -> bool:
     """The request declares a ``Content-Length`` over ``limit``."""
-    declared = (_header(headers, b"content-length") or b"").strip()
+    declared = (header(headers, b"content-length") or b"").strip()
     return declared.isdigit() and int(declared) > limit
 
 
-async def read_body(receive: Callable[[], Awaitable[dict[str, Any]]], limit: int) -> bytes:
+async def read_body(receive: Receive, limit: int) -> bytes:
     """The whole body from an ASGI ``receive``; ``PayloadTooLargeError`` as soon as it
     passes ``limit`` (the rest is not read)."""
     parts, seen, more = [], 0, True
@@ -132,12 +128,12 @@ async def read_body(receive: Callable[[], Awaitable[dict[str, Any]]], limit: int
     return b"".join(parts)
 
 
-def replay(body: bytes, receive: Callable[[], Awaitable[dict[str, Any]]]) -> Any:
+def replay(body: bytes, receive: Receive) -> Receive:
     """An ASGI ``receive`` that hands over ``body`` (read by ``read_body``) once, then the
     real channel's messages (a disconnect)."""
     sent = False
 
-    async def replayed() -> dict[str, Any]:
+    async def replayed() -> MutableMapping[str, Any]:
         nonlocal sent
         if sent:
             return await receive()
@@ -181,15 +177,15 @@ class AnthropicKeyHeader:
     added, so the one key check (``bearer_problem``, or vLLM's own) judges that key. Other
     routes, and a request that sends ``Authorization``, pass unchanged."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if scope["type"] == "http" and path in MESSAGES_PATHS:
             headers = list(scope.get("headers", ()))
-            key = _header(headers, b"x-api-key")
-            if key is not None and _header(headers, b"authorization") is None:
+            key = header(headers, b"x-api-key")
+            if key is not None and header(headers, b"authorization") is None:
                 headers.append((b"authorization", b"Bearer " + key.strip()))
                 scope = {**scope, "headers": headers}
         await self.app(scope, receive, send)
@@ -278,7 +274,7 @@ def error_message(exc: GuardError) -> tuple[int, dict[str, str], bytes]:
     return exc.status, dict(exc.headers), raw
 
 
-async def send_error(send: Callable[[dict[str, Any]], Awaitable[None]], exc: GuardError) -> None:
+async def send_error(send: Send, exc: GuardError) -> None:
     """Answer ``exc`` on a raw ASGI ``send`` (the request has not been answered yet)."""
     status, extra, raw = error_message(exc)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]

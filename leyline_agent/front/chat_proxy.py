@@ -1,40 +1,37 @@
-"""The Leyline front of ``vllm serve``'s chat route: ``front.chat_turn``, carried over HTTP.
+"""The Leyline chat turn in front of an engine's own chat route (the vLLM plugin's front).
 
-The plugin's middleware (``guard.LeylineGuard``) hands chat requests to ``ChatFront.splice``
-before vLLM's own chat route sees them. The turn is the one ``leyline serve`` runs
-(``front.chat_turn``): the request's conversation is found by content in the route's
-``ConversationStore`` (its named session's, or for a request that names none, an anonymous
-conversation proven by the reply it echoes), and its ``context_management`` edits, its
-declared ``leyline.edits``, its in-place client edits and the token drift of its rendered
-prompt are spliced in the conversation's namespace, through the directive route's own
-execution (``VLLMRoute.run_edits``: checked, in the namespace's order, counted in
-``/leyline/v1/stats``), with ``fallback`` (what is no longer cached is prefilled by the
-turn itself).
+A server that keeps its own chat route (``vllm serve``) gets Leyline's chat turn from a
+middleware that hands each chat request to ``ChatFront.splice`` before the route sees it.
+The turn is the one ``leyline serve`` runs (``front.chat_turn``): the request's conversation
+is found by content in the runner's ``ConversationStore`` (its named session's, or for a
+request that names none, an anonymous conversation proven by the reply it echoes), and its
+``context_management`` edits, its declared ``leyline.edits``, its in-place client edits and
+the token drift of its rendered prompt are spliced in the conversation's namespace, through
+the runner's directive execution (``EditRunner.run_edits``: checked, in the namespace's
+order, counted), with ``fallback`` (what is no longer cached is prefilled by the turn
+itself).
 
-The request then goes on to vLLM with the served messages (``forwarded``: the client's own
-messages, with the fields the turn edited replaced: sticky and policy edits), without the
-``leyline`` and ``context_management`` fields, under the conversation's salt, and finds the
-spliced rows in the prefix cache. Every prompt the turn diffs or splices is rendered by
-vLLM's own renderer (``EditRunner.render_chat``, what its ``/tokenize`` runs), from the
-messages as they are forwarded, so the front's tokens are the ones vLLM's chat route will
-prefill (vLLM reads an assistant message's thinking from ``reasoning``, not
-``reasoning_content``; a system prompt may lose a line: whatever vLLM does, the front sees). The answer gets the
-fields ``leyline serve`` adds (``leyline``: conversation, session, edited messages,
-directives, drift; ``context_management.applied_edits``; ``leyline.edits`` for declared
-edits; ``usage.leyline`` in a JSON answer), and once it is complete the guard reads its
-reply (``replies``) and commits the conversation with the served prompt's tokens, which the
-next turn's drift is diffed against.
+The request then goes on to the engine with the served messages (``forwarded``: the
+client's own messages, with the fields the turn edited replaced: sticky and policy edits),
+without the ``leyline`` and ``context_management`` fields, in the conversation's namespace
+(``Spliced.namespace``: the middleware says it the engine's way), and finds the spliced
+rows in the prefix cache. Every prompt the turn diffs or splices is rendered by the
+engine's own renderer (``EditRunner.render_chat``), from the messages as they are
+forwarded, so the front's tokens are the ones the engine's chat route will prefill. The
+answer gets the fields ``leyline serve`` adds (``Spliced.fields``: ``leyline``,
+``context_management.applied_edits``, ``leyline.edits``, ``usage.leyline``), and once it is
+complete ``Spliced.commit(reply)`` records the conversation with the served prompt's
+tokens, which the next turn's drift is diffed against.
 
-The mode is the request's ``leyline.client_edits``, else ``LEYLINE_CLIENT_EDITS`` (default
-``amortize``, as ``leyline serve --client-edits``). vLLM never computes the KV of an answer's
-last sampled token, so the tail a splice keeps ends before it, and that token is prefilled
-with the next turn.
+``check_fields`` refuses (naming the field) what this front cannot act on: ``leyline`` and
+``context_management`` outside a chat request, or beside a ``cache_salt`` of the client's
+own. The mode is the request's ``leyline.client_edits``, else ``LEYLINE_CLIENT_EDITS``
+(default ``amortize``, as ``leyline serve --client-edits``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,16 +42,29 @@ from leyline_agent.directives.drift_plan import DriftCounts
 from leyline_agent.errors import RequestError
 from leyline_agent.front.chat_turn import begin_turn
 from leyline_agent.front.conversations import ConversationStore
+from leyline_agent.http.guards import GuardError
 from leyline_agent.namespaces import SESSION_HEADER, Namespace
-from leyline_agent.vllm_plugin.namespace import salt_for
 from leyline_agent.wire import DirectivesRequest, DirectivesResponse
 
-__all__ = ["ChatFront", "EditRunner", "Spliced", "annotate", "default_mode"]
+__all__ = [
+    "MODES",
+    "ChatFront",
+    "EditRunner",
+    "Encoder",
+    "FrontTurnEngine",
+    "Spliced",
+    "check_fields",
+    "default_mode",
+    "forwarded",
+]
 
 MODES = ("amortize", "forget", "repair", "off")
-# the chat body's fields that change what vLLM renders (passed to its renderer as they are)
+# the chat body's fields that change what the engine renders (passed to its renderer as they are)
 _RENDER_KEYS = (
-    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
 )
 
 
@@ -67,11 +77,18 @@ def default_mode() -> str:
     return mode
 
 
-class EditRunner(DriftCounts, Protocol):
-    """The directive route (``route.VLLMRoute``): its execution, tokenizer, conversations
-    and counters."""
+class Encoder(Protocol):
+    """What the front needs of a tokenizer (``context_management``'s token counts)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+class EditRunner(Protocol):
+    """The backend's directive route (the vLLM plugin's ``route.VLLMRoute``): its execution,
+    renderer, tokenizer, conversations and counters."""
 
     conversations: ConversationStore
+    counters: DriftCounts
 
     async def run_edits(self, req: DirectivesRequest, session: str) -> DirectivesResponse: ...
 
@@ -79,24 +96,26 @@ class EditRunner(DriftCounts, Protocol):
         self, messages: list[dict[str, Any]], tools: list[Any] | None, kwargs: dict[str, Any]
     ) -> list[int]: ...
 
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> Encoder: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Spliced:
-    """What ``ChatFront.splice`` did: the body to hand vLLM, the fields its answer gets
-    (``annotate``; None for none), and ``commit(reply)`` once the answer is complete
-    (None: nothing to record)."""
+    """What ``ChatFront.splice`` did: the body to hand the engine, the namespace to serve
+    it in (None: as the request says), the fields its answer gets (``http.asgi.annotate``;
+    None for none), and ``commit(reply)`` once the answer is complete (None: nothing to
+    record)."""
 
     body: dict[str, Any]
     fields: dict[str, Any] | None
     commit: Callable[[dict[str, Any]], None] | None = None
+    namespace: Namespace | None = None
 
 
 def forwarded(
     raw: list[dict[str, Any]], canon: list[dict[str, Any]], served: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """The messages vLLM gets for the served (canonical) list: the client's own message
+    """The messages the engine gets for the served (canonical) list: the client's own message
     where the turn left it as sent, else the client's message with the fields the turn
     changed replaced (its thinking in ``reasoning`` too, where the client sent that key)."""
     out = []
@@ -120,9 +139,9 @@ _EDITABLE = ("role", "content", "name", "tool_call_id", "tool_calls", "reasoning
 
 
 class FrontTurnEngine:
-    """``front.turns.TurnEngine`` on vLLM, for a turn's job on a worker thread: renders with
-    vLLM's renderer what would be forwarded, runs directives on the route, both through the
-    event loop."""
+    """``front.turns.TurnEngine`` over an ``EditRunner``, for a turn's job on a worker
+    thread: renders with the engine's renderer what would be forwarded, runs directives on
+    the runner, both through the event loop."""
 
     def __init__(
         self,
@@ -155,7 +174,7 @@ class FrontTurnEngine:
         return asyncio.run_coroutine_threadsafe(run, self.loop).result()
 
     def counters(self, tenant: str) -> DriftCounts:
-        return self.runner
+        return self.runner.counters
 
 
 class ChatFront:
@@ -170,12 +189,12 @@ class ChatFront:
         return len(tok.encode(text, add_special_tokens=False)) if text else 0
 
     async def splice(self, body: dict[str, Any], session: str | None) -> Spliced:
-        """Run ``body``'s turn (module doc); the body vLLM gets has no ``leyline`` or
+        """Run ``body``'s turn (module doc); the body the engine gets has no ``leyline`` or
         ``context_management`` field."""
         messages = body.get("messages")
         rest = {k: v for k, v in body.items() if k not in ("leyline", "context_management")}
         if not isinstance(messages, list):
-            return Spliced(rest, None)  # vLLM answers a body without messages
+            return Spliced(rest, None)  # the engine answers a body without messages
         edits = request_edits(body.get("leyline"), messages)
         if edits.edits and session is None:
             raise RequestError(
@@ -211,8 +230,8 @@ class ChatFront:
             spliced = ready.body["leyline"]["edited_messages"]
             fields["leyline"]["edits"] = outcome(edits, spliced, session or "")
         served = forwarded(edits.messages, turn.messages, ready.messages)
-        body = {**rest, "messages": served, "cache_salt": salt_for(ready.namespace)}
-        return Spliced(body, fields, lambda reply: ready.commit(reply, tokens))
+        body = {**rest, "messages": served}
+        return Spliced(body, fields, lambda reply: ready.commit(reply, tokens), ready.namespace)
 
     def _lock(self, ns: Namespace) -> asyncio.Lock:
         if len(self._locks) > 4096:  # forget idle conversations' locks
@@ -220,29 +239,41 @@ class ChatFront:
         return self._locks.setdefault(ns, asyncio.Lock())
 
 
-def annotate(chunk: bytes, fields: dict[str, Any], stream: bool) -> bytes:
-    """``chunk`` (a whole JSON answer, or a stream's first event) with ``fields`` merged into
-    its top level (an object into an object key by key, at every depth); unchanged if it is
-    not a JSON object. A stream's first event gets no ``usage``: OpenAI's streams carry it
-    in their last event only."""
-    if stream:
-        head, sep, tail = chunk.partition(b"\n\n")
-        if not head.startswith(b"data: {"):
-            return chunk
-        first = {k: v for k, v in fields.items() if k != "usage"}
-        return b"data: " + annotate(head[6:], first, False) + sep + tail
-    try:
-        data = json.loads(chunk)
-    except ValueError:
-        return chunk
-    if not isinstance(data, dict):
-        return chunk
-    return json.dumps(_merged(data, fields), separators=(",", ":")).encode()
+# Body fields the front refuses by name where it cannot act on them (``check_fields``):
+# the engine would ignore them (a 200 that applied nothing).
+_CHAT_ONLY = "rides with a chat request only"
+_OWN_SALT = (
+    "a request with a cache_salt of its own is served in that private namespace, which "
+    "Leyline does not splice; drop the salt, or name a session with " + SESSION_HEADER
+)
 
 
-def _merged(data: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-    out = dict(data)
-    for k, v in fields.items():
-        old = out.get(k)
-        out[k] = _merged(old, v) if isinstance(old, dict) and isinstance(v, dict) else v
-    return out
+def check_fields(data: dict[str, Any], chat: bool, own_salt: bool) -> None:
+    """Refuse (``GuardError`` naming the field) the body fields that ask for work this
+    front cannot do: ``context_management``, ``leyline.edits`` or client edits turned on
+    anywhere but in a chat request, or beside a ``cache_salt`` of the client's own.
+    ``{"leyline": {"client_edits": "off"}}`` asks for nothing."""
+    if "context_management" in data:
+        if not chat:
+            raise GuardError("context_management " + _CHAT_ONLY, "context_management")
+        if own_salt:
+            raise GuardError(_OWN_SALT, "cache_salt")
+    if "leyline" not in data:
+        return
+    opts = data["leyline"]
+    if not isinstance(opts, dict):
+        raise GuardError("must be an object", "leyline")
+    unknown = sorted(set(opts) - {"client_edits", "edits"})
+    if unknown:
+        raise GuardError(f"unknown option {unknown[0]!r}", f"leyline.{unknown[0]}")
+    mode = opts.get("client_edits", "off")
+    if mode not in MODES:
+        raise GuardError(f"must be one of {list(MODES)}", "leyline.client_edits")
+    if "edits" in opts and not chat:
+        raise GuardError("edits " + _CHAT_ONLY, "leyline.edits")
+    if "edits" in opts:
+        return  # checked with the messages (``body_edits.request_edits``)
+    if mode != "off" and not chat:
+        raise GuardError("client edits " + _CHAT_ONLY, "leyline.client_edits")
+    if mode != "off" and own_salt:
+        raise GuardError(_OWN_SALT, "cache_salt")
