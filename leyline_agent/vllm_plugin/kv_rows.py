@@ -37,27 +37,28 @@ __all__ = [
 BackendWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def _chunk_index(kv: torch.Tensor, slots: torch.Tensor, layout: RowLayout):
+def _chunk_views(kv: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys ``[B, H, D, N]`` (``keys_transposed``; else ``[B, H, N, D]``) and values
+    ``[B, H, N, D]`` of a chunk-layout cache, as views: a slot's row is then one index pair
+    ``(slot // N, slot % N)``, the same for every layer and head."""
     _, h, b, c = kv.shape
     d = layout.key_width
-    blk = (slots // b)[:, None, None]
-    off = (slots % b)[:, None, None]
-    heads = torch.arange(h, device=kv.device)[None, :, None]
-    dims = torch.arange(d, device=kv.device)[None, None, :]
-    kpos = dims * b + off if layout.keys_transposed else off * d + dims
-    vpos = b * d + off * d + dims
-    return kv.view(kv.shape[0], h, b * c), blk, heads, kpos, vpos
+    flat = kv.view(kv.shape[0], h, b * c)
+    keys = flat[:, :, : b * d].unflatten(2, (d, b) if layout.keys_transposed else (b, d))
+    return keys, flat[:, :, b * d : 2 * b * d].unflatten(2, (b, d))
 
 
 def read_rows(
     kv: torch.Tensor, slots: torch.Tensor, layout: RowLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys ``[N, H, key_width]`` and values ``[N, H, value_width]`` at ``slots`` (copies)."""
-    if layout.kind == "chunk":
-        flat, blk, heads, kpos, vpos = _chunk_index(kv, slots, layout)
-        return flat[blk, heads, kpos], flat[blk, heads, vpos]
     b = kv.shape[2]
-    rows = kv[slots // b, :, slots % b, :]  # [N, H, C]
+    blk, off = slots // b, slots % b
+    if layout.kind == "chunk":
+        keys, values = _chunk_views(kv, layout)
+        k = keys[blk, :, :, off] if layout.keys_transposed else keys[blk, :, off, :]
+        return k, values[blk, :, off, :]
+    rows = kv[blk, :, off, :]  # [N, H, C]
     k = layout.key_width
     return rows[..., :k].clone(), rows[..., k : k + layout.value_width].clone()
 
@@ -67,13 +68,16 @@ def write_rows(
     layout: RowLayout,
 ) -> None:  # fmt: skip
     """Write ``keys``/``values`` (as :func:`read_rows` returns them) at ``slots``."""
-    if layout.kind == "chunk":
-        flat, blk, heads, kpos, vpos = _chunk_index(kv, slots, layout)
-        flat[blk, heads, kpos] = keys.to(kv.dtype)
-        flat[blk, heads, vpos] = values.to(kv.dtype)
-        return
     b, k = kv.shape[2], layout.key_width
     blk, off = slots // b, slots % b
+    if layout.kind == "chunk":
+        kview, vview = _chunk_views(kv, layout)
+        if layout.keys_transposed:
+            kview[blk, :, :, off] = keys.to(kv.dtype)
+        else:
+            kview[blk, :, off, :] = keys.to(kv.dtype)
+        vview[blk, :, off, :] = values.to(kv.dtype)
+        return
     kv[blk, :, off, :k] = keys.to(kv.dtype)
     if layout.value_width:
         kv[blk, :, off, k : k + layout.value_width] = values.to(kv.dtype)
@@ -90,15 +94,18 @@ def move_rows(
     Returns the rotation plan, to be passed back for the next layer of the same move."""
     keys, values = read_rows(kv, src, layout)
     moved = (delta != 0).nonzero().squeeze(1)
+    every = moved.numel() == delta.numel()  # a splice's tail: every row turns
     if moved.numel():
         assert spec is not None
-        band = keys.index_select(0, moved).transpose(0, 1).contiguous()  # [H, K, W]
-        if plan is None:
+        band = (keys if every else keys.index_select(0, moved)).transpose(0, 1).contiguous()
+        if plan is None:  # [H, K, W] rotated in place: the C kernel on CPU, Triton on CUDA
             idx = torch.arange(moved.numel(), device=kv.device)
-            backend = "torch" if kv.device.type == "cpu" else None
-            plan = plan_rotation(band, idx, idx, delta[moved], spec, band_offset, backend)
+            plan = plan_rotation(band, idx, idx, delta[moved], spec, band_offset)
         apply_plan(band, plan, spec)
-        keys.index_copy_(0, moved, band.transpose(0, 1))
+        if every:
+            keys = band.transpose(0, 1)
+        else:
+            keys.index_copy_(0, moved, band.transpose(0, 1))
     write_rows(kv, dst, keys, values, layout)
     return plan
 
