@@ -116,8 +116,8 @@ def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
         return 404, "ModelNotFoundError", str(exc), exc.field
     if isinstance(exc, CacheMissError):
         return 409, "CacheMissError", str(exc), lift_field(str(exc)) or "tokens"
-    if isinstance(exc, RuntimeUnavailableError):
-        return 503, type(exc).__name__, str(exc), None
+    if isinstance(exc, RuntimeUnavailableError):  # a setting at fault leads its message
+        return 503, type(exc).__name__, str(exc), lift_field(str(exc))
     if isinstance(exc, LeylineError):
         return 400, type(exc).__name__, str(exc), lift_field(str(exc))
     if isinstance(exc, ValueError):

@@ -1,9 +1,10 @@
 """The one mapping from an exception to a Leyline route's error answer, for every front.
 
-``leyline serve`` (``server/errors.py``, which adds what only FastAPI and its worker raise)
-and the vLLM plugin's routes (``vllm_plugin/errors.py``) answer through ``classify`` and
+``leyline serve`` (``server/errors.py``, which adds what only FastAPI and its worker raise),
+the directive service (``directives.service``: the vLLM and SGLang plugins' directive
+routes) and the vLLM plugin's other routes answer through ``classify`` and
 ``error_code_of``, so the same bad request gets the same status and the same body from
-both: a guard's refusal (``http.guards.GuardError``: its own status, type and code), a body
+each: a guard's refusal (``http.guards.GuardError``: its own status, type and code), a body
 pydantic refused (``ValidationError``: 400, pydantic's error type as the code), then every
 Leyline error as ``http_errors.classify`` answers it.
 """

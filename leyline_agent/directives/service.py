@@ -25,7 +25,7 @@ a plan on it, release it, and count. Everything else is the service's, in this o
     requests refused after they reached the cache (a miss, a failed execution): a bad body
     never reaches it and changes no counter;
 12. error mapping: a ``LeylineError`` or an invalid body becomes the OpenAI-shaped error
-    body with the field (``http_errors``), for transports without their own handlers.
+    body with the field (``answers``), for transports without their own handlers.
 
 Steps 1-4 are ``admit`` (pure), 6-11 ``run``. ``flush`` empties a tenant's part of the
 cache through the backend (``POST /leyline/v1/flush``). ``run`` is a coroutine; a backend that never
@@ -43,6 +43,7 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
+from leyline_agent.directives.answers import error_content
 from leyline_agent.directives.core import Mode
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
@@ -54,7 +55,7 @@ from leyline_agent.directives.validate import (
     parse_directives,
 )
 from leyline_agent.errors import LeylineError
-from leyline_agent.http_errors import classify, error_body, validation_answer
+from leyline_agent.http_errors import error_body
 from leyline_agent.namespaces import Namespace
 from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse
 
@@ -202,10 +203,8 @@ class DirectiveService:
             req, ns = self.admit(body, namespace_of)
             async with self.ordered(ns):
                 resp = await self.run(req, ns, backend)
-        except ValidationError as e:
-            return error_answer(*validation_answer(e.errors()))
-        except LeylineError as e:
-            return error_answer(*classify(e))
+        except (ValidationError, LeylineError) as e:
+            return error_content(e)
         return 200, resp.model_dump(mode="json")
 
     async def flush(self, tenant: str, backend: DirectiveBackend[Any]) -> FlushResponse:

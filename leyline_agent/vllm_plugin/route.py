@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse
 
 from leyline_agent.chat_input import canonical_messages, canonical_tools
 from leyline_agent.directives import Directive
+from leyline_agent.directives.answers import error_content
 from leyline_agent.directives.compile import render
 from leyline_agent.directives.core import Mode
 from leyline_agent.directives.flush import FlushResponse
@@ -68,7 +69,6 @@ from leyline_agent.families import chat_format, token_id
 from leyline_agent.front.conversations import ConversationStore
 from leyline_agent.http import guards as http_guards
 from leyline_agent.namespaces import DEFAULT_TENANT, SESSION_HEADER, Namespace, named_namespace
-from leyline_agent.vllm_plugin.errors import error_content
 from leyline_agent.vllm_plugin.guard import BODY_KEY
 from leyline_agent.vllm_plugin.namespace import salt_for
 from leyline_agent.vllm_plugin.pins import DEFAULT_WATCHED

@@ -70,10 +70,10 @@ def test_a_missing_directive_base_is_409_cache_miss(server, name):
 def test_one_model_not_found_error_for_every_route():
     """``leyline serve`` and the vLLM plugin check the model with the same function
     (``directives.validate.check_served``), answered 404 naming ``model`` by both mappings."""
+    from leyline_agent.directives import answers  # the directive service's (the plugins')
     from leyline_agent.directives.validate import check_served
     from leyline_agent.errors import InvalidRequestError, ModelNotFoundError
     from leyline_agent.server import errors as serve_errors
-    from leyline_agent.vllm_plugin import errors as vllm_errors  # route.py needs vllm itself
 
     check_served(None, "m")
     check_served("alias", "m", ["alias"])
@@ -84,7 +84,7 @@ def test_one_model_not_found_error_for_every_route():
     message = "model: the model 'x' does not exist; this server serves 'm'"
     want = (404, "ModelNotFoundError", message, "model")
     assert serve_errors.classify(exc) == want
-    assert vllm_errors.classify(exc) == want
+    assert answers.classify(exc) == want
 
 
 @pytest.mark.parametrize(
