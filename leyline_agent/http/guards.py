@@ -33,8 +33,9 @@ import hashlib
 import hmac
 import json
 import math
+import os
 import re
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from leyline_agent.errors import InvalidRequestError
@@ -46,18 +47,23 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "AnthropicKeyHeader",
     "AuthenticationError",
+    "BAD_KEY",
+    "MISSING_KEY",
     "authentication_error",
     "GuardError",
     "JSONBodyError",
     "MESSAGES_PATHS",
     "PayloadTooLargeError",
     "bearer_problem",
+    "bearer_token",
     "check_json_text",
     "content_length_over",
     "error_message",
     "key_digests",
+    "max_body_bytes",
     "parse_json",
     "read_body",
+    "read_json",
     "replay",
     "send_error",
 ]
@@ -105,6 +111,26 @@ class AuthenticationError(GuardError):
 
 
 # -- body size ---------------------------------------------------------------------------
+def max_body_bytes(environ: Mapping[str, str] = os.environ) -> int:
+    """A plugin's body limit: ``LEYLINE_MAX_BODY_BYTES`` (bytes; default ``leyline serve``'s,
+    ``DEFAULT_MAX_BODY_BYTES``)."""
+    raw = environ.get("LEYLINE_MAX_BODY_BYTES", "")
+    if not raw:
+        return DEFAULT_MAX_BODY_BYTES
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"LEYLINE_MAX_BODY_BYTES: {raw!r} must be a whole number >= 1")
+    return int(raw)
+
+
+async def read_json(headers: Headers, receive: Receive, limit: int) -> Any:
+    """A request's body, size-checked (``content_length_over``, ``read_body``) and parsed
+    (``parse_json``; an empty body is None): what a plugin's Leyline route reads."""
+    if content_length_over(headers, limit):
+        raise PayloadTooLargeError(limit)
+    raw = await read_body(receive, limit)
+    return parse_json(raw) if raw.strip() else None
+
+
 def content_length_over(headers: Headers, limit: int) -> bool:
     """The request declares a ``Content-Length`` over ``limit``."""
     declared = (header(headers, b"content-length") or b"").strip()
@@ -149,18 +175,28 @@ def key_digests(keys: Iterable[str]) -> tuple[bytes, ...]:
     return tuple(hashlib.sha256(k.encode("utf-8")).digest() for k in keys if k)
 
 
+MISSING_KEY = "missing 'Authorization: Bearer <key>'"
+BAD_KEY = "the API key is not valid"
+
+
+def bearer_token(authorization: bytes | None) -> bytes | None:
+    """The key of ``Authorization: Bearer KEY`` (None: no such header)."""
+    scheme, _, token = (authorization or b"").strip().partition(b" ")
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None
+
+
 def bearer_problem(authorization: bytes | None, digests: Sequence[bytes]) -> str | None:
     """None if ``Authorization`` names one of the keys (``key_digests``), else why not.
     Every key is compared, in constant time, whatever the first one answered."""
-    scheme, _, token = (authorization or b"").strip().partition(b" ")
-    token = token.strip()
-    if scheme.lower() != b"bearer" or not token:
-        return "missing 'Authorization: Bearer <key>'"
+    token = bearer_token(authorization)
+    if token is None:
+        return MISSING_KEY
     presented = hashlib.sha256(token).digest()
     found = False
     for digest in digests:
         found |= hmac.compare_digest(digest, presented)
-    return None if found else "the API key is not valid"
+    return None if found else BAD_KEY
 
 
 def authentication_error(problem: str) -> AuthenticationError:

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,7 +22,8 @@ from leyline_agent.directives.validate import (
     longest_token_bytes,
     message_text_bytes,
 )
-from leyline_agent.server.errors import TrackedSend, error_response
+from leyline_agent.http import guards
+from leyline_agent.server.errors import TrackedSend
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -45,7 +45,7 @@ class BodyTooLargeError(StarletteHTTPException):
     field = "body"
 
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is larger than the limit of {limit} bytes")
+        super().__init__(413, guards.PayloadTooLargeError(limit).args[0])
 
 
 class BodyLimit:
@@ -60,9 +60,8 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send)
+        if guards.content_length_over(scope.get("headers", ()), self.max_bytes):
+            await guards.send_error(send, guards.PayloadTooLargeError(self.max_bytes))
             return
         seen = 0
 
@@ -81,9 +80,4 @@ class BodyLimit:
         except BodyTooLargeError:
             if tracked.started:
                 raise
-            await self._refuse(scope, receive, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        exc = BodyTooLargeError(self.max_bytes)
-        response = error_response(413, exc.error_type, exc.detail, exc.field)
-        await response(scope, receive, send)
+            await guards.send_error(send, guards.PayloadTooLargeError(self.max_bytes))

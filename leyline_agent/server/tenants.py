@@ -32,6 +32,8 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from leyline_agent.http import guards
+from leyline_agent.http.asgi import header
 from leyline_agent.namespaces import (
     DEFAULT_TENANT,
     SESSION_HEADER,
@@ -110,13 +112,6 @@ class ApiKeys:
         return found
 
 
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for k, v in scope.get("headers", ()):
-        if k.lower() == name:
-            return v
-    return None
-
-
 class BearerAuth:
     """401 unless ``Authorization: Bearer KEY`` names a configured key (see module doc)."""
 
@@ -130,22 +125,13 @@ class BearerAuth:
         tenant: str | None = DEFAULT_TENANT
         owner = ""
         if self.keys and scope.get("path") not in OPEN_PATHS:
-            tenant, problem = None, "missing 'Authorization: Bearer <key>'"
-            value = _header(scope, b"authorization") or b""
-            scheme, _, token = value.strip().partition(b" ")
-            if scheme.lower() == b"bearer" and token.strip():
-                tenant, problem = self.keys.tenant(token.strip()), "the API key is not valid"
-            if tenant is None:
-                response = error_response(
-                    401,
-                    "AuthenticationError",
-                    f"authorization: {problem}",
-                    "authorization",
-                    {"WWW-Authenticate": "Bearer"},
-                )
-                await response(scope, receive, send)
+            token = guards.bearer_token(header(scope.get("headers", ()), b"authorization"))
+            tenant = self.keys.tenant(token) if token is not None else None
+            if token is None or tenant is None:
+                problem = guards.MISSING_KEY if token is None else guards.BAD_KEY
+                await guards.send_error(send, guards.authentication_error(problem))
                 return
-            owner = key_tenant(token.strip().decode("utf-8", "replace"))
+            owner = key_tenant(token.decode("utf-8", "replace"))
         scope[SCOPE_TENANT] = tenant
         scope[SCOPE_KEY] = owner
         await self.app(scope, receive, send)
@@ -183,7 +169,7 @@ class HostAllowlist:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        host = (_header(scope, b"host") or b"").decode("latin-1")
+        host = (header(scope.get("headers", ()), b"host") or b"").decode("latin-1")
         if not self.allows(host):
             shown = host.encode("unicode_escape").decode("ascii")[:100]
             response = error_response(

@@ -8,7 +8,10 @@ holds (SGLang serves one tenant, ``""``; ``scheduler_hook.leyline_flush``). The 
 wire models as ``leyline serve`` (``leyline_agent.wire``), so the agent-side
 ``HTTPRuntime`` works against either server.
 
-The request goes through ``directives.service.DirectiveService`` (parse, model and limits,
+The body is read and checked as every Leyline front checks it (``http.guards.read_json``:
+413 past ``LEYLINE_MAX_BODY_BYTES``, default 16 MiB; not JSON, too deep, a lone surrogate or a
+non-finite number: 400 naming the field). The request goes through
+``directives.service.DirectiveService`` (parse, model and limits,
 ``request_id``, per-namespace order, compile, decide, counters, error bodies), as on
 ``leyline serve``; its backend (``executor.SGLangBackend``) sends
 ``RpcReqInput("leyline_lookup")`` (how much of the base is cached; the answer rides back in
@@ -34,11 +37,12 @@ from typing import Any
 
 import structlog
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from leyline_agent.directives.service import error_answer
 from leyline_agent.errors import LeylineError
-from leyline_agent.http_errors import classify, validation_answer
+from leyline_agent.http import guards
+from leyline_agent.http_errors import classify
 from leyline_agent.namespaces import SESSION_HEADER, named_namespace
 from leyline_agent.sglang_plugin.batch import PREFILL_PARAMS
 from leyline_agent.sglang_plugin.client import directive_service
@@ -114,14 +118,14 @@ class SGLangRoute:
 
 
 def add_routes(app: Any, route: SGLangRoute) -> None:
-    async def directives(request: Request) -> JSONResponse:
-        try:
-            body = await request.json()
-        except ValueError:
-            status, content = error_answer(
-                *validation_answer([{"loc": ("body",), "msg": "not valid JSON"}])
-            )
-            return JSONResponse(content, status_code=status)
+    limit = guards.max_body_bytes()
+
+    async def directives(request: Request) -> Response:
+        try:  # the body checks every Leyline front runs (``http.guards``)
+            body = await guards.read_json(request.headers.raw, request.receive, limit)
+        except guards.GuardError as e:
+            status, headers, raw = guards.error_message(e)
+            return Response(raw, status, headers, media_type="application/json")
         status, content = await route.directives(body, request.headers.get(SESSION_HEADER))
         return JSONResponse(content, status_code=status)
 

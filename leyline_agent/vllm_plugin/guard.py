@@ -78,7 +78,7 @@ from leyline_agent.wire import StatsResponse
 if TYPE_CHECKING:
     from starlette.datastructures import State
 
-__all__ = ["BODY_KEY", "FRONT_STATE", "KEYS_STATE", "LeylineGuard", "api_keys", "max_body_bytes"]
+__all__ = ["BODY_KEY", "FRONT_STATE", "KEYS_STATE", "LeylineGuard", "api_keys"]
 
 BODY_KEY = "leyline.body"  # the scope key of a Leyline route's parsed body
 KEYS_STATE = "leyline_api_keys"  # app.state: the key digests (set by init_state)
@@ -89,15 +89,6 @@ CHAT_PATH = "/v1/chat/completions"
 LEYLINE_PREFIX = "/leyline"
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware
 _FORMS = (b"multipart/form-data", b"application/x-www-form-urlencoded")
-
-
-def max_body_bytes() -> int:
-    raw = os.environ.get("LEYLINE_MAX_BODY_BYTES", "")
-    if not raw:
-        return guards.DEFAULT_MAX_BODY_BYTES
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"LEYLINE_MAX_BODY_BYTES: {raw!r} must be a whole number >= 1")
-    return int(raw)
 
 
 def api_keys(args: Args | None) -> tuple[bytes, ...]:
@@ -115,7 +106,7 @@ def _state(scope: Scope) -> State | None:
 class LeylineGuard:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.limit = max_body_bytes()
+        self.limit = guards.max_body_bytes()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS":

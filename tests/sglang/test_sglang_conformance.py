@@ -163,6 +163,27 @@ def test_bad_bodies_get_the_same_4xx_naming_the_same_field(leyline, sglang, i):
     assert (answers[0].status_code, a["leyline_type"], a["field"]) == (status, type_, field), a
 
 
+RAW_BAD: list[tuple[bytes, str, str]] = [  # a body the guards refuse: type, field
+    (b'{"tokens": [1, 2', "ValidationError", "body[16]"),  # not JSON
+    (b'{"tokens": ' + b"[" * 200 + b"]" * 200 + b"}", "RequestError", "body"),  # too deep
+    (b'{"tokens": [1], "directives": [], "session": "\\ud800"}', "RequestError", "session"),
+    (b'{"tokens": [1], "directives": [], "request_id": NaN}', "RequestError", "request_id"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(RAW_BAD)))
+def test_the_http_guards_refuse_a_bad_body_alike(leyline, sglang, i):
+    """One set of HTTP guards (``http.guards``): a body that is not JSON, too deep, with a
+    lone surrogate or a non-finite number gets the same 400 naming the same field."""
+    raw, type_, field = RAW_BAD[i]
+    headers = {"Content-Type": "application/json"}
+    answers = [s.http.post("/leyline/v1/directives", content=raw, headers=headers)
+               for s in (leyline, sglang)]  # fmt: skip
+    a, b = (_error(r) for r in answers)
+    assert [r.status_code for r in answers] == [400, 400], (a, b)
+    assert (a["leyline_type"], a["field"]) == (b["leyline_type"], b["field"]) == (type_, field)
+
+
 def test_repair_is_refused_by_name_where_its_row_operation_is_missing(sglang):
     r = sglang.directive({"tokens": T, "directives": [{**D, "mode": "repair"}]})
     err = _error(r)
