@@ -24,7 +24,16 @@ from typing import Any
 import structlog
 
 from leyline_agent.http import guards as http_guards
-from leyline_agent.http.asgi import annotate
+from leyline_agent.http.asgi import (
+    ASGIApp,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    annotate,
+    annotating,
+    is_stream,
+)
 from leyline_agent.namespaces import ANONYMOUS
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, salt_for
 
@@ -37,10 +46,10 @@ _ANONYMOUS_SALT = salt_for(ANONYMOUS)
 
 
 class PinReport:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = getattr(getattr(scope.get("app"), "state", None), "leyline", None)
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if (
@@ -79,34 +88,20 @@ def _salt(raw: bytes) -> str | None:
     return own if is_leyline_salt(own) else None
 
 
-def _reporting(send: Any, fields: dict[str, Any]) -> Any:
-    """An ASGI ``send`` that merges ``fields`` (``http.asgi.annotate``) into a 200 JSON
-    answer, or into a stream's event that carries ``usage``; any other answer passes
-    unchanged."""
-    mode, buf, start = "", b"", {}
+def _reporting(send: Send, fields: dict[str, Any]) -> Send:
+    """An ASGI ``send`` that merges ``fields`` into a 200 JSON answer (``http.asgi.annotating``)
+    or into a stream's event that carries ``usage``; any other answer passes unchanged."""
+    json_answer = annotating(send, fields)
+    mode, buf = "json", b""
 
-    async def reporting(message: dict[str, Any]) -> None:
-        nonlocal mode, buf, start
+    async def reporting(message: Message) -> None:
+        nonlocal mode, buf
         if message["type"] == "http.response.start":
-            headers = dict((k.lower(), v) for k, v in message.get("headers", ()))
-            stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-            ok = message.get("status") == 200
-            mode = "stream" if ok and stream else "json" if ok else "pass"
-            if mode == "json":
-                start = message  # sent with the answer's new length
-                return
-        if mode == "json" and message["type"] == "http.response.body":
-            buf += message.get("body", b"")
-            if message.get("more_body", False):
-                return
-            body = annotate(buf, fields, False)
-            kept = [(k, v) for k, v in start.get("headers", ()) if k.lower() != b"content-length"]
-            kept.append((b"content-length", str(len(body)).encode()))
-            mode = "pass"
-            await send({**start, "headers": kept})
-            await send({"type": "http.response.body", "body": body, "more_body": False})
+            mode = "stream" if message.get("status") == 200 and is_stream(message) else "json"
+        if mode == "json":
+            await json_answer(message)
             return
-        if mode != "stream" or message["type"] != "http.response.body":
+        if mode == "pass" or message["type"] != "http.response.body":
             await send(message)
             return
         buf += message.get("body", b"")
