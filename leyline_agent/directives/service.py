@@ -192,6 +192,15 @@ class DirectiveService:
         self.memory.remember(ns.key, req.request_id, digest, answer)
         return answer
 
+    async def run_made(
+        self, req: DirectivesRequest, ns: Namespace, backend: DirectiveBackend[Any]
+    ) -> DirectivesResponse:
+        """A request the server made itself in ``ns`` (a chat turn's edits): checked against
+        the limits (step 4), then run in ``ns``'s order (steps 5-11)."""
+        ready = checked(req, self.model.limits)
+        async with self.ordered(ns):
+            return await self.run(ready, ns, backend)
+
     async def answer(
         self,
         body: object,
