@@ -24,9 +24,9 @@ from leyline_agent.directives.service import (
 )
 from leyline_agent.directives.validate import RequestLimits
 from leyline_agent.edits import Mode
-from leyline_agent.errors import CacheMissError, UnsupportedModeError
+from leyline_agent.errors import CacheMissError, RequestError, UnsupportedModeError
 from leyline_agent.namespaces import Namespace
-from leyline_agent.wire import Counters, DirectivesResponse
+from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse
 
 
 @dataclass
@@ -146,6 +146,22 @@ def test_a_new_verb_runs_only_where_its_row_operation_is(service, monkeypatch):
     out = _run(service, with_op, body)
     assert with_op.log == ["hold 20", "decay decayed", "release"]
     assert out.tokens == T[:2] + [1] + T[4:] and with_op.counters.splices["decay"] == 1
+
+
+def test_a_server_made_request_is_checked_before_the_cache_is_asked():
+    """``run_made`` (a chat turn's edits): the limits first, so an oversized request is
+    refused naming its field with nothing held or counted; a fitting one runs."""
+    svc = DirectiveService(ServedModel("m", None, RequestLimits(1000, max_prompt_tokens=21), None))
+    be = ListBackend(frozenset({"move", "prefill"}), {NS.key: list(T)})
+    too_long = DirectivesRequest(
+        tokens=T, directives=[{"start": 2, "end": 3, "replacement": [1, 2, 3]}]
+    )
+    with pytest.raises(RequestError) as info:
+        asyncio.run(svc.run_made(too_long, NS, be))
+    assert info.value.field == "directives" and be.log == [] and be.counters == Counters()
+    fits = DirectivesRequest(tokens=T, directives=[{"start": 2, "end": 3, "replacement": [1, 2]}])
+    out = asyncio.run(svc.run_made(fits, NS, be))
+    assert out.tokens == T[:2] + [1, 2] + T[3:] and be.log[-1] == "release"
 
 
 def test_ordered_runs_a_namespace_one_at_a_time(service):
