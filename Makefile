@@ -20,13 +20,13 @@ setup-vllm:
 demo: setup
 	$(VENV)/bin/leyline demo
 
-# The test suite (what CI runs). Not `python -m pytest`: that would put the repository root
-# on sys.path, where kernels/ and policies/ would shadow PyPI packages of those names.
-# tests/vllm/ (live `vllm serve` + the Leyline plugin) and tests/conformance/ (leyline serve and
-# vllm serve side by side; it starts leyline serve with .venv's Python) run with .venv-vllm's pytest.
-test: setup setup-vllm
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests --ignore=tests/vllm --ignore=tests/conformance
-	.venv-vllm/bin/pytest -q -p no:cacheprovider tests/vllm tests/conformance
+# The test suite (what CI runs), scripts/test.sh: both set-ups side by side, then the main suite
+# (.venv) beside tests/vllm + tests/conformance (.venv-vllm's pytest: live `vllm serve` with the
+# plugin, and leyline serve beside it), then the tests marked `timing` alone. Not `python -m
+# pytest`: that would put the repository root on sys.path, where kernels/ and policies/ would
+# shadow PyPI packages of those names.
+test:
+	@bash scripts/test.sh
 
 lint: setup
 	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests

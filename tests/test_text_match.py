@@ -39,6 +39,7 @@ def test_fills_template_is_the_wildcard_regex(template_parts, text_parts):
     assert fills_template(text, template, ("{tool}", "{error}")) == expected
 
 
+@pytest.mark.timing
 def test_unclosed_tags_and_many_holes_are_linear():
     t0 = time.monotonic()
     text = "<think>" * 40_000
@@ -47,6 +48,7 @@ def test_unclosed_tags_and_many_holes_are_linear():
     assert time.monotonic() - t0 < 1.0
 
 
+@pytest.mark.timing
 def test_a_nested_quantifier_runs_in_linear_time():
     p = compile_pattern(r"(a+)+$", multiline=True)
     t0 = time.monotonic()

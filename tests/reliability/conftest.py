@@ -19,6 +19,7 @@ Fixtures: ``live`` (the ``ServerProcess``), ``http`` (an ``httpx.Client`` on it,
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -36,6 +37,15 @@ from leyline_agent.testing.server import ServerProcess, serve_in_process
 HEALTH_S = 0.5
 GAP_S = 0.5
 HOSTILE_S = 10.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of this folder bounds latency (``HEALTH_S``, ``GAP_S``): marked ``timing``,
+    so ``make test`` runs them with nothing else of the suite beside them."""
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here):
+            item.add_marker(pytest.mark.timing)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ import pytest
 from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.testing.token_ids import random_ids
 
+pytestmark = pytest.mark.timing  # every refusal is bounded to 1 s
+
 LIMIT = 2000
 
 

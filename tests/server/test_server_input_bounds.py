@@ -111,6 +111,7 @@ def test_more_messages_than_the_limit_are_refused_and_the_limit_is_served(http, 
     assert r.status_code == 400 and _field(r) == "new_messages", r.text
 
 
+@pytest.mark.timing
 def test_a_20000_message_chat_is_refused_fast(default_http, name):
     turns = [
         {"role": "user" if k % 2 == 0 else "assistant", "content": "hello"} for k in range(20000)
@@ -124,6 +125,7 @@ def test_a_20000_message_chat_is_refused_fast(default_http, name):
     assert elapsed < 0.5, f"refused after {elapsed:.2f}s"
 
 
+@pytest.mark.timing
 def test_text_surely_over_the_prompt_limit_is_refused_before_rendering(http, name):
     # 40 messages of 2,000 characters: far more than 2,000 tokens can hold, whatever the
     # tokenizer's longest token (the bound is computed from it at start-up).

@@ -29,7 +29,7 @@ from leyline_agent.reference.kv_reference import RefState, logits_from_kv
 from leyline_agent.testing.server import serve_in_thread
 from leyline_agent.testing.token_ids import random_ids
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]  # p50/p90 beside a solo run
 
 R_LEN = 4000
 START, END = 40, 50
