@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from leyline_agent.directives.pin_table import DEFAULT_WATCHED, Arrival, PinTable, Refs, Rows
 
@@ -60,7 +60,7 @@ class Watch:
 
     tokens: tuple[int, ...]
     block_ids: tuple[int, ...]
-    keys: tuple[Any, ...]
+    keys: tuple[object, ...]  # vLLM's block hashes, opaque here
     salt: str | None
     partial: int | None = None
 
@@ -69,8 +69,17 @@ class BlockPins(PinTable[str, Watch]):
     """The pin table of the plugin's scheduler: namespaces are salts, sizes are blocks,
     at most ``max_blocks`` pinned."""
 
-    def __init__(self, rows: Rows[str, Watch], ttl_s: float, max_blocks: int, **kw: Any) -> None:
-        super().__init__(rows, ttl_s, budget=max_blocks, ttl_name=TTL_ENV, **kw)
+    def __init__(
+        self,
+        rows: Rows[str, Watch],
+        ttl_s: float,
+        max_blocks: int,
+        clock: Callable[[], float] = time.monotonic,
+        max_watched: int = DEFAULT_WATCHED,
+    ) -> None:
+        super().__init__(
+            rows, ttl_s, budget=max_blocks, clock=clock, max_watched=max_watched, ttl_name=TTL_ENV
+        )
 
     def pin_blocks(self, ns: str, watch: Watch) -> Refs:
         """``watch`` is ``ns``'s latest splice result: its full blocks are pinned."""
