@@ -8,8 +8,12 @@ costs that much before it is refused. ``tokenize(tokenizer, text)`` tokenizes a 
 
 - one at a time: however many large prompts arrive, they take at most one core, queued
   behind each other, and never the core the step loop or the event loop is using;
-- at ``LANE_NICE`` (the thread's own nice value, Linux): where the cores are busy, the
-  operating system runs the step loop, the event loop and ordinary requests' threads first.
+- at ``LANE_NICE``, the lowest priority (the thread's own nice value, Linux; never a
+  higher priority than the process's own): where the cores are busy, the operating system
+  runs the step loop, the event loop and ordinary requests' threads first, and the lane gets
+  what they leave. A stream of huge prompts that will be refused for their length is then
+  paid for with idle CPU; at nice 5 the scheduler's weights (335 against 1,024 at nice 0)
+  gave the lane about a quarter of a core that the step loop or the event loop wanted.
 
 A fast tokenizer releases the GIL while it encodes, so the lane's low priority holds no
 other thread back. Where a thread's priority cannot be set (not Linux), the lane still runs
@@ -30,13 +34,15 @@ log = structlog.get_logger(__name__)
 __all__ = ["LANE_NICE", "LARGE_TEXT_CHARS", "tokenize"]
 
 LARGE_TEXT_CHARS = 64 * 1024
-LANE_NICE = 5
+LANE_NICE = 19
 
 
 def _lower_priority() -> None:
-    """Pool initializer: this thread's nice value to ``LANE_NICE`` (Linux)."""
+    """Pool initializer: this thread's nice value to ``LANE_NICE``, or to the one it has if
+    that is higher (a lane never runs ahead of the process that owns it) (Linux)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICE)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(LANE_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
     except (AttributeError, OSError) as e:
         log.info(
             "slow lane at normal priority: its thread's nice value cannot be set", error=str(e)

@@ -106,6 +106,7 @@ _EMBEDDED_ONLY = {
     "max_schema_bytes": 256 * 1024,
     "max_key_requests": 128,
     "max_key_body_bytes": 1 * MIB,
+    "max_key_refusals_per_s": 8.0,
     "tool_format": None,
 }
 
@@ -228,6 +229,16 @@ def _add_limits_and_keys(p: argparse.ArgumentParser) -> None:
         help="an API key whose request bodies in flight would pass this many bytes gets 429 + "
         "Retry-After, before the body is read; a key with nothing in flight is always "
         "admitted (default: 1 MiB)",
+    )
+    g.add_argument(
+        "--max-key-refusals-per-s",
+        type=float,
+        default=_EMBEDDED_ONLY["max_key_refusals_per_s"],
+        metavar="R",
+        help="an API key whose requests are refused (4xx) more often than this per second "
+        "(after a burst of 8 s worth) has its next requests wait, in arrival order, before "
+        "their bodies are read, and reach the server at this rate; 429 + Retry-After after "
+        "10 s of waiting (default: 8)",
     )
 
 

@@ -43,6 +43,7 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
     from leyline_agent.server.inputs import DEFAULT_MAX_MESSAGES
     from leyline_agent.server.key_limits import (
         DEFAULT_KEY_BODY_BYTES,
+        DEFAULT_KEY_REFUSALS_PER_S,
         DEFAULT_KEY_REQUESTS,
         KeyLimits,
     )
@@ -104,9 +105,13 @@ def build_app(args: argparse.Namespace):  # -> FastAPI (imported lazily: torch c
         key_limits = KeyLimits(
             max_requests=getattr(args, "max_key_requests", None) or DEFAULT_KEY_REQUESTS,
             max_body_bytes=getattr(args, "max_key_body_bytes", None) or DEFAULT_KEY_BODY_BYTES,
+            refusals_per_s=getattr(args, "max_key_refusals_per_s", None)
+            or DEFAULT_KEY_REFUSALS_PER_S,
         )
     except ValueError as e:
-        raise ArgumentError(f"--max-key-requests / --max-key-body-bytes: {e}") from e
+        raise ArgumentError(
+            f"--max-key-requests / --max-key-body-bytes / --max-key-refusals-per-s: {e}"
+        ) from e
     engine = Engine.from_pretrained(args.model, **kwargs)
     if getattr(args, "tool_format", None):  # the model folder's setting, overridden
         set_setting(engine.tokenizer, args.tool_format)

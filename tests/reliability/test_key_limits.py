@@ -10,6 +10,10 @@ A request is held in flight from outside: a raw socket sends its headers (with a
 - the other tenant's requests, and the same tenant's other key, are answered as usual.
 
 Once the held request's client goes away, its key is admitted again.
+
+A key whose requests are refused (4xx) past its burst is paced at ``--max-key-refusals-per-s``:
+its next requests wait their turn, one at a time, and still get their own answer (the 400
+naming the field); the same tenant's other key and the other tenant are not paced.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ import time
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
+from leyline_agent.server.key_limits import REFUSAL_BURST_S
 from leyline_agent.testing.reliability import ALICE, MALLORY, MALLORY_2
 
 MAX_REQUESTS = 3
 MAX_BODY_BYTES = 100_000
+REFUSALS_PER_S = 4.0
 SERVER_ARGS = (
     "--max-key-requests", str(MAX_REQUESTS), "--max-key-body-bytes", str(MAX_BODY_BYTES),
+    "--max-key-refusals-per-s", str(REFUSALS_PER_S),
 )  # fmt: skip
 CHAT = "/v1/chat/completions"
 
@@ -112,3 +119,28 @@ def test_a_key_over_its_requests_in_flight_gets_429(live, http, as_key, served_n
         assert "--max-key-requests" in r.json()["error"]["message"]
         assert http.post(CHAT, json=_chat(served_name), headers=as_key(ALICE)).status_code == 200
     assert _admitted(http, as_key, served_name, MALLORY) == 200
+
+
+def test_a_key_refused_past_its_burst_is_paced_and_other_keys_are_not(
+    live, http, as_key, served_name
+):
+    """Runs last: it leaves ``MALLORY_2`` paced for a few seconds."""
+    bad = b'{"model": "x", "messages": [}'
+
+    def refused(key: str) -> float:
+        t = time.monotonic()
+        headers = {**as_key(key), "Content-Type": "application/json"}
+        r = http.post(CHAT, content=bad, headers=headers)
+        assert r.status_code == 400, r.text  # its own answer, not a 429
+        return time.monotonic() - t
+
+    burst = int(REFUSALS_PER_S * REFUSAL_BURST_S)
+    for _ in range(burst):
+        refused(MALLORY_2)
+    paced = [refused(MALLORY_2) for _ in range(4)]  # each waits for a refill (1 / rate)
+    assert sum(paced) >= 4 / REFUSALS_PER_S - 0.2, paced
+    t = time.monotonic()  # the same tenant's other key and the other tenant: not paced
+    assert http.post(CHAT, json=_chat(served_name), headers=as_key(MALLORY)).status_code == 200
+    assert http.post(CHAT, json=_chat(served_name), headers=as_key(ALICE)).status_code == 200
+    refused(ALICE)
+    assert time.monotonic() - t < 30
