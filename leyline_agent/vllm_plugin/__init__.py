@@ -142,11 +142,11 @@ class LeylineEndpoints:
         setattr(state, FRONT_STATE, ChatFront(route))  # leyline.edits of chat requests
         info = await route.info()
         log = structlog.get_logger(__name__)
-        if info.get("problem"):
-            log.warning("leyline directives off", problem=info["problem"])
+        if info.problem:
+            log.warning("leyline directives off", problem=info.problem)
         else:
-            log.info("leyline directives on", block_size=info.get("block_size"), tp=info.get("tp"))
-            if not info.get("held_rows"):
+            log.info("leyline directives on", block_size=info.block_size, tp=info.tp)
+            if not info.held_rows:
                 log.warning(
                     "leyline keeps whole blocks only: kv_transfer_config names another "
                     "connector, so rows past a sequence's last full block are prefilled again "

@@ -35,8 +35,10 @@ while an op does. The general plugin adds this one method to ``EngineCore``. Ops
   leaves the prefix cache (its rows are free for reuse); a block a request in flight (or a
   directive's hold) holds stays cached.
 
-Errors travel back as ``{"error": {"type", "message", "field"}}`` with the Leyline class
-name, never as an exception through vLLM's utility machinery.
+Each op and its answer is a model of ``ops`` (the wire's one definition); a request that is
+no op is a ``DirectiveError`` naming ``op``. Errors travel back as ``{"error": {"type",
+"message"}}`` with the Leyline class name, never as an exception through vLLM's utility
+machinery.
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ValidationError
 
 from leyline_agent.errors import (
     CacheMissError,
@@ -55,20 +60,46 @@ from leyline_agent.errors import (
 )
 from leyline_agent.vllm_plugin.cache_layout import PLAIN_SPECS
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt
+from leyline_agent.vllm_plugin.ops import (
+    ArriveAnswer,
+    ArriveOp,
+    DescribeAnswer,
+    DescribeOp,
+    FlushAnswer,
+    FlushOp,
+    ForgetAnswer,
+    ForgetOp,
+    LockAnswer,
+    LockOp,
+    Op,
+    ReleaseAnswer,
+    ReleaseOp,
+    SpliceAnswer,
+    SpliceOp,
+    StatsAnswer,
+    StatsOp,
+    answer_json,
+    parse_op,
+)
 from leyline_agent.vllm_plugin.plan import plan_block_splice, repair_rows, row_copies, splice_slots
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.core import EngineCore
+
+    from leyline_agent.vllm_plugin.scheduler import LeylineScheduler
 
 __all__ = ["leyline_rpc"]
 
 
-def leyline_rpc(engine: Any, request_json: str) -> str:
-    """The method the general plugin installs on ``EngineCore`` (``self`` = the engine)."""
+def leyline_rpc(engine: EngineCore, request_json: str) -> str:
+    """The method the general plugin installs on ``EngineCore`` (``self`` = the engine): the
+    op of ``request_json`` (``ops.parse_op``) run, its answer as JSON (``ops.answer_json``)."""
     try:
-        req = json.loads(request_json)
-        op = req.pop("op")
-        fn = _OPS.get(op)
-        if fn is None:
-            raise DirectiveError(f"op: unknown Leyline op {op!r}")
-        return json.dumps({"ok": fn(engine, **req)})
+        try:
+            op = parse_op(request_json)
+        except ValidationError as e:
+            raise DirectiveError(f"op: not a Leyline op ({e.errors()[0]['msg']})") from None
+        return answer_json(_OPS[type(op)](engine, op))
     except LeylineError as e:
         return json.dumps({"error": {"type": type(e).__name__, "message": str(e)}})
     except Exception as e:  # noqa: BLE001 - reported to the route, which answers 500
@@ -78,7 +109,7 @@ def leyline_rpc(engine: Any, request_json: str) -> str:
         )
 
 
-def _scheduler(engine: Any) -> Any:
+def _scheduler(engine: EngineCore) -> LeylineScheduler:
     from leyline_agent.vllm_plugin.scheduler import LeylineScheduler
 
     sched = engine.scheduler
@@ -91,9 +122,9 @@ def _scheduler(engine: Any) -> Any:
     return sched
 
 
-def _describe(engine: Any) -> dict[str, Any]:
+def _describe(engine: EngineCore, op: DescribeOp) -> DescribeAnswer:
     cfg = engine.vllm_config
-    out: dict[str, Any] = {"problem": None, "field": None}
+    out: dict[str, object] = {"problem": None, "field": None}
     try:
         sched = _scheduler(engine)
         out["block_size"] = sched.block_size
@@ -144,13 +175,11 @@ def _describe(engine: Any) -> dict[str, Any]:
     out["max_model_len"] = cfg.model_config.max_model_len
     out["model_type"] = getattr(cfg.model_config.hf_config, "model_type", None)
     out["vocab_size"] = cfg.model_config.get_vocab_size()
-    return out
+    return DescribeAnswer.model_validate(out)
 
 
-def _lock(
-    engine: Any, tokens: list[int], salt: str | None, stage: int | None = None,
-    hold: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+def _lock(engine: EngineCore, op: LockOp) -> LockAnswer:
+    tokens, salt, stage = list(op.tokens), op.salt, op.stage
     sched = _scheduler(engine)
     hasher = engine.request_block_hasher
     bs = sched.block_size
@@ -173,29 +202,23 @@ def _lock(
         sched.leyline_hold(lock_id, blocks, routed, rows)
         if ns is not None and stage is not None and 0 < stage <= rows and stage % bs:
             sched.leyline_keep_rows(ns, tokens[:stage], blocks[stage // bs], routed, touch=True)
-        if not hold:
+        if not op.hold:
             sched.leyline_release(lock_id)
             lock_id = None
-    return {"lock_id": lock_id, "cached_tokens": rows, "salt": routed}
+    return LockAnswer(lock_id=lock_id, cached_tokens=rows, salt=routed)
 
 
-def _release(engine: Any, ids: list[str]) -> int:
+def _release(engine: EngineCore, op: ReleaseOp) -> ReleaseAnswer:
     sched = _scheduler(engine)
-    return sum(bool(sched.leyline_release(i)) for i in ids if i)
+    return ReleaseAnswer(released=sum(bool(sched.leyline_release(i)) for i in op.ids if i))
 
 
-def _splice(
-    engine: Any,
-    lock_id: str | None,
-    hold_id: str,
-    tokens: list[int],
-    start: int,
-    end: int,
-    replacement: list[int],
-    salt: str,
-    repair: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def _splice(engine: EngineCore, op: SpliceOp) -> SpliceAnswer:
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    lock_id, hold_id, salt, start, end = op.lock_id, op.hold_id, op.salt, op.start, op.end
+    tokens, replacement = list(op.tokens), list(op.replacement)
+    repair = op.repair.model_dump() if op.repair is not None else None
 
     t0 = time.perf_counter()
     sched = _scheduler(engine)
@@ -270,22 +293,20 @@ def _splice(
         sched.leyline_release(hold_id)
         if lock_id:
             sched.leyline_release(lock_id)
-    return {
-        "cached_tokens": len(plan.tokens),
-        "new_blocks": plan.num_new_blocks,
-        "rotated_tokens": plan.rotated_tokens,
-        "repaired_tokens": len(rows),
-        "head_cached_tokens": head_cached,
-        "elapsed_s": time.perf_counter() - t0,
-    }
+    return SpliceAnswer(
+        cached_tokens=len(plan.tokens),
+        new_blocks=plan.num_new_blocks,
+        rotated_tokens=plan.rotated_tokens,
+        repaired_tokens=len(rows),
+        head_cached_tokens=head_cached,
+        elapsed_s=time.perf_counter() - t0,
+    )
 
 
-def _forget(
-    engine: Any, tokens: list[int], start: int, salt: str | None,
-    stage: list[int] | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    if stage is not None:  # T's rows before ``start`` in its block go to T'
-        _lock(engine, stage, salt, stage=start, hold=False)
+def _forget(engine: EngineCore, op: ForgetOp) -> ForgetAnswer:
+    tokens, start, salt = list(op.tokens), op.start, op.salt
+    if op.stage is not None:  # T's rows before ``start`` in its block go to T'
+        _lock(engine, LockOp(tokens=op.stage, salt=salt, stage=start, hold=False))
     sched = _scheduler(engine)
     hasher = engine.request_block_hasher
     routed = sched.leyline_route(tokens, salt, hasher)
@@ -295,34 +316,33 @@ def _forget(
             dropped += sched.leyline_drop(h)
     if is_leyline_salt(salt):
         sched.leyline_rows.drop_past(salt, tokens, start)
-    return {"dropped_blocks": dropped, "salt": routed}
+    return ForgetAnswer(dropped_blocks=dropped, salt=routed)
 
 
-def _arrive(engine: Any, salt: str) -> dict[str, Any]:
-    sched = _scheduler(engine)
-    arrival = sched.leyline_arrive(salt)
-    return {"lost": arrival.lost, "watched": arrival.watched}
+def _arrive(engine: EngineCore, op: ArriveOp) -> ArriveAnswer:
+    arrival = _scheduler(engine).leyline_arrive(op.salt)
+    return ArriveAnswer(lost=arrival.lost, watched=arrival.watched)
 
 
-def _stats(engine: Any) -> dict[str, Any]:
+def _stats(engine: EngineCore, op: StatsOp) -> StatsAnswer:
     sched = _scheduler(engine)
     pool, c = sched.block_pool, sched.leyline_served
     sched.leyline_pins.count_lost()
-    return {
-        "requests": c.requests,
-        "prompt_tokens": c.prompt_tokens,
-        "cached_tokens": c.cached_tokens,
-        "generated_tokens": c.generated_tokens,
-        "cache_tokens": len(pool.cached_block_hash_to_block) * sched.block_size,
-        "cache_capacity_tokens": (pool.num_gpu_blocks - 1) * sched.block_size,
-        "held": len(sched.leyline_held),
-        "held_rows": len(sched.leyline_rows),
-        "pinned_tokens": sched.leyline_pins.pinned_blocks * sched.block_size,
-        "pin_evictions": sched.leyline_pins.pin_evictions,
-    }
+    return StatsAnswer(
+        requests=c.requests,
+        prompt_tokens=c.prompt_tokens,
+        cached_tokens=c.cached_tokens,
+        generated_tokens=c.generated_tokens,
+        cache_tokens=len(pool.cached_block_hash_to_block) * sched.block_size,
+        cache_capacity_tokens=(pool.num_gpu_blocks - 1) * sched.block_size,
+        held=len(sched.leyline_held),
+        held_rows=len(sched.leyline_rows),
+        pinned_tokens=sched.leyline_pins.pinned_blocks * sched.block_size,
+        pin_evictions=sched.leyline_pins.pin_evictions,
+    )
 
 
-def _flush(engine: Any) -> dict[str, Any]:
+def _flush(engine: EngineCore, op: FlushOp) -> FlushAnswer:
     sched = _scheduler(engine)
     pool, bs = sched.block_pool, sched.block_size
     dropped_pins = sched.leyline_unpin_all()  # pins and watches go first, then their blocks
@@ -337,20 +357,18 @@ def _flush(engine: Any) -> dict[str, Any]:
         else:
             kept += 1
     pool.evict_blocks(free)
-    return {
-        "flushed_tokens": len(free) * bs,
-        "kept_tokens": kept * bs,
-        "dropped_pins": dropped_pins,
-    }
+    return FlushAnswer(
+        flushed_tokens=len(free) * bs, kept_tokens=kept * bs, dropped_pins=dropped_pins
+    )
 
 
-_OPS = {
-    "describe": _describe,
-    "lock": _lock,
-    "release": _release,
-    "splice": _splice,
-    "forget": _forget,
-    "arrive": _arrive,
-    "stats": _stats,
-    "flush": _flush,
+_OPS: dict[type[Op[BaseModel]], Callable[[EngineCore, Any], BaseModel]] = {
+    DescribeOp: _describe,
+    LockOp: _lock,
+    ReleaseOp: _release,
+    SpliceOp: _splice,
+    ForgetOp: _forget,
+    ArriveOp: _arrive,
+    StatsOp: _stats,
+    FlushOp: _flush,
 }

@@ -21,7 +21,7 @@ vLLM checks ``--api-key`` only on its own path prefixes (``/v1``, ``/v2``, ...),
   front ``leyline serve`` runs (``front.chat_turn``): the request's conversation is found, its
   ``context_management``, declared ``leyline.edits``, client edits and drift are spliced
   before vLLM sees it, the answer says what came of them, and its reply is read as it passes
-  (``replies``) to record the conversation. ``leyline`` and ``context_management`` outside a
+  (``front.replies``) to record the conversation. ``leyline`` and ``context_management`` outside a
   chat request are a 400 naming the field, and so is a request that asks for them beside a
   ``cache_salt`` of the client's own (its rows are the client's private namespace; without
   such a field that request is served untracked). A body that is not JSON is passed on
@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 from argparse import Namespace as Args
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from leyline_agent.directives.answers import error_content
@@ -54,17 +53,16 @@ from leyline_agent.front.messages_proxy import (
     messages_request,
     translating,
 )
+from leyline_agent.front.replies import reading
 from leyline_agent.http import guards
 from leyline_agent.http.asgi import (
     ASGIApp,
-    Message,
     Receive,
     Scope,
     Send,
     annotating,
     appending,
     header,
-    is_stream,
     send_json,
     with_body,
 )
@@ -72,7 +70,6 @@ from leyline_agent.http.guards import GuardError
 from leyline_agent.metrics import SpliceSources, stats_text
 from leyline_agent.namespaces import SESSION_HEADER, Namespace, check_session_id
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, salt_for
-from leyline_agent.vllm_plugin.replies import ReplyReader
 from leyline_agent.wire import StatsResponse
 
 if TYPE_CHECKING:
@@ -213,7 +210,7 @@ class LeylineGuard:
                 _sources(scope).turn(done.fields.get("leyline"), done.fields["usage"]["leyline"])
                 out = annotating(out, done.fields)
             if done.commit is not None:
-                out = _reading(out, done.commit)
+                out = reading(out, done.commit)
         else:
             data = {k: v for k, v in data.items() if k != "leyline"}
         body = json.dumps(data).encode()
@@ -292,23 +289,3 @@ def _front(scope: Scope) -> ChatFront:
     if front is None:
         raise RuntimeUnavailableError("the Leyline chat front has no engine")
     return front
-
-
-def _reading(send: Send, commit: Callable[[dict[str, object]], None]) -> Send:
-    """A ``send`` that reads a 200 chat answer's reply as it passes (``replies``) and calls
-    ``commit(reply)`` once it is complete; an answer that failed commits nothing."""
-    reader: ReplyReader | None = None
-
-    async def reading(message: Message) -> None:
-        nonlocal reader
-        if message["type"] == "http.response.start" and message.get("status") == 200:
-            reader = ReplyReader(is_stream(message))
-        elif message["type"] == "http.response.body" and reader is not None:
-            reader.feed(message.get("body", b""))
-            if not message.get("more_body", False):
-                reply = reader.reply()
-                if reply is not None:
-                    commit(reply)
-        await send(message)
-
-    return reading

@@ -41,12 +41,13 @@ import dataclasses
 import json
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import structlog
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from leyline_agent.chat_input import canonical_messages, canonical_tools
 from leyline_agent.directives import Directive
@@ -71,6 +72,19 @@ from leyline_agent.http import guards as http_guards
 from leyline_agent.namespaces import DEFAULT_TENANT, SESSION_HEADER, Namespace, named_namespace
 from leyline_agent.vllm_plugin.guard import BODY_KEY
 from leyline_agent.vllm_plugin.namespace import salt_for
+from leyline_agent.vllm_plugin.ops import (
+    ArriveOp,
+    DescribeAnswer,
+    DescribeOp,
+    FlushOp,
+    ForgetOp,
+    LockOp,
+    Op,
+    ReleaseOp,
+    RepairBudget,
+    SpliceOp,
+    StatsOp,
+)
 from leyline_agent.vllm_plugin.pins import DEFAULT_WATCHED
 from leyline_agent.vllm_plugin.scheduler import HOLD_KEY
 from leyline_agent.wire import (
@@ -81,9 +95,15 @@ from leyline_agent.wire import (
     DirectivesResponse,
 )
 
+if TYPE_CHECKING:
+    from starlette.datastructures import State
+    from vllm.tokenizers import TokenizerLike
+    from vllm.v1.engine.async_llm import AsyncLLM
+
 __all__ = ["EXECUTES", "Locked", "VLLMRoute", "add_routes"]
 
 log = structlog.get_logger(__name__)
+Work = Callable[["VLLMRoute"], Awaitable[tuple[int, dict[str, object]]]]  # a route's job
 _ERROR_TYPES = {
     "CacheMissError": CacheMissError,
     "DirectiveError": DirectiveError,
@@ -109,14 +129,14 @@ class VLLMRoute:
     the chat front's conversations and renderer, and the counters ``/leyline/v1/stats``
     reads."""
 
-    def __init__(self, engine_client: Any, model_names: list[str]) -> None:
+    def __init__(self, engine_client: AsyncLLM, model_names: list[str]) -> None:
         self.engine = engine_client
         self.model_names = model_names
         self.counters = Counters()
         self.conversations = ConversationStore()  # the chat front's (``chat_front``)
         self.watched: OrderedDict[str, None] = OrderedDict()  # salts with a pinned result
-        self.app_state: Any = None  # the app's state (``render_chat``; set by init_state)
-        self._info: dict[str, Any] | None = None
+        self.app_state: State | None = None  # the app's (``render_chat``; set by init_state)
+        self._info: DescribeAnswer | None = None
         self._service: DirectiveService | None = None
         self._warned_render = False
 
@@ -125,10 +145,9 @@ class VLLMRoute:
         return EXECUTES
 
     # -- engine calls --------------------------------------------------------------------
-    async def rpc(self, op: str, **kwargs: Any) -> dict[str, Any]:
-        raw = await self.engine.engine_core.call_utility_async(
-            "leyline_rpc", json.dumps({"op": op, **kwargs})
-        )
+    async def rpc[A: BaseModel](self, op: Op[A]) -> A:
+        """Run ``op`` in the EngineCore (``engine_ops``): its answer, or its error raised."""
+        raw = await self.engine.engine_core.call_utility_async("leyline_rpc", op.model_dump_json())
         answer = json.loads(raw)
         if "error" in answer:
             err = answer["error"]
@@ -136,14 +155,17 @@ class VLLMRoute:
             if cls is None:
                 raise RuntimeError(f"{err['type']}: {err['message']}")
             raise cls(err["message"])
-        return answer["ok"]
+        return op.read(answer["ok"])
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> TokenizerLike:
         """The served model's tokenizer (the one vLLM's chat route renders with)."""
         return self.engine.get_tokenizer()
 
     async def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[Any] | None, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, object]],
+        tools: list[object] | None,
+        kwargs: dict[str, object],
     ) -> list[int]:
         """The prompt vLLM's chat route renders for ``messages`` and ``tools``: vLLM's own
         renderer (what its ``/tokenize`` runs, ``app_state.serving_tokenization``), so that
@@ -170,16 +192,16 @@ class VLLMRoute:
             raise RequestError(f"vLLM cannot render these messages: {out}", "messages")
         return list(tokens)
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> DescribeAnswer:
         if self._info is None:
-            self._info = await self.rpc("describe")
+            self._info = await self.rpc(DescribeOp())
         return self._info
 
-    async def _on(self) -> dict[str, Any]:
+    async def _on(self) -> DescribeAnswer:
         """``describe``'s facts; 503 naming the setting at fault if directives are off."""
         info = await self.info()
-        if info.get("problem"):
-            raise RuntimeUnavailableError(f"{info['problem']} (Leyline directives are off)")
+        if info.problem:
+            raise RuntimeUnavailableError(f"{info.problem} (Leyline directives are off)")
         return info
 
     async def prefill(self, ids: list[int], salt: str, hold_id: str | None = None) -> None:
@@ -200,10 +222,10 @@ class VLLMRoute:
         namespaces this route spliced in are asked about; the others answer False at once."""
         if salt not in self.watched:
             return False
-        done = await self.rpc("arrive", salt=salt)
-        if not done["watched"]:
+        done = await self.rpc(ArriveOp(salt=salt))
+        if not done.watched:
             self.watched.pop(salt, None)
-        return bool(done["lost"])
+        return done.lost
 
     def _watch(self, salt: str) -> None:
         self.watched[salt] = None
@@ -217,17 +239,17 @@ class VLLMRoute:
         vocabulary, ``max_model_len``, the longest token's bytes, the chat format."""
         if self._service is None:
             info, tok = await self.info(), self.tokenizer()
-            limits = RequestLimits(
-                int(info["vocab_size"]), int(info["max_model_len"]), longest_token_bytes(tok)
-            )
-            boundary = token_id(tok, chat_format(info.get("model_type")).message_boundary)
+            limits = RequestLimits(info.vocab_size, info.max_model_len, longest_token_bytes(tok))
+            boundary = token_id(tok, chat_format(info.model_type).message_boundary)
             model = ServedModel(
                 self.model_names[0], tok, limits, boundary, tuple(self.model_names[1:])
             )
             self._service = DirectiveService(model)
         return self._service
 
-    async def directives(self, body: Any, session_header: str | None) -> tuple[int, dict[str, Any]]:
+    async def directives(
+        self, body: object, session_header: str | None
+    ) -> tuple[int, dict[str, object]]:
         """``POST /leyline/v1/directives``: (status, JSON body)."""
         try:
             svc = await self.service()
@@ -255,34 +277,34 @@ class VLLMRoute:
     # -- DirectiveBackend ----------------------------------------------------------------
     async def hold(self, base: list[int], ns: Namespace) -> Locked:
         await self._on()
-        lock = await self.rpc("lock", tokens=base, salt=salt_for(ns))
-        return Locked(int(lock["cached_tokens"]), lock["lock_id"])
+        lock = await self.rpc(LockOp(tokens=base, salt=salt_for(ns)))
+        return Locked(lock.cached_tokens, lock.lock_id)
 
     async def release(self, held: Locked, ns: Namespace, answer: DirectivesResponse | None) -> None:
         if held.lock_id is not None:
-            await self.rpc("release", ids=[held.lock_id])
+            await self.rpc(ReleaseOp(ids=(held.lock_id,)))
 
     async def count(self, ns: Namespace, update: Callable[[Counters], None]) -> None:
         update(self.counters)
 
     async def execute(self, plan: Plan, held: Locked, ns: Namespace) -> DirectivesResponse:
         info = await self._on()  # the checks before the first write
-        if len(plan.new_tokens) > int(info["max_model_len"]):
-            n, limit = len(plan.new_tokens), info["max_model_len"]
+        if len(plan.new_tokens) > info.max_model_len:
+            n, limit = len(plan.new_tokens), info.max_model_len
             raise DirectiveError(f"directives: T' has {n} tokens > max_model_len {limit}")
         if any(rule_of(d.mode, EXECUTES).repairs for d in plan.order):
-            workers = info.get("workers") or [{}]
-            if workers[0].get("repair_problem"):
-                raise RuntimeUnavailableError(workers[0]["repair_problem"])
+            problem = info.workers[0].repair_problem if info.workers else None
+            if problem:
+                raise RuntimeUnavailableError(problem)
         resp = await self._splice(plan, salt_for(ns))
         self.counters.prefilled_tokens += resp.prefilled_tokens  # the plugin's own requests
         return resp
 
     async def flush(self, tenant: str) -> Flushed:
         await self._on()
-        done = await self.rpc("flush")
+        done = await self.rpc(FlushOp())
         self.watched.clear()
-        return Flushed(done["flushed_tokens"], done["kept_tokens"], done["dropped_pins"])
+        return Flushed(done.flushed_tokens, done.kept_tokens, done.dropped_pins)
 
     async def _splice(self, plan: Plan, salt: str) -> DirectivesResponse:
         cur = list(plan.base)
@@ -294,35 +316,35 @@ class VLLMRoute:
             rule = rule_of(d.mode, EXECUTES)
             if rule.moves_tail:
                 # stage: T's rows inside the block holding ``start`` go to the head
-                lock = await self.rpc("lock", tokens=cur, salt=salt, stage=d.start)
-                c = lock["cached_tokens"]
+                lock = await self.rpc(LockOp(tokens=cur, salt=salt, stage=d.start))
+                c = lock.cached_tokens
                 if d.end > c and c <= d.start:
                     # An earlier directive of the batch (to the right) left T' cached in full
                     # blocks only: nothing of this span is cached now, the next request
                     # prefills it (the tokens still change).
-                    await self.rpc("release", ids=[lock["lock_id"]])
+                    await self.rpc(ReleaseOp(ids=(lock.lock_id,)))
                     cur = after
                     continue
                 end = min(d.end, c)  # straddling the cached end: (start, c, R), as clip_to_cached
                 hold_id = "head-" + uuid.uuid4().hex
                 try:
                     await self.prefill(cur[: d.start] + d.replacement, salt, hold_id)
-                    done = await self.rpc(
-                        "splice", lock_id=lock["lock_id"], hold_id=hold_id, tokens=cur,
-                        start=d.start, end=end, replacement=d.replacement, salt=salt,
+                    done = await self.rpc(SpliceOp(
+                        lock_id=lock.lock_id, hold_id=hold_id, tokens=cur, start=d.start,
+                        end=end, replacement=d.replacement, salt=salt,
                         repair=_repair_of(d) if rule.repairs else None,
-                    )  # fmt: skip
+                    ))  # fmt: skip
                 except BaseException:
-                    await self.rpc("release", ids=[lock["lock_id"], hold_id])
+                    await self.rpc(ReleaseOp(ids=(lock.lock_id, hold_id)))
                     raise
                 reused += d.start
-                prefilled += d.start + len(d.replacement) - done["head_cached_tokens"]
-                rotated += done["rotated_tokens"]
-                repaired += done.get("repaired_tokens", 0)
+                prefilled += d.start + len(d.replacement) - done.head_cached_tokens
+                rotated += done.rotated_tokens
+                repaired += done.repaired_tokens
             else:
                 # the rows before ``start`` stay: those inside its block are staged for the
                 # re-prefill, which computes from ``start`` on
-                await self.rpc("forget", tokens=after, start=d.start, salt=salt, stage=cur)
+                await self.rpc(ForgetOp(tokens=after, start=d.start, salt=salt, stage=cur))
                 await self.prefill(after, salt)
                 reused += d.start
                 prefilled += len(after) - d.start
@@ -335,43 +357,43 @@ class VLLMRoute:
         )  # fmt: skip
 
     # -- flush and stats -----------------------------------------------------------------
-    async def flush_all(self) -> dict[str, Any]:
+    async def flush_all(self) -> dict[str, object]:
         """``/leyline/v1/flush`` (one tenant): the cache's part (``flush``) and the chat
         front's conversations. Counters are untouched."""
         out: FlushResponse = await (await self.service()).flush(DEFAULT_TENANT, self)
         dropped = self.conversations.forget_tenant(DEFAULT_TENANT)
         return out.model_copy(update={"dropped_conversations": dropped}).model_dump(mode="json")
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, object]:
         """The route's counters with the EngineCore's request and cache counts: a
         directive's own prefills are counted on top of the requests'."""
-        s = await self.rpc("stats")
+        s = await self.rpc(StatsOp())
         c = self.counters
         counts = dataclasses.replace(
             c,
-            requests=s["requests"],
-            prompt_tokens=s["prompt_tokens"],
-            cached_tokens=s["cached_tokens"],
-            prefilled_tokens=s["prompt_tokens"] - s["cached_tokens"] + c.prefilled_tokens,
-            generated_tokens=s["generated_tokens"],
-            pin_evictions=s["pin_evictions"],
+            requests=s.requests,
+            prompt_tokens=s.prompt_tokens,
+            cached_tokens=s.cached_tokens,
+            prefilled_tokens=s.prompt_tokens - s.cached_tokens + c.prefilled_tokens,
+            generated_tokens=s.generated_tokens,
+            pin_evictions=s.pin_evictions,
         )
         return counts.to_stats(
-            cache_tokens=s["cache_tokens"],
-            cache_capacity_tokens=s["cache_capacity_tokens"],
-            pinned_tokens=s["pinned_tokens"],
+            cache_tokens=s.cache_tokens,
+            cache_capacity_tokens=s.cache_capacity_tokens,
+            pinned_tokens=s.pinned_tokens,
             features=(BODY_EDITS, CLIENT_EDITS),  # chat_front applies them
         ).model_dump(mode="json")
 
 
-def _repair_of(d: Directive) -> dict[str, Any]:
+def _repair_of(d: Directive) -> RepairBudget:
     """What the EngineCore's ``splice`` needs to REPAIR ``d``: its budget (the default where
     it gives none) and the selector, those ``leyline serve`` uses by default."""
     budget = DEFAULT_BUDGET if d.budget is None else d.budget
-    return {"budget": budget, "selector": DEFAULT_SELECTOR}
+    return RepairBudget(budget=budget, selector=DEFAULT_SELECTOR)
 
 
-def add_routes(app: Any) -> None:
+def add_routes(app: FastAPI) -> None:
     """``/leyline/v1/directives``, ``/leyline/v1/stats``, ``/leyline/v1/flush``. Their key
     check, body cap and JSON checks are ``guard.LeylineGuard``'s (in front of every route);
     a route reached without it (a test app) parses its body with the same checks."""
@@ -382,7 +404,7 @@ def add_routes(app: Any) -> None:
             raise RuntimeUnavailableError("the Leyline route has no engine")
         return route
 
-    async def answer(request: Request, work: Any) -> JSONResponse:
+    async def answer(request: Request, work: Work) -> JSONResponse:
         try:
             status, content = await work(route_of(request))
         except Exception as e:  # noqa: BLE001 - every failure is an answer
@@ -391,27 +413,27 @@ def add_routes(app: Any) -> None:
                 log.error("leyline route failed", path=request.url.path, error=repr(e))
         return JSONResponse(content, status_code=status)
 
-    async def body_of(request: Request) -> Any:
+    async def body_of(request: Request) -> object:
         if BODY_KEY in request.scope:
             return request.scope[BODY_KEY]
         raw = await request.body()
         return http_guards.parse_json(raw) if raw.strip() else None
 
     async def directives(request: Request) -> JSONResponse:
-        async def work(route: VLLMRoute) -> tuple[int, dict[str, Any]]:
+        async def work(route: VLLMRoute) -> tuple[int, dict[str, object]]:
             body = await body_of(request)  # a refused body changes no counter
             return await route.directives(body, request.headers.get(SESSION_HEADER))
 
         return await answer(request, work)
 
     async def stats(request: Request) -> JSONResponse:
-        async def work(route: VLLMRoute) -> tuple[int, dict[str, Any]]:
+        async def work(route: VLLMRoute) -> tuple[int, dict[str, object]]:
             return 200, await route.stats()
 
         return await answer(request, work)
 
     async def flush(request: Request) -> JSONResponse:
-        async def work(route: VLLMRoute) -> tuple[int, dict[str, Any]]:
+        async def work(route: VLLMRoute) -> tuple[int, dict[str, object]]:
             body = await body_of(request)
             if body not in (None, {}):
                 raise http_guards.GuardError(

@@ -1,13 +1,13 @@
 """What the vLLM chat front reads from and adds to an answer (no vLLM needed): the reply
-of a JSON answer or of a stream (``replies.ReplyReader``), and the fields merged into an
+of a JSON answer or of a stream (``front.replies.ReplyReader``), and the fields merged into an
 answer or a stream's first event (``http.asgi.annotate``)."""
 
 from __future__ import annotations
 
 import json
 
+from leyline_agent.front.replies import ReplyReader
 from leyline_agent.http.asgi import annotate
-from leyline_agent.vllm_plugin.replies import ReplyReader
 
 
 def _events(*deltas: dict, finish: str | None = "stop") -> bytes:

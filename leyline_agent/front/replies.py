@@ -1,10 +1,12 @@
-"""The assistant message of a chat answer, read as vLLM sends it (a JSON body or a stream).
+"""The assistant message of a chat answer, read as an engine's chat route sends it (a JSON
+body or a stream), for a chat proxy (``front.chat_proxy``).
 
 The chat front records a conversation's reply once its answer is complete
 (``front.chat_turn``'s ``commit``): the reply's call ids or text are what a later request
 echoes to prove it continues this conversation. ``ReplyReader`` is fed the answer's body
 chunks as they pass the middleware and returns the first choice's message once the answer
-has finished (a ``finish_reason``), or None for an answer that failed or was cut short.
+has finished (a ``finish_reason``), or None for an answer that failed or was cut short;
+``reading(send, commit)`` is the ASGI ``send`` that feeds it and commits the reply.
 A stream's deltas are joined: ``content``, ``reasoning_content`` (or vLLM's ``reasoning``),
 and ``tool_calls`` by their ``index`` (id, name, arguments concatenated).
 """
@@ -12,9 +14,12 @@ and ``tool_calls`` by their ``index`` (id, name, arguments concatenated).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ReplyReader"]
+from leyline_agent.http.asgi import Message, Send, is_stream
+
+__all__ = ["ReplyReader", "reading"]
 
 
 class ReplyReader:
@@ -95,3 +100,23 @@ def _first_choice(answer: Any) -> dict[str, Any]:
         if isinstance(choice, dict) and choice.get("index", 0) == 0:
             return choice
     return {}
+
+
+def reading(send: Send, commit: Callable[[dict[str, Any]], None]) -> Send:
+    """A ``send`` that reads a 200 chat answer's reply as it passes (``replies``) and calls
+    ``commit(reply)`` once it is complete; an answer that failed commits nothing."""
+    reader: ReplyReader | None = None
+
+    async def reading(message: Message) -> None:
+        nonlocal reader
+        if message["type"] == "http.response.start" and message.get("status") == 200:
+            reader = ReplyReader(is_stream(message))
+        elif message["type"] == "http.response.body" and reader is not None:
+            reader.feed(message.get("body", b""))
+            if not message.get("more_body", False):
+                reply = reader.reply()
+                if reply is not None:
+                    commit(reply)
+        await send(message)
+
+    return reading
