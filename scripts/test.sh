@@ -5,9 +5,11 @@
 #     (.venv-vllm); the two share only the editable build of this tree, which each takes
 #     under a lock.
 #  2. The two halves beside each other: the main suite with .venv's pytest, without its tests
-#     marked `timing`, and tests/vllm + tests/conformance with .venv-vllm's pytest (vLLM pins
-#     another torch than .venv). Much of either half waits on server start-ups and model
-#     loads, so the pair takes little more than the longer half alone.
+#     marked `timing`, and tests/vllm then tests/conformance with .venv-vllm's pytest (vLLM
+#     pins another torch than .venv). Much of either half waits on server start-ups and model
+#     loads, so the pair takes little more than the longer half alone. tests/vllm and
+#     tests/conformance are two pytest sessions, so that tests/vllm's session-wide servers
+#     (about 3 GB each) are gone before conformance starts its own.
 #  3. The main suite's tests marked `timing` (a bound on latency: a bystander's worst token
 #     gap, a refusal within 0.5 s), with nothing else of the suite running. tests/vllm and
 #     tests/conformance have no such step: a latency bound there allows for the main suite
@@ -21,7 +23,7 @@ cd "$ROOT"
 LOGS="$(mktemp -d "${TMPDIR:-/tmp}/leyline-test-XXXXXX")"
 PYTEST=(-q -p no:cacheprovider)
 MAIN=(.venv/bin/pytest "${PYTEST[@]}" tests --ignore=tests/vllm --ignore=tests/conformance)
-VLLM=(.venv-vllm/bin/pytest "${PYTEST[@]}" tests/vllm tests/conformance)
+VLLM=(.venv-vllm/bin/pytest "${PYTEST[@]}")
 FAILED=()
 
 # run_jobs NAME COMMAND [NAME COMMAND ...]: runs the commands (bash command lines) at once, each
@@ -50,7 +52,8 @@ if [ ${#FAILED[@]} -gt 0 ]; then
     echo "make test: the set-up failed (${FAILED[*]}): no tests ran" >&2
     exit 1
 fi
-run_jobs main "${MAIN[*]} -m 'not timing'" vllm+conformance "${VLLM[*]}"
+run_jobs main "${MAIN[*]} -m 'not timing'" \
+    vllm+conformance "${VLLM[*]} tests/vllm; a=\$?; ${VLLM[*]} tests/conformance || exit; exit \$a"
 run_jobs main-timing "${MAIN[*]} -m timing"
 rm -rf "$LOGS"
 if [ ${#FAILED[@]} -gt 0 ]; then
