@@ -338,15 +338,16 @@ def test_the_root_contracts_import_nothing_from_a_package_folder(package):
 
 
 # Who may run a directive request's steps (compile, decide, request ids, the body's checks):
-# the one service, and the vLLM plugin's route, which does not mount it yet.
+# the one service; every directive route and runtime mounts it.
 DIRECTIVE_STEPS = {
     "leyline_agent.directives.pipeline": {"compile_request", "decide"},
     "leyline_agent.directives.idempotence": {"fingerprint", "check_request_id"},
     "leyline_agent.directives.validate": {"parse_directives", "checked", "check_served"},
 }
-STEP_RUNNERS = {"leyline_agent.directives.service", "leyline_agent.vllm_plugin.route"}
-SERVICE_MOUNTS = {  # every other directive route and runtime goes through the service
+STEP_RUNNERS = {"leyline_agent.directives.service"}
+SERVICE_MOUNTS = {  # every directive route and runtime goes through the service
     "leyline_agent.server.leyline_routes",
+    "leyline_agent.vllm_plugin.route",
     "leyline_agent.sglang_plugin.http_route",
     "leyline_agent.sglang_plugin.client",
     "leyline_agent.engine.executor",
@@ -354,9 +355,9 @@ SERVICE_MOUNTS = {  # every other directive route and runtime goes through the s
 
 
 def test_directive_requests_run_through_the_one_service(package):
-    """One front door: outside ``directives``, only the service (and the vLLM route, not
-    moved yet) takes the pipeline's steps; ``leyline serve``'s route, the engine's
-    ``apply_directives`` and SGLang's route and runtime import ``directives.service``."""
+    """One front door: outside ``directives``, only the service takes the pipeline's steps;
+    ``leyline serve``'s route, the engine's ``apply_directives``, the vLLM plugin's route and
+    SGLang's route and runtime import ``directives.service``."""
     found = [
         f"{m.name}:{i.line}: {i.target}.{name}"
         for m in package.values()

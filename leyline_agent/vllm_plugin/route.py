@@ -59,7 +59,7 @@ from leyline_agent.directives.modes import executed_by, rule_of
 from leyline_agent.directives.pipeline import Plan, applied_answer
 from leyline_agent.directives.repair import DEFAULT_BUDGET, DEFAULT_SELECTOR
 from leyline_agent.directives.service import DirectiveService, Flushed, ServedModel
-from leyline_agent.directives.validate import RequestLimits, checked, longest_token_bytes
+from leyline_agent.directives.validate import RequestLimits, longest_token_bytes
 from leyline_agent.errors import (
     CacheMissError,
     DirectiveError,
@@ -265,14 +265,11 @@ class VLLMRoute:
         return 200, resp.model_dump(mode="json")
 
     async def run_edits(self, req: DirectivesRequest, session: str) -> DirectivesResponse:
-        """A message-form directive made by the chat front (``chat_front``: a chat request's
-        ``leyline.edits``), checked and run by the service as a directive request is, in
-        the session's order, and counted; a failure is raised."""
-        svc = await self.service()
-        req = checked(req, svc.model.limits)
+        """A message-form directive made by the chat front (``front.chat_proxy``: a chat
+        request's ``leyline.edits``), checked and run by the service in the session's order
+        (``DirectiveService.run_made``), and counted; a failure is raised."""
         ns = named_namespace(req.session, session, server_made=True)
-        async with svc.ordered(ns):
-            return await svc.run(req, ns, self)
+        return await (await self.service()).run_made(req, ns, self)
 
     # -- DirectiveBackend ----------------------------------------------------------------
     async def hold(self, base: list[int], ns: Namespace) -> Locked:
