@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from leyline_agent.errors import RopeSpecError, RuntimeUnavailableError
+from leyline_agent.kernels import RopeSpec
 from leyline_agent.vllm_plugin.kv_rows import RowLayout, move_rows
 from leyline_agent.vllm_plugin.layer_rows import attention_layers, layer_layout, rope_band
 from leyline_agent.vllm_plugin.row_forward import RowForward, repair_problem
@@ -85,6 +86,7 @@ class RowCopier:
     def __init__(self, vllm_config: Any) -> None:
         self._config = vllm_config
         self._layout: RowLayout | None = None
+        self._band: tuple[RopeSpec, int] | None = None  # the model's rotary band, read once
 
     def copy(self, src: list[int], dst: list[int], delta: list[int]) -> int:
         if not src:
@@ -99,7 +101,11 @@ class RowCopier:
         src_t = torch.tensor(src, dtype=torch.int64, device=dev)
         dst_t = torch.tensor(dst, dtype=torch.int64, device=dev)
         d_t = torch.tensor(delta, dtype=torch.int64, device=dev)
-        spec, band_offset = rope_band(self._config) if any(delta) else (None, 0)
+        spec, band_offset = None, 0
+        if any(delta):
+            if self._band is None:
+                self._band = rope_band(self._config)
+            spec, band_offset = self._band
         plan = None
         for kv, _ in layers:
             plan = move_rows(kv, self._layout, src_t, dst_t, d_t, spec, band_offset, plan)
