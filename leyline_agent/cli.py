@@ -107,11 +107,7 @@ def _say_defaults(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # only a verb that passes its options on to a module takes unknown ones
-        if not isinstance(getattr(args, "passthrough", None), list):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.passthrough = [*args.passthrough, *extra]
+    args = parser.parse_args(argv)
     configure_logging(args.log_level, args.json_logs)
     func = getattr(args, "func", None)
     if func is None:

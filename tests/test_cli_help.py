@@ -1,14 +1,17 @@
 """Every option of every ``leyline`` command has help text, and a non-trivial default is
-shown in ``--help`` (checked on the real parser and on its formatted help)."""
+shown in ``--help`` (checked on the real parser and on its formatted help); every verb of the
+experiments' table parses its options and has a run."""
 
 from __future__ import annotations
 
 import argparse
 
 from leyline_agent.cli import build_parser
+from leyline_agent.experiments.cli import load
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str = "leyline"):
+    load(parser)  # a verb's options come from its module when it is chosen
     yield name, parser
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -41,3 +44,18 @@ def test_bench_commands_take_their_flags() -> None:
     assert (a.contexts, a.decode, a.clients) == ("512,8192", 4, 8)
     a = build_parser().parse_args(["bench", "serve", "--clients", "1,8", "--phases", "cached"])
     assert (a.clients, a.phases) == ([1, 8], "cached")
+
+
+def test_every_verb_of_the_table_is_a_module_with_its_options_and_a_run() -> None:
+    from leyline_agent.experiments.cli import VERBS
+
+    parser = build_parser()
+    for verb in VERBS:
+        group = parser
+        for word in verb.words:
+            sub = next(a for a in group._actions if isinstance(a, argparse._SubParsersAction))
+            group = sub.choices[word]
+        load(group)
+        assert callable(group.get_default("func")), verb.words
+    args = parser.parse_args(["bench", "soak", "--model", "m", "--rounds", "2"])
+    assert (args.model, args.rounds, args.clients) == ("m", 2, 64)

@@ -27,21 +27,27 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from ..options import standalone
 from .bench_splice_stream import random_ids
 
-__all__ = ["main"]
+__all__ = ["add_arguments", "main"]
 
 STUB = 16  # tokens of the replacement
 
 
-def _args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="leyline bench directive", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=Path(".leyline/models/llama-mini"))
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--model", type=Path, default=Path(".leyline/models/llama-mini"), help="model folder"
+    )
     ap.add_argument("--contexts", default="2000,8000", help="comma list of |T|")
-    ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--targets", default="leyline,vllm-leyline,vllm-leyline@32")
-    ap.add_argument("--out", type=Path, default=Path("runs/directive/results.json"))
-    return ap.parse_args(argv)
+    ap.add_argument("--repeats", type=int, default=6, help="timed directives per context, mode, server")
+    ap.add_argument(
+        "--targets", default="leyline,vllm-leyline,vllm-leyline@32",
+        help="comma list of servers (bench side-by-side's targets; @N: vLLM block size)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--out", type=Path, default=Path("runs/directive/results.json"), help="the results JSON"
+    )
 
 
 def _once(
@@ -70,14 +76,13 @@ def _once(
     return {"seconds": took, "kept": cached == len(new)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(a: argparse.Namespace) -> int:
     import httpx
 
     from leyline_agent.launch import QUIET_AFTER_REQUEST_S as quiet
 
     from .side_by_side import start_target
 
-    a = _args(argv)
     contexts = [int(x) for x in a.contexts.split(",") if x]
     targets = [t.strip() for t in a.targets.split(",") if t.strip()]
     rows: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
@@ -111,4 +116,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(standalone(add_arguments, main))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -45,6 +46,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ..options import standalone
 
 ARMS = {
     "plain": ("reasoning", "off"),
@@ -270,7 +273,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                                  for x in r if x["boundary"]),
                              "e2e_s": wall[arm]})  # fmt: skip
             print_rows([x for x in rows if x["context"] == context and x["clients"] == c])
-    return {"command": "python -m experiments.bench.bench_drift " + " ".join(args.argv),
+    return {"command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "engine": args.engine, "block_size": args.block_size if args.engine == "vllm" else None,
             "head_drift": args.head_drift, "clock": args.clock, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "load_after": os.getloadavg(), "rows": rows}  # fmt: skip
@@ -327,15 +330,8 @@ def print_rows(rows: list[dict]) -> None:
               f"splices {r['drift_splices']} unspliced {r['drift_unspliced']}", flush=True)  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(args: argparse.Namespace) -> int:
     """Run and write ``--out`` (``leyline bench drift`` records the printed table)."""
-    argv = sys.argv[1:] if argv is None else argv
-    args = _parser().parse_args(argv)
-    args.argv = argv  # the command in the record
-    return _run(args)
-
-
-def _run(args: argparse.Namespace) -> int:
     costs = diff_cost()
     report = {**bench(args), "diff_cost": costs} if args.contexts else {"diff_cost": costs}
     out = Path(args.out)
@@ -345,25 +341,24 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    ap.add_argument("--contexts", type=ints, default=[2000, 16000])
-    ap.add_argument("--clients", type=ints, default=[1, 4])
-    ap.add_argument("--user-turns", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--contexts", type=ints, default=[2000, 16000],
+                    help='comma list of context lengths ("": the diff\'s cost only)')  # fmt: skip
+    ap.add_argument("--clients", type=ints, default=[1, 4], help="comma list of sessions in flight")
+    ap.add_argument("--user-turns", type=int, default=3, help="user messages per session")
+    ap.add_argument("--steps", type=int, default=3, help="tool steps per user message")
     ap.add_argument("--think", type=int, default=300, help="thinking tokens per step")
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--torch-threads", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    ap.add_argument("--torch-threads", type=int, default=None, help="the servers' OMP_NUM_THREADS")
     ap.add_argument("--head-drift", action="store_true", help="an effort line that alternates")
     ap.add_argument("--clock", action="store_true", help="a time line, new on every request")
-    ap.add_argument("--engine", choices=("leyline", "vllm"), default="leyline")
+    ap.add_argument("--engine", choices=("leyline", "vllm"), default="leyline", help="the servers")
     ap.add_argument("--block-size", type=int, default=128, help="vLLM's (--engine vllm)")
     ap.add_argument("--settle-s", type=float, default=None,
                     help="pause between two arms' steps (default: 1.5 s on vLLM, 0 on leyline)")
-    ap.add_argument("--out", default="runs/drift/results.json")
-    return ap
+    ap.add_argument("--out", default="runs/drift/results.json", help="the results JSON")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(standalone(add_arguments, main))

@@ -39,6 +39,8 @@ import random
 import time
 from typing import Any
 
+from ..options import standalone
+
 __all__ = ["add_arguments", "main"]
 
 
@@ -164,15 +166,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def main(a: argparse.Namespace | list[str] | None = None) -> int:
+def main(a: argparse.Namespace) -> int:
     import torch
 
-    if not isinstance(a, argparse.Namespace):
-        ap = argparse.ArgumentParser(
-            prog="leyline bench engine", description=__doc__.split("\n")[0]
-        )
-        add_arguments(ap)
-        a = ap.parse_args(a)
     if a.decode < 2:
         raise SystemExit("leyline bench engine: --decode: must be >= 2")
     torch.set_num_threads(a.threads)
@@ -357,4 +353,4 @@ def runner_scaling(
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(standalone(add_arguments, main))

@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Any
 
+from ..options import standalone
+
 __all__ = ["add_arguments", "main"]
 
 ITEM = {
@@ -104,16 +106,12 @@ def _mask_us(engine: Any, grammar: Any, rows: int, calls: int = 200) -> float:
     return 1e6 * (time.perf_counter() - t) / calls
 
 
-def main(a: argparse.Namespace | list[str] | None = None) -> int:
+def main(a: argparse.Namespace) -> int:
     import torch
 
     from leyline_agent.engine.checkpoints.store import model_dir
     from leyline_agent.engine.engine import Engine
 
-    if not isinstance(a, argparse.Namespace):
-        ap = argparse.ArgumentParser(prog="bench_grammar", description=__doc__.split("\n")[0])
-        add_arguments(ap)
-        a = ap.parse_args(a)
     if a.tokens < 8:
         raise SystemExit("bench_grammar: --tokens: must be >= 8")
     torch.set_num_threads(a.threads)
@@ -143,4 +141,4 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(standalone(add_arguments, main))

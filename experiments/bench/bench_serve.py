@@ -40,6 +40,8 @@ from pathlib import Path
 
 from leyline_agent.launch import serve_leyline
 
+from ..options import csv_ints, standalone
+
 
 @dataclass(slots=True)
 class Run:
@@ -61,8 +63,6 @@ class Run:
 NEW_TURN_TOKENS = 8  # a cached-context request's own new prompt tokens
 
 
-def _csv_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def stream_one(http, url: str, model: str, prompt: list[int], decode: int, t0: float) -> tuple:
@@ -148,7 +148,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--arch", default="deepseek_v2", help="mini model architecture")
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: mini)")
     ap.add_argument(
-        "--clients", type=_csv_ints, default=[1, 2, 4, 8, 16], help="comma list of C values"
+        "--clients", type=csv_ints, default=[1, 2, 4, 8, 16], help="comma list of C values"
     )
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per client")
     ap.add_argument("--decode", type=int, default=64, help="max_tokens per client")
@@ -163,13 +163,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: list[str] | argparse.Namespace | None = None) -> int:
-    if isinstance(argv, argparse.Namespace):
-        a = argv
-    else:
-        ap = argparse.ArgumentParser(prog="leyline bench serve", description=__doc__.split("\n")[0])
-        add_arguments(ap)
-        a = ap.parse_args(argv)
+def main(a: argparse.Namespace) -> int:
     if 1 not in a.clients:
         raise SystemExit("--clients: must include 1 (the one-client-alone baseline)")
     phases = [x for x in a.phases.split(",") if x]
@@ -255,4 +249,4 @@ def _p50(xs: list[float]) -> float:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(standalone(add_arguments, main))

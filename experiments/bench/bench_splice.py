@@ -41,6 +41,8 @@ import torch
 
 from leyline_agent.directives.repair import DEFAULT_BUDGET, rows_for
 
+from ..options import standalone
+
 
 def _csv(text: str) -> list[str]:
     return [p for p in text.split(",") if p]
@@ -292,10 +294,7 @@ def rel(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x - y).norm() / y.norm())
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--archs", default="deepseek_v2,llama", help="mini models to run")
     ap.add_argument("--halves", default="2048,4096,8192", help="prefix = tail lengths")
     ap.add_argument("--span", type=int, default=256, help="tokens the directive replaces")
@@ -305,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repair-budget", type=float, default=DEFAULT_BUDGET, help="REPAIR's fraction of the tail"
     )
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     ap.add_argument("--shapes", default=None, help="model shapes for the table (shapes.py)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the table only)")
     ap.add_argument("--small", action="store_true", help="shrunk shapes (a dry run)")
@@ -313,9 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--switch", action="store_true", help="only the MLA expand/absorb switch")
     ap.add_argument("--switch-cached", type=int, default=4096, help="cached rows for --switch")
     ap.add_argument("--drift", action="store_true", help="only the bf16 drift of a batch")
-    ap.add_argument("--drift-directives", type=int, default=16)
-    ap.add_argument("--drift-tokens", type=int, default=1024)
-    a = ap.parse_args(argv)
+    ap.add_argument("--drift-directives", type=int, default=16, help="AMORTIZEs of --drift's batch")
+    ap.add_argument("--drift-tokens", type=int, default=1024, help="cached tokens for --drift")
+
+
+def main(a: argparse.Namespace) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
@@ -329,4 +330,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(standalone(add_arguments, main))

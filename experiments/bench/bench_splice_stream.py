@@ -29,6 +29,8 @@ import statistics
 import threading
 import time
 
+from ..options import standalone
+
 __all__ = ["add_arguments", "gaps", "main", "stream_until"]
 
 START, END, STREAM_TOKENS = 2000, 2100, 400
@@ -113,17 +115,13 @@ def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[int(q * (len(xs) - 1))]
 
 
-def main(a: argparse.Namespace | list[str] | None = None) -> int:
+def main(a: argparse.Namespace) -> int:
     import httpx
 
     from leyline_agent.engine.checkpoints.store import model_dir
 
     from .bench_serve import leyline_serve
 
-    if not isinstance(a, argparse.Namespace):
-        ap = argparse.ArgumentParser(prog="bench_splice_stream", description=__doc__.split("\n")[0])
-        add_arguments(ap)
-        a = ap.parse_args(a)
     if a.context <= END:
         raise SystemExit(f"--context: {a.context} must be > {END}")
     path = model_dir(a.arch, a.size)
@@ -167,4 +165,4 @@ def main(a: argparse.Namespace | list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(standalone(add_arguments, main))

@@ -19,6 +19,7 @@ to 40), max(C, 16) sessions, 3 repetitions.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import statistics
@@ -29,10 +30,11 @@ from typing import Any
 
 from leyline_agent.errors import LeylineError
 
+from ..options import csv_ints
 from ..replay.replay import ARMS, replay_interleaved
 from ..replay.trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
 
-__all__ = ["BenchSettings", "main", "run_mechanism"]
+__all__ = ["BenchSettings", "add_arguments", "main", "run_mechanism"]
 
 POLICIES: list[Any] = [{"name": "stale-tool", "keep": 2}, {"name": "failed-call"}]
 QUICK_TURNS = 10  # turns per session of --quick (see the module docstring)
@@ -305,7 +307,30 @@ def settings_from_args(args: Any) -> BenchSettings:
     return st
 
 
-def main(args: Any) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model folder (leyline make-model)")
+    p.add_argument("--concurrency", type=csv_ints, default=[1, 4, 8, 16], help="e.g. 1,4,8,16")
+    p.add_argument(
+        "--arms", default="full,radix,splice,forget,nocache", help="comma list of replay arms"
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/mechanism"), help="output folder")
+    p.add_argument("--quick", action="store_true", help="reduced set (~2 min on 2 cores, mini)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
+    p.add_argument(
+        "--trajectories",
+        type=Path,
+        default=None,
+        help="JSONL of trajectories to replay (default: generated)",
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype"
+    )
+    p.add_argument(
+        "--config", type=Path, default=None, help="YAML settings (configs/runs/mechanism-*.yaml)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
     from ..reports.mechanism_report import markdown
 
     st = settings_from_args(args)

@@ -19,6 +19,7 @@ tools. Outputs: ``results.json``, ``results.md`` (with splice/vanilla-vLLM ratio
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import time
@@ -30,18 +31,24 @@ from typing import Any
 from leyline_agent.errors import LeylineError
 from leyline_agent.launch import QUIET_AFTER_REQUEST_S, serve_leyline, serve_vllm
 
+from ..options import csv_ints
 from ..replay.http_replay import replay_http
 from ..replay.trajectories import DEFAULT_SET, TrajectoryRecord, load_trajectories
 from .mechanism import POLICIES, cap_messages
 from .mechanism import percentile as _pct
 
-__all__ = ["TARGETS", "leyline_serve", "main", "main_http", "run_target", "start_target"]
+__all__ = [
+    "TARGETS", "add_arguments", "leyline_serve", "main", "replay_set", "run_target", "start_target",
+    "write_rows",
+]
 
 TARGETS = {"vllm": ("radix",), "vllm-leyline": ("splice",), "leyline": ("splice", "radix")}
 _ROOT = Path(__file__).resolve().parents[2]
 
 
-def _trajs(path: Path | None, quick: bool) -> list[TrajectoryRecord]:
+def replay_set(path: Path | None, quick: bool) -> list[TrajectoryRecord]:
+    """The trajectories to replay (``path``, default the shipped set); ``quick``: tool outputs
+    cut to 400 characters and no tool schemas."""
     trajs = load_trajectories(path or DEFAULT_SET)
     if quick:
         trajs = [cap_messages(t, 400).model_copy(update={"tools": []}) for t in trajs]
@@ -196,7 +203,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def _write(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> None:
+def write_rows(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> None:
+    """A replay's ``results.json``, ``meta.json``, ``results.md`` and ``results.png`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     (out / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
@@ -228,7 +236,32 @@ def start_target(stack: ExitStack, name: str, model_dir: Path) -> tuple[str, str
     return srv.base_url, srv.model
 
 
-def main(args: Any) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", required=True, help="model folder (leyline make-model), e.g. llama mini"
+    )
+    p.add_argument(
+        "--targets", default="vllm,vllm-leyline,leyline", help="comma list of servers to compare"
+    )
+    p.add_argument(
+        "--concurrency", type=csv_ints, default=[1, 4, 8, 16], help="comma list of C values"
+    )
+    p.add_argument("--sessions", type=int, default=None, help="sessions per run (default max C)")
+    p.add_argument("--max-turns", type=int, default=None, help="turns per session (quick: 6)")
+    p.add_argument(
+        "--quick", action="store_true", help="tool outputs cut to 400 chars, no tool schemas"
+    )
+    p.add_argument(
+        "--trajectories", type=Path, default=None, help="JSONL to replay (default: generated)"
+    )
+    p.add_argument(
+        "--count", action="store_true",
+        help="print the tokens one run replays and must prefill (no server) and exit",
+    )  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("runs/side-by-side"), help="output folder")
+
+
+def main(args: argparse.Namespace) -> int:
     """Every target's server up at once; the runs interleaved run by run: at each C, each
     target's arms one after another, so a change of the machine's load lands on all alike.
     Between two runs a pause of ``QUIET_AFTER_REQUEST_S`` (a vLLM server just used keeps a
@@ -239,7 +272,7 @@ def main(args: Any) -> int:
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     for t in targets:
         _target(t)
-    trajs = _trajs(args.trajectories, args.quick)
+    trajs = replay_set(args.trajectories, args.quick)
     max_turns = args.max_turns or (6 if args.quick else None)
     n = args.sessions or max(args.concurrency)
     if args.count:
@@ -261,17 +294,7 @@ def main(args: Any) -> int:
                     time.sleep(QUIET_AFTER_REQUEST_S)
                     rows.append(run_arm(t, url, model, arm, c, run, trajs, n, max_turns))
                     run += 1
-            _write(rows, args.out, meta)
+            write_rows(rows, args.out, meta)
     print(markdown(rows))
     print(f"results: {args.out / 'results.json'}  plot: {args.out / 'results.png'}")
-    return 0
-
-
-def main_http(args: Any) -> int:
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    trajs = _trajs(args.trajectories, args.quick)
-    rows = run_target(args.label, args.base_url, args.served_model, arms, args.concurrency, trajs,
-                      args.sessions, args.max_turns or (6 if args.quick else None))  # fmt: skip
-    _write(rows, args.out, {"base_url": args.base_url, "args": vars(args), "policies": POLICIES})
-    print(markdown(rows))
     return 0

@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from ..options import standalone
 from .soak_rss import rss_mb, start_server
 
 KEYS = {"normal": "soak-normal-key", "hostile": "soak-hostile-key"}
@@ -182,14 +183,15 @@ def _p(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] if len(xs) >= 2 else float("nan")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model directory for leyline serve")
     p.add_argument("--clients", type=int, default=32, help="normal + hostile (half each)")
     p.add_argument("--phases", type=int, default=5, help="quiet/hostile pairs")
-    p.add_argument("--phase-s", type=float, default=60.0)
+    p.add_argument("--phase-s", type=float, default=60.0, help="seconds of each phase")
     p.add_argument("--serve-arg", action="append", default=[], help="extra leyline serve args")
-    args = p.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     model = Path(args.model)
     keys = Path(tempfile.mkdtemp(prefix="soak-hostile-")) / "keys.txt"
     keys.write_text("".join(f"{k} {tenant}\n" for tenant, k in KEYS.items()))
@@ -253,4 +255,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(standalone(add_arguments, main))

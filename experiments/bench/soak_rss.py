@@ -22,6 +22,8 @@ import httpx
 
 from leyline_agent.launch import serve_leyline
 
+from ..options import standalone
+
 
 def start_server(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     """``leyline serve`` on a free loopback port (``launch.serve_leyline``); returns once
@@ -59,14 +61,15 @@ def client(url: str, model: str, seed: int, until: float, counts: list[int]) -> 
                 counts[1] += 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model directory for leyline serve")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--seconds", type=float, default=120.0)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of streaming clients")
+    p.add_argument("--clients", type=int, default=64, help="streaming clients per round")
+    p.add_argument("--seconds", type=float, default=120.0, help="length of a round")
     p.add_argument("--serve-arg", action="append", default=[], help="extra leyline serve args")
-    args = p.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     model = Path(args.model)
     proc, url = start_server(model, *args.serve_arg)
     try:
@@ -99,4 +102,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(standalone(add_arguments, main))

@@ -28,6 +28,7 @@ import httpx
 
 from leyline_agent.server.responses_store import StoreLimits
 
+from ..options import standalone
 from .soak_rss import rss_mb, start_server
 
 KEYS = [f"store-budget-key-{k}" for k in range(64)]  # one per client, one tenant
@@ -40,15 +41,16 @@ def long_input(nbytes: int) -> str:
     return (_LONG_LINE * (nbytes // len(_LONG_LINE) + 1))[:nbytes]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model directory for leyline serve")
-    p.add_argument("--responses", type=int, default=5000)
-    p.add_argument("--input-bytes", type=int, default=1_000_000)
-    p.add_argument("--clients", type=int, default=2)
+    p.add_argument("--responses", type=int, default=5000, help="stored responses to create")
+    p.add_argument("--input-bytes", type=int, default=1_000_000, help="input bytes per response")
+    p.add_argument("--clients", type=int, default=2, help="concurrent clients")
     p.add_argument("--every", type=int, default=500, help="print the RSS every N responses")
     p.add_argument("--warmup", type=int, default=4, help="responses before the warm RSS")
-    args = p.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     model = Path(args.model)
     keys = Path(tempfile.mkdtemp(prefix="store-budget-")) / "keys.txt"
     keys.write_text("".join(f"{k} tenant\n" for k in KEYS))
@@ -117,4 +119,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(standalone(add_arguments, main))

@@ -25,6 +25,7 @@ cache dtype would do). Writes ``correctness.json`` and ``correctness.png``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -34,7 +35,7 @@ from leyline_agent.errors import LeylineError
 
 from ..replay.trajectories import DEFAULT_SET, load_trajectories
 
-__all__ = ["agreement", "drift", "edit_spans", "main", "rel_l2"]
+__all__ = ["add_arguments", "agreement", "drift", "edit_spans", "main", "rel_l2"]
 
 STUB = "[stale output elided]"
 _MAX_CHARS = 600  # message contents are cut to this, to keep CPU prompts short
@@ -315,7 +316,15 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def main(args: Any) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model folder")
+    p.add_argument("--out", type=Path, default=Path("runs/correctness"), help="output folder")
+    p.add_argument("--prompts", type=int, default=8, help="prompts for the argmax agreement")
+    p.add_argument("--max-chain", type=int, default=64, help="longest chain of splices (drift)")
+    p.add_argument("--quick", action="store_true", help="fewer prompts and a shorter chain")
+
+
+def main(args: argparse.Namespace) -> int:
     prompts = 4 if args.quick else args.prompts
     chain = min(args.max_chain, 16) if args.quick else args.max_chain
     report = run_correctness(Path(args.model), args.out, prompts, chain)

@@ -40,6 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..options import parse
+
 __all__ = ["SECTIONS", "add_arguments", "main"]
 
 SECTIONS = ("kernel", "vllm-rows", "engine-mini", "engine", "splice-1b", "splice-mla")
@@ -160,13 +162,10 @@ def _vllm_rows(device: str, dry: bool) -> str:
 
 
 def _engine(device: str, dry: bool) -> str:
-    from ..bench.bench_engine import add_arguments as engine_arguments
-    from ..bench.bench_engine import main as bench_engine
+    from ..bench.bench_engine import add_arguments, main
 
-    ap = argparse.ArgumentParser()
-    engine_arguments(ap)
     args = ENGINE_ARGS(dry)
-    rc = bench_engine(ap.parse_args(args))
+    rc = main(parse(add_arguments, args))
     if rc:
         raise RuntimeError(f"bench engine exited {rc}")
     return "leyline bench engine " + shlex.join(args)
@@ -174,10 +173,10 @@ def _engine(device: str, dry: bool) -> str:
 
 def _splice(argv: Callable[[bool], list[str]]) -> Callable[[str, bool], str]:
     def run(device: str, dry: bool) -> str:
-        from ..bench.bench_splice import main as bench_splice
+        from ..bench.bench_splice import add_arguments, main
 
         args = argv(dry)
-        rc = bench_splice(args)
+        rc = main(parse(add_arguments, args))
         if rc:
             raise RuntimeError(f"bench splice exited {rc}")
         return "leyline bench splice " + shlex.join(args)

@@ -9,6 +9,7 @@ as a step: ``run_episode`` passes ``max_steps + 1``)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,11 @@ from leyline_agent.errors import LeylineError, RuntimeUnavailableError
 
 from .dataset import resolve_tasks
 from .endpoint import Endpoint
-from .eval_config import EvalConfig, resolve_arms
-from .eval_report import write_reports
+from .eval_config import EvalConfig, load_eval_config, resolve_arms
+from .eval_report import markdown, write_reports
 from .nightmare import EpisodeStore, load_tasks, run_episode
 
-__all__ = ["run_eval"]
+__all__ = ["add_arguments", "main", "run_eval"]
 
 log = structlog.get_logger(__name__)
 
@@ -149,3 +150,79 @@ def run_eval(
         records = [r for r in store.records() if r.arm in arm_names and r.task in task_names]
         summary = write_reports(records, out, arm_names)
     return summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--base-url",
+        required=True,
+        help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:30000/v1",
+    )
+    p.add_argument("--model", required=True, help="served model name")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local HF tokenizer folder for debug-gym's token counting (default: --model if "
+        "a folder, else the endpoint's model root, else .leyline/models/MODEL)",
+    )
+    p.add_argument(
+        "--arms",
+        default="baseline,stale-tool,stale-tool+failed-call,history-cutoff",
+        help="comma list of arms (configs/runs/eval.yaml); each starts from an empty cache",
+    )
+    p.add_argument("--tasks", default="all", help="all or a comma list")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="most actions (LLM calls) per episode (default: the config's agent.max_steps, "
+        "debug-gym's 50, which counts the reset as a step: 49 actions)",
+    )
+    p.add_argument("--runs", type=int, default=1, help="runs of every (task, arm)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/mini-nightmare"),
+        help="output folder (reruns resume)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="YAML over the defaults (configs/runs/eval.yaml; debug-gym's own config works)",
+    )
+    p.add_argument("--task-timeout", type=float, default=None, help="seconds per episode")
+    p.add_argument("--max-tokens", type=int, default=None, help="generation length per step")
+    p.add_argument(
+        "--context-limit-k", type=int, default=None, help="context window, thousands of tokens"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``leyline eval mini-nightmare``: the run, then its table and where its files are."""
+    over: dict = {}
+    if args.task_timeout is not None:
+        over["task_timeout_s"] = args.task_timeout
+    if args.max_tokens is not None:
+        over["generate"] = {"max_tokens": args.max_tokens}
+    config = load_eval_config(args.config, **over)
+    summary = run_eval(
+        base_url=args.base_url,
+        model=args.model,
+        arms=args.arms,
+        tasks=args.tasks,
+        runs=args.runs,
+        out=args.out,
+        config=config,
+        max_steps=args.max_steps,
+        tokenizer=args.tokenizer,
+        context_limit_k=args.context_limit_k,
+        progress=not args.no_progress,
+    )
+    print(markdown(summary))
+    print(
+        f"episodes: {args.out / 'episodes.jsonl'}  summary: {args.out / 'summary.json'}  "
+        f"plot: {args.out / 'summary.png'}"
+    )
+    return 0

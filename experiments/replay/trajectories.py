@@ -15,6 +15,7 @@ same bytes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
@@ -28,7 +29,10 @@ from pydantic import BaseModel, ConfigDict
 
 from leyline_agent.errors import LeylineError
 
-__all__ = ["TrajectoryRecord", "generate", "load_trajectories", "main", "write_trajectories"]
+__all__ = [
+    "TrajectoryRecord", "add_arguments", "generate", "load_trajectories", "main",
+    "write_trajectories",
+]
 
 DEFAULT_SET = Path(__file__).resolve().parents[1] / "data" / "trajectories.jsonl"
 _SYSTEM = (
@@ -292,7 +296,18 @@ def generate(
     return out
 
 
-def main(args: Any) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--out", type=Path, default=Path("runs/trajectories.jsonl"), help="output JSONL file"
+    )
+    p.add_argument("--n", type=int, default=10, help="number of trajectories")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--min-turns", type=int, default=10, help="fewest turns per trajectory")
+    p.add_argument("--max-turns", type=int, default=40, help="most turns per trajectory")
+    p.add_argument("--tasks", default="all", help="all or a comma list of mini_nightmare tasks")
+
+
+def main(args: argparse.Namespace) -> int:
     from ..eval.dataset import resolve_tasks
 
     tasks = None if args.tasks == "all" else resolve_tasks(args.tasks)

@@ -10,11 +10,12 @@ fetched on first use, the quick quality report and one chat through a splice; sk
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "run_demo"]
+__all__ = ["add_arguments", "main", "run_demo"]
 
 DEMO_CONCURRENCY = [1, 4]
 
@@ -78,7 +79,18 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(args: Any) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder")
+    p.add_argument(
+        "--models-dir", type=Path, default=Path(".leyline/models"), help="where models are built"
+    )
+    p.add_argument("--arch", default="deepseek_v2", help="model architecture (make-model --arch)")
+    p.add_argument("--size", default="mini", choices=["tiny", "mini"], help="model size")
+    p.add_argument("--no-real-model", dest="real_model", action="store_false",
+                   help="skip the real-model section (SmolLM2: quick quality report, a spliced chat)")  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
     res = run_demo(args.out, args.models_dir, args.arch, args.size)
     t = res["timings_s"]
     print()

@@ -11,6 +11,7 @@ so no figure in the results is typed by hand. ``runs/**/report.json`` is tracked
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as dt
 import io
@@ -25,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "REPORT_NAME", "collect", "machine", "recorded", "render", "write_record", "write_results",
+    "REPORT_NAME", "add_arguments", "collect", "machine", "main", "recorded", "render",
+    "write_record", "write_results",
 ]  # fmt: skip
 
 REPORT_NAME = "report.json"
@@ -89,9 +91,6 @@ def recorded(verb: str, handler: Callable[[Any], int], default_out: Path) -> Cal
 
     def run(args: Any) -> int:
         out = getattr(args, "out", None)
-        own = list(getattr(args, "passthrough", None) or [])
-        if out is None and "--out" in own[:-1]:  # a module's own --out (``bench drift``)
-            out = own[own.index("--out") + 1]
         out_dir = Path(out) if out is not None else default_out
         if out_dir.suffix:  # an output file: record beside it
             out_dir = out_dir.parent
@@ -209,3 +208,15 @@ def write_results(runs: Path, out: Path) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(records))
     return len(records)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runs", type=Path, default=Path("runs"), help="where the records are")
+    p.add_argument("--to", type=Path, default=Path("docs/results.md"), help="the page to write")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``leyline bench report``: every record under ``--runs`` into the page ``--to``."""
+    n = write_results(args.runs, args.to)
+    print(f"{args.to}: {n} recorded run(s) from {args.runs}")
+    return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from leyline_agent.cli import build_parser
 from leyline_agent.cli import main as cli_main
+from leyline_agent.experiments.cli import load
 from leyline_agent.experiments.reports import results
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +66,7 @@ def test_every_benchmark_verb_records_its_output():
     verbs = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction)).choices
     assert {"mechanism", "side-by-side", "engine", "serve", "splice", "soak", "grammar", "drift"} <= set(verbs)
     for name, sub in verbs.items():
+        load(sub)  # the verb's module gives its options and run when it is chosen
         func = sub.get_default("func")
         if name == "report":
             continue
