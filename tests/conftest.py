@@ -9,8 +9,8 @@ format's stop tokens (``leyline_agent.families``); ``server``: an ``Engine`` on 
 ``serve_in_thread`` (with a module's ``SERVER_KWARGS``, ``create_app``'s options); ``http``:
 an ``httpx`` client on it; ``client``: the real ``openai`` client on that server (no retries);
 ``name``: the served model name; ``ref_model``: transformers' own model (fp32, eval) of a
-module's ``arch`` fixture, the ground truth; ``threads``: the test run with 1 and with 2
-torch threads (the CPU kernels' tests).
+module's ``arch`` fixture, the ground truth. A folder's own fixtures live in its conftest
+(``tests/kernels/conftest.py``: ``threads``).
 
 (Run with ``--import-mode=importlib``: there is no ``tests`` package, and nothing imports
 this module; debug-gym installs a top-level package named ``tests``.)
@@ -20,20 +20,11 @@ from __future__ import annotations
 
 import openai
 import pytest
-import torch
 
 from leyline_agent.engine.checkpoints.store import tiny_model_dir
 from leyline_agent.families import CHATML_HERMES
 from leyline_agent.reference.hf_reference import hf_model
 from leyline_agent.testing.server import serve_in_thread
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

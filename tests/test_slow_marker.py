@@ -19,7 +19,8 @@ MARK = "import pytest\npytestmark = pytest.mark.slow\n"
 def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "markers=slow",
-         "-p", "leyline_agent.testing.slow_marker", *args, str(folder)],
+         "-o", "slow_marker_load_scaling=false", "-p", "leyline_agent.testing.slow_marker",
+         *args, str(folder)],
         cwd=folder, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
     )

@@ -1,4 +1,4 @@
-"""The ``slow`` marker's rule, as a pytest plugin (``tests/conftest.py`` loads it).
+"""The ``slow`` marker's rule, as a pytest plugin (``pyproject.toml``'s ``addopts`` loads it).
 
 A test module whose tests take more than about 5 s together on an idle 2-core machine (a real
 server, an agent loop, a benchmark, fuzzing) says so with ``pytestmark = pytest.mark.slow``
@@ -7,26 +7,44 @@ server, an agent loop, a benchmark, fuzzing) says so with ``pytestmark = pytest.
 
 The plugin times every module (set-up, call and tear-down of its tests, so a module-scoped
 server's start-up counts) and lists, at the end of the run, the modules without the marker
-that took longer than ``--unmarked-slow-s`` seconds (default 5). With the option given, such a
-module fails the run (exit status 1), so a forgotten marker shows in ``make check``; without
-it the list is a report only (timings on a loaded machine are not evidence of a slow module).
+that took longer than ``--unmarked-slow-s`` seconds (default 5), a limit for an idle machine:
+it is multiplied by the load factor (the 1-minute load average per core, at least 1, the
+larger of the run's start and end; ini ``slow_marker_load_scaling = false`` turns that off),
+since a loaded machine stretches every module. With the option given, such a module fails the
+run (exit status 1), so a forgotten marker shows in ``make check``; without it the list is a
+report only.
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 DEFAULT_S = 5.0
 
 
+def load_factor() -> float:
+    """How much busier than idle the machine is: the 1-minute load average per core, >= 1."""
+    try:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    except OSError:  # no load average on this platform
+        return 1.0
+
+
 class SlowRule:
     """Module durations and which modules carry the ``slow`` marker, for one session."""
 
-    def __init__(self, limit_s: float | None) -> None:
+    def __init__(self, limit_s: float | None, scale: bool) -> None:
         self.limit_s = limit_s
+        self.scale = scale
+        self.factor = load_factor() if scale else 1.0
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.unmarked: set[str] = set()
         self.over: list[tuple[float, str]] = []
+
+    @property
+    def limit(self) -> float:
+        return (DEFAULT_S if self.limit_s is None else self.limit_s) * self.factor
 
     def pytest_collection_modifyitems(self, items) -> None:
         for item in items:
@@ -37,9 +55,10 @@ class SlowRule:
         self.seconds[report.nodeid.split("::")[0]] += report.duration
 
     def pytest_sessionfinish(self, session) -> None:
-        limit = DEFAULT_S if self.limit_s is None else self.limit_s
+        if self.scale:
+            self.factor = max(self.factor, load_factor())
         self.over = sorted(
-            ((s, m) for m, s in self.seconds.items() if m in self.unmarked and s > limit),
+            ((s, m) for m, s in self.seconds.items() if m in self.unmarked and s > self.limit),
             reverse=True,
         )
         if self.over and self.limit_s is not None and session.exitstatus == 0:
@@ -48,8 +67,10 @@ class SlowRule:
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.over:
             return
-        limit = DEFAULT_S if self.limit_s is None else self.limit_s
-        terminalreporter.section(f"modules over {limit:g} s without the slow marker")
+        terminalreporter.section(
+            f"modules over {self.limit:.3g} s without the slow marker (load factor "
+            f"{self.factor:.1f})"
+        )
         for s, module in self.over:
             terminalreporter.write_line(f"{s:7.1f} s  {module}")
         terminalreporter.write_line("mark them: pytestmark = pytest.mark.slow")
@@ -60,9 +81,18 @@ def pytest_addoption(parser) -> None:
         "--unmarked-slow-s",
         type=float,
         default=None,
-        help="fail the run when a module without the slow marker takes longer (seconds)",
+        help="fail the run when a module without the slow marker takes longer (seconds, idle)",
+    )
+    parser.addini(
+        "slow_marker_load_scaling",
+        type="bool",
+        default=True,
+        help="multiply --unmarked-slow-s by the machine's load factor",
     )
 
 
 def pytest_configure(config) -> None:
-    config.pluginmanager.register(SlowRule(config.getoption("--unmarked-slow-s")), "slow-rule")
+    rule = SlowRule(
+        config.getoption("--unmarked-slow-s"), config.getini("slow_marker_load_scaling")
+    )
+    config.pluginmanager.register(rule, "slow-rule")
