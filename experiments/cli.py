@@ -2,7 +2,7 @@
 
     leyline bench WHAT           benchmarks (bench/): mechanism, side-by-side, http, engine,
                                  serve, splice, soak, soak-hostile, store-budget, drift,
-                                 splice-stream, directive, grammar; report (reports/)
+                                 splice-stream, directive, no-cost, grammar; report (reports/)
     leyline check WHAT           correctness, quality, bf16, gpu (check/)
     leyline eval mini-nightmare  debug-gym's froggy through Leyline, per arm (eval/)
     leyline demo                 mini model + quick mechanism benchmark + correctness report
@@ -67,6 +67,8 @@ VERBS: tuple[Verb, ...] = (
          "a stream's gaps while another session splices", "runs/splice-stream"),
     Verb(("bench", "directive"), "bench.bench_directive",
          "one directive's cost over HTTP, on every server", "runs/directive"),
+    Verb(("bench", "no-cost"), "bench.bench_no_cost",
+         "vLLM + plugin vs vanilla vLLM: TTFT without directives", "runs/no-cost"),
     Verb(("bench", "report"), "reports.results",
          "render every runs/**/report.json into docs/results.md"),
     Verb(("bench", "grammar"), "bench.bench_grammar",
