@@ -1,7 +1,7 @@
 """``{"leyline": {"edits": [...]}}`` on ``/v1/chat/completions``: edits that ride with the turn.
 
 Checked and applied the same way by every Leyline front (``leyline serve``'s chat route, the
-vLLM plugin's ``chat_front``).
+vLLM plugin's chat front, ``front.chat_proxy``).
 
 A client that edits messages the server has cached (``wrap_openai``'s and
 ``LeylineTransport``'s policies, or the agent's own in-place edits they pass on) sends the

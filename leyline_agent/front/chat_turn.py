@@ -1,7 +1,7 @@
 """Server-side context editing of one chat request, on any engine: find, splice, answer.
 
 Every Leyline front runs a tracked chat turn the same way; only the transport differs
-(``leyline serve``: ``server/chat_context.py``; ``vllm serve``: ``vllm_plugin/chat_front.py``):
+(``leyline serve``: ``server/chat_context.py``; ``vllm serve``: ``front/chat_proxy.py``):
 
 1. ``begin_turn`` (cheap, on the event loop): check ``leyline`` and ``context_management``,
    find the conversation the request continues (``conversations``), or start one. None when

@@ -133,7 +133,7 @@ class VLLMRoute:
         self.engine = engine_client
         self.model_names = model_names
         self.counters = Counters()
-        self.conversations = ConversationStore()  # the chat front's (``chat_front``)
+        self.conversations = ConversationStore()  # the chat front's (``front.chat_proxy``)
         self.watched: OrderedDict[str, None] = OrderedDict()  # salts with a pinned result
         self.app_state: State | None = None  # the app's (``render_chat``; set by init_state)
         self._info: DescribeAnswer | None = None
@@ -379,7 +379,7 @@ class VLLMRoute:
             cache_tokens=s.cache_tokens,
             cache_capacity_tokens=s.cache_capacity_tokens,
             pinned_tokens=s.pinned_tokens,
-            features=(BODY_EDITS, CLIENT_EDITS),  # chat_front applies them
+            features=(BODY_EDITS, CLIENT_EDITS),  # front.chat_proxy applies them
         ).model_dump(mode="json")
 
 

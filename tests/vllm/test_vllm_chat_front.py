@@ -1,4 +1,4 @@
-"""Edits that ride with a chat request on ``vllm serve`` + Leyline (``vllm_plugin.chat_front``),
+"""Edits that ride with a chat request on ``vllm serve`` + Leyline (``front.chat_proxy``),
 over real HTTP with the real ``openai`` SDK.
 
 - (``wrap_openai`` sending its edits this way: ``test_vllm_wrapper.py``)

@@ -1,5 +1,5 @@
 """``wrap_openai`` with the stale-tool policy against ``vllm serve`` + Leyline: its edits ride
-in the chat requests (no directive request: ``chat_front``) and become AMORTIZE splices
+in the chat requests (no directive request: ``front.chat_proxy``) and become AMORTIZE splices
 (``/leyline/v1/stats``), and the agent's next prompts are served from its own spliced
 blocks; a server with prefix caching off is refused by name."""
 
