@@ -61,8 +61,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def wait_ready(base_url: str, timeout: float, alive: Callable[[], bool] | None = None) -> None:
-    """Poll ``/health`` until it answers 200 (``alive()`` false: give up at once)."""
+def wait_ready(
+    base_url: str, timeout: float, alive: Callable[[], bool] | None = None, poll_s: float = 0.1
+) -> None:
+    """Poll ``/health`` every ``poll_s`` until it answers 200 (``alive()`` false: give up at
+    once)."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -73,7 +76,7 @@ def wait_ready(base_url: str, timeout: float, alive: Callable[[], bool] | None =
                 return
         except httpx.HTTPError as e:
             last = e
-        time.sleep(0.1)
+        time.sleep(poll_s)
     raise TimeoutError(f"the server at {base_url} was not ready after {timeout}s ({last})")
 
 
@@ -122,10 +125,10 @@ class ServerProcess(Served):
         except OSError:
             return ""
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, poll_s: float = 0.1) -> None:
         """``wait_ready`` on this server; stopped, with its log's tail, if it fails."""
         try:
-            wait_ready(self.url, timeout, alive=lambda: self.process.poll() is None)
+            wait_ready(self.url, timeout, lambda: self.process.poll() is None, poll_s)
         except (RuntimeError, TimeoutError) as e:
             self.stop()
             raise RuntimeUnavailableError(f"{e}\n{self.log_tail()}") from None
@@ -247,7 +250,7 @@ def serve_vllm(
     full["VLLM_PLUGINS"] = "leyline" if leyline else ""
     log = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1]
     srv = _start(args, port, "127.0.0.1", full, log, group=True, model=name)
-    srv.wait_ready(startup_timeout_s)
+    srv.wait_ready(startup_timeout_s, poll_s=1.0)  # minutes of start: a poll a second
     try:
         yield srv
     finally:

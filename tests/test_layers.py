@@ -390,6 +390,23 @@ def test_the_directive_service_speaks_no_web_framework(package):
     assert not web, web
 
 
+SHARED_LIGHT = {
+    "leyline_agent.http.guards": "the HTTP guards every server runs",
+    "leyline_agent.http.asgi": "their raw ASGI plumbing",
+    "leyline_agent.vllm_plugin.ops": "the EngineCore ops' wire, imported by vLLM's API server",
+    "leyline_agent.launch": "the one launcher of real servers, for tests and benchmarks",
+}
+HEAVY = {*TORCH, "vllm", "sglang", "fastapi", "starlette", "uvicorn"}
+
+
+def test_the_shared_services_import_no_engine_and_no_web_framework(package):
+    """One copy of each shared service, light enough for every server (and test) to import:
+    no torch, no vLLM or SGLang, no web framework (``TYPE_CHECKING`` imports included)."""
+    for name, what in SHARED_LIGHT.items():
+        heavy = {i.target.split(".")[0] for i in package[name].imports} & HEAVY
+        assert not heavy, f"{name} ({what}) imports {sorted(heavy)}"
+
+
 # ---- the checker itself -----------------------------------------------------------------
 def _check(texts: dict[str, str]) -> list[str]:
     return check(parse_sources(texts))

@@ -63,6 +63,7 @@ __all__ = [
     "max_body_bytes",
     "parse_json",
     "read_body",
+    "read_capped",
     "read_json",
     "replay",
     "send_error",
@@ -122,12 +123,18 @@ def max_body_bytes(environ: Mapping[str, str] = os.environ) -> int:
     return int(raw)
 
 
-async def read_json(headers: Headers, receive: Receive, limit: int) -> Any:
-    """A request's body, size-checked (``content_length_over``, ``read_body``) and parsed
-    (``parse_json``; an empty body is None): what a plugin's Leyline route reads."""
+async def read_capped(headers: Headers, receive: Receive, limit: int) -> bytes:
+    """A request's whole body, refused (``PayloadTooLargeError``) by its declared length
+    (``content_length_over``) or as soon as it passes ``limit`` (``read_body``)."""
     if content_length_over(headers, limit):
         raise PayloadTooLargeError(limit)
-    raw = await read_body(receive, limit)
+    return await read_body(receive, limit)
+
+
+async def read_json(headers: Headers, receive: Receive, limit: int) -> Any:
+    """A request's body, size-checked (``read_capped``) and parsed (``parse_json``; an
+    empty body is None): what a plugin's Leyline route reads."""
+    raw = await read_capped(headers, receive, limit)
     return parse_json(raw) if raw.strip() else None
 
 

@@ -133,9 +133,7 @@ class LeylineGuard:
         return not keys or guards.bearer_problem(auth, keys) is None
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        if guards.content_length_over(scope.get("headers", ()), self.limit):
-            raise guards.PayloadTooLargeError(self.limit)
-        return await guards.read_body(receive, self.limit)
+        return await guards.read_capped(scope.get("headers", ()), receive, self.limit)
 
     async def _leyline(self, scope: Scope, receive: Receive, send: Send) -> None:
         keys = self._keys(scope)
