@@ -32,11 +32,13 @@ def start_server(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str
     return srv.process, srv.url
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory in MB, or one part of it (``RssAnon``: the anonymous pages,
+    which the kernel cannot drop under memory pressure as it drops mapped files')."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError(f"no {field}")
 
 
 def client(url: str, model: str, seed: int, until: float, counts: list[int]) -> None:

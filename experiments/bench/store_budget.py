@@ -31,6 +31,13 @@ from leyline_agent.server.responses_store import StoreLimits
 from ..options import standalone
 from .soak_rss import rss_mb, start_server
 
+
+def anon(pid: int) -> float:
+    """The server's anonymous resident memory in MB: what the store and the conversations hold
+    (VmRSS alone undercounts once the kernel drops the server's mapped files under pressure)."""
+    return rss_mb(pid, "RssAnon")
+
+
 KEYS = [f"store-budget-key-{k}" for k in range(64)]  # one per client, one tenant
 _LONG_LINE = "#" + "-" * 75 + "x"  # "#---…" is one token of the test models' tokenizer
 
@@ -82,7 +89,8 @@ def main(args: argparse.Namespace) -> int:
                 statuses[status] = statuses.get(status, 0) + 1
                 done = sum(statuses.values())
             if n is None and done % args.every == 0:
-                print(f"{done}: RSS {rss_mb(proc.pid):.0f} MB, {stats(c)}", flush=True)
+                print(f"{done}: RSS {rss_mb(proc.pid):.0f} MB, anon {anon(proc.pid):.0f} MB, "
+                      f"{stats(c)}", flush=True)  # fmt: skip
 
     t0 = time.monotonic()
     try:
@@ -91,8 +99,9 @@ def main(args: argparse.Namespace) -> int:
             c.post("/leyline/v1/flush").raise_for_status()
             time.sleep(2.0)
             statuses.clear()
-            warm = rss_mb(proc.pid)
-            print(f"warm start (after {args.warmup} responses and a flush): RSS {warm:.0f} MB")
+            warm, warm_anon = rss_mb(proc.pid), anon(proc.pid)
+            print(f"warm start (after {args.warmup} responses and a flush): RSS {warm:.0f} MB, "
+                  f"anon {warm_anon:.0f} MB")  # fmt: skip
             clients = [httpx.Client(base_url=url, timeout=600,
                                     headers={"Authorization": f"Bearer {KEYS[k]}"})
                        for k in range(args.clients)]  # fmt: skip
@@ -103,18 +112,20 @@ def main(args: argparse.Namespace) -> int:
                 th.join()
             for k in clients:
                 k.close()
-            full, counted = rss_mb(proc.pid), stats(c)
+            full, full_anon, counted = rss_mb(proc.pid), anon(proc.pid), stats(c)
             flushed = c.post("/leyline/v1/flush").json()
             time.sleep(2.0)
-            after, left = rss_mb(proc.pid), stats(c)
+            after, after_anon, left = rss_mb(proc.pid), anon(proc.pid), stats(c)
     finally:
         proc.terminate()
         proc.wait(60)
     print(f"statuses: {dict(sorted(statuses.items()))}; {time.monotonic() - t0:.0f} s")
-    print(f"after the run: RSS {full:.0f} MB ({full - warm:+.0f} MB over the warm start; "
+    print(f"after the run: RSS {full:.0f} MB ({full - warm:+.0f} MB over the warm start), "
+          f"anon {full_anon:.0f} MB ({full_anon - warm_anon:+.0f} MB; "
           f"store budget {budget_mb:.0f} MiB), {counted}")  # fmt: skip
     print(f"flush: dropped_responses {flushed.get('dropped_responses')}; RSS {after:.0f} MB "
-          f"({after - warm:+.0f} MB over the warm start), {left}")  # fmt: skip
+          f"({after - warm:+.0f} MB over the warm start), anon {after_anon:.0f} MB "
+          f"({after_anon - warm_anon:+.0f} MB), {left}")  # fmt: skip
     return 0
 
 
