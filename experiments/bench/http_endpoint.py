@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..options import csv_ints, standalone
+from ..options import standalone
 from .mechanism import POLICIES
-from .side_by_side import markdown, replay_set, run_target, write_rows
+from .side_by_side import add_replay_arguments, markdown, replay_set, run_target, write_rows
 
 __all__ = ["add_arguments", "main"]
 
@@ -21,17 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model", required=True, help="the model name the endpoint serves")
     p.add_argument("--label", default="endpoint", help="name of the endpoint in the table")
     p.add_argument("--arms", default="radix", help="radix, splice (needs /leyline/v1), full")
-    p.add_argument(
-        "--concurrency", type=csv_ints, default=[1, 4, 8, 16], help="comma list of C values"
-    )
-    p.add_argument("--sessions", type=int, default=None, help="sessions per run (default max C)")
-    p.add_argument("--max-turns", type=int, default=None, help="turns per session (quick: 6)")
-    p.add_argument(
-        "--quick", action="store_true", help="tool outputs cut to 400 chars, no tool schemas"
-    )
-    p.add_argument(
-        "--trajectories", type=Path, default=None, help="JSONL to replay (default: generated)"
-    )
+    add_replay_arguments(p)
     p.add_argument("--out", type=Path, default=Path("runs/http"), help="output folder")
 
 

@@ -38,8 +38,8 @@ from .mechanism import POLICIES, cap_messages
 from .mechanism import percentile as _pct
 
 __all__ = [
-    "TARGETS", "add_arguments", "leyline_serve", "main", "replay_set", "run_target", "start_target",
-    "write_rows",
+    "TARGETS", "add_arguments", "add_replay_arguments", "leyline_serve", "main", "replay_set",
+    "run_target", "start_target", "write_rows",
 ]
 
 TARGETS = {"vllm": ("radix",), "vllm-leyline": ("splice",), "leyline": ("splice", "radix")}
@@ -236,13 +236,8 @@ def start_target(stack: ExitStack, name: str, model_dir: Path) -> tuple[str, str
     return srv.base_url, srv.model
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", required=True, help="model folder (leyline make-model), e.g. llama mini"
-    )
-    p.add_argument(
-        "--targets", default="vllm,vllm-leyline,leyline", help="comma list of servers to compare"
-    )
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    """The replay's options, shared with ``bench http``: concurrency, sessions, turns, set."""
     p.add_argument(
         "--concurrency", type=csv_ints, default=[1, 4, 8, 16], help="comma list of C values"
     )
@@ -254,6 +249,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trajectories", type=Path, default=None, help="JSONL to replay (default: generated)"
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", required=True, help="model folder (leyline make-model), e.g. llama mini"
+    )
+    p.add_argument(
+        "--targets", default="vllm,vllm-leyline,leyline", help="comma list of servers to compare"
+    )
+    add_replay_arguments(p)
     p.add_argument(
         "--count", action="store_true",
         help="print the tokens one run replays and must prefill (no server) and exit",
