@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import importlib
 import os
 import shlex
 import sys
@@ -97,8 +98,10 @@ def main(a: argparse.Namespace) -> int:
     name = "cpu (dry run)" if dry else torch.cuda.get_device_name()
     commit = os.environ.get("LEYLINE_COMMIT") or None  # set by gpu_check.sh off the checkout
     runs = {
-        "kernel": _kernel, "vllm-rows": _vllm_rows, "engine-mini": _engine_mini, "engine": _engine,
-        "splice-1b": _splice(SPLICE_1B_ARGS), "splice-mla": _splice(SPLICE_MLA_ARGS),
+        "kernel": _kernel, "vllm-rows": _vllm_rows, "engine-mini": _engine_mini,
+        "engine": _bench("engine", "bench_engine", ENGINE_ARGS),
+        "splice-1b": _bench("splice", "bench_splice", SPLICE_1B_ARGS),
+        "splice-mla": _bench("splice", "bench_splice", SPLICE_MLA_ARGS),
         "profile": _profile,
     }  # fmt: skip
     sections = [s for s in a.sections.split(",") if s]
@@ -161,25 +164,16 @@ def _vllm_rows(device: str, dry: bool) -> str:
     return f"experiments/bench/vllm_rows.py: check({device!r}, blocks={blocks})"
 
 
-def _engine(device: str, dry: bool) -> str:
-    from ..bench.bench_engine import add_arguments, main
+def _bench(verb: str, module: str, argv: Callable[[bool], list[str]]) -> Callable[[str, bool], str]:
+    """A section that runs ``leyline bench <verb>`` (``bench/<module>.py``) on ``argv(dry)``."""
 
-    args = ENGINE_ARGS(dry)
-    rc = main(parse(add_arguments, args))
-    if rc:
-        raise RuntimeError(f"bench engine exited {rc}")
-    return "leyline bench engine " + shlex.join(args)
-
-
-def _splice(argv: Callable[[bool], list[str]]) -> Callable[[str, bool], str]:
     def run(device: str, dry: bool) -> str:
-        from ..bench.bench_splice import add_arguments, main
-
+        bench = importlib.import_module(f"..bench.{module}", __package__)
         args = argv(dry)
-        rc = main(parse(add_arguments, args))
+        rc = bench.main(parse(bench.add_arguments, args))
         if rc:
-            raise RuntimeError(f"bench splice exited {rc}")
-        return "leyline bench splice " + shlex.join(args)
+            raise RuntimeError(f"bench {verb} exited {rc}")
+        return f"leyline bench {verb} " + shlex.join(args)
 
     return run
 
