@@ -24,7 +24,7 @@ Nothing is saved or sent: the save hooks do nothing. Installed by the plugin's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -32,9 +32,33 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from leyline_agent.vllm_plugin.held_rows import RowsMatch
+    from leyline_agent.vllm_plugin.worker import RowCopier
+
 __all__ = ["CONNECTOR_NAME", "LeylineConnector", "RowLoads"]
 
 CONNECTOR_NAME = "LeylineConnector"
+
+
+class RowSource(Protocol):
+    """What the connector needs of the scheduler (``scheduler.LeylineScheduler``)."""
+
+    @property
+    def block_pool(self) -> BlockPool: ...
+
+    def leyline_match(self, request: Request, num_local: int) -> RowsMatch | None: ...
 
 
 @dataclass
@@ -46,14 +70,19 @@ class RowLoads(KVConnectorMetadata):
 
 
 class LeylineConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
         super().__init__(vllm_config, role, kv_cache_config)
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.scheduler: Any = None  # LeylineScheduler binds itself (scheduler role)
-        self._matched: dict[str, Any] = {}  # request id -> RowsMatch
+        self.scheduler: RowSource | None = None  # the scheduler binds itself (its role)
+        self._matched: dict[str, RowsMatch] = {}  # by request id
         self._loads = RowLoads()
-        self._pinned: list[Any] = []  # source blocks read by the step being built
-        self._copier: Any = None
+        self._pinned: list[KVCacheBlock] = []  # source blocks read by the step being built
+        self._copier: RowCopier | None = None
         self.loaded_rows = 0  # rows handed to requests (scheduler side)
 
     @property
@@ -63,7 +92,7 @@ class LeylineConnector(KVConnectorBase_V1):
 
     # -- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         self._matched.pop(request.request_id, None)
         if self.scheduler is None:
@@ -74,7 +103,9 @@ class LeylineConnector(KVConnectorBase_V1):
         self._matched[request.request_id] = match
         return match.num_rows, False
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         match = self._matched.pop(request.request_id, None)
         if match is None or num_external_tokens <= 0:
             return
@@ -88,7 +119,7 @@ class LeylineConnector(KVConnectorBase_V1):
         self._pinned.append(match.held.block)
         self.loaded_rows += n
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._loads = self._loads, RowLoads()
         return meta
 
@@ -99,12 +130,12 @@ class LeylineConnector(KVConnectorBase_V1):
             self.scheduler.block_pool.free_blocks(self._pinned)
         self._pinned = []
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         self._matched.pop(request.request_id, None)
         return False, None
 
     # -- worker side -----------------------------------------------------------------------
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: object) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, RowLoads) or not meta.src:
             return
@@ -118,7 +149,11 @@ class LeylineConnector(KVConnectorBase_V1):
         return None
 
     def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: object,
     ) -> None:
         return None
 

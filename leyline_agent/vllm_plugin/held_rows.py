@@ -27,7 +27,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 __all__ = ["HeldRows", "HeldRowsTable", "RowsMatch"]
 
@@ -40,7 +43,7 @@ HELD_TTL_S = 600.0
 class HeldRows:
     tokens: tuple[int, ...]  # the sequence whose rows [base, len(tokens)) the block holds
     base: int  # first row in the block (a multiple of the block size)
-    block: Any  # the block, one reference held by the table
+    block: KVCacheBlock  # one reference held by the table
     salt: str | None  # the salt the full blocks of tokens[:base] are cached under
     since: float = field(default_factory=time.monotonic)
 
@@ -69,7 +72,7 @@ def _common(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
 class HeldRowsTable:
     def __init__(
         self,
-        release: Callable[[Any], None],
+        release: Callable[[KVCacheBlock], None],
         max_entries: int,
         protect: Callable[[str], bool] = lambda ns: False,
     ) -> None:

@@ -13,7 +13,7 @@ DeepSeek MLA's latent rows with the rope band after ``kv_lora_rank`` elements, i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +22,14 @@ from leyline_agent.families import is_mla
 from leyline_agent.kernels import RopeSpec
 from leyline_agent.vllm_plugin.cache_layout import CacheFacts, RowLayout, plan_layout
 from leyline_agent.vllm_plugin.kv_rows import BackendWrite, probe_layout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+    AttentionLayer = Attention | MLAAttention  # the layers that hold a KV cache
 
 __all__ = [
     "GQA_MODEL_TYPES",
@@ -37,7 +45,7 @@ __all__ = [
 GQA_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
-def attention_layers(vllm_config: Any) -> list[tuple[torch.Tensor, Any]]:
+def attention_layers(vllm_config: VllmConfig) -> list[tuple[torch.Tensor, AttentionLayer]]:
     """Every attention layer's ``[B, H, N, C]`` cache view (once per tensor) with its layer."""
     ctx = vllm_config.compilation_config.static_forward_context
     out, seen = [], set()
@@ -52,7 +60,7 @@ def attention_layers(vllm_config: Any) -> list[tuple[torch.Tensor, Any]]:
     return out
 
 
-def _packed(spec: Any) -> str | None:
+def _packed(spec: KVCacheSpec) -> str | None:
     for name in ("num_head_slots", "state_content_bytes", "page_size_padded"):
         if getattr(spec, name, None) is not None:
             return f"{name}={getattr(spec, name)}"
@@ -61,7 +69,7 @@ def _packed(spec: Any) -> str | None:
     return None
 
 
-def cache_facts(layer: Any, kv: torch.Tensor, vllm_config: Any) -> CacheFacts:
+def cache_facts(layer: AttentionLayer, kv: torch.Tensor, vllm_config: VllmConfig) -> CacheFacts:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     backend = layer.attn_backend
@@ -82,13 +90,15 @@ def cache_facts(layer: Any, kv: torch.Tensor, vllm_config: Any) -> CacheFacts:
     )  # fmt: skip
 
 
-def backend_write(layer: Any, mla: bool) -> BackendWrite:
+def backend_write(layer: AttentionLayer, mla: bool) -> BackendWrite:
     """The layer's write op, called as vLLM's attention forward calls it."""
     impl = layer.impl
     if mla:
         rank = int(layer.kv_lora_rank)
 
-        def write_mla(kv: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, _v: Any):
+        def write_mla(
+            kv: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, _v: torch.Tensor
+        ) -> None:
             impl.do_kv_cache_update(keys[:, 0, :rank].contiguous(), keys[:, :, rank:].contiguous(),
                                     kv, slots, layer.kv_cache_dtype, layer._k_scale)  # fmt: skip
 
@@ -100,7 +110,7 @@ def backend_write(layer: Any, mla: bool) -> BackendWrite:
     return write
 
 
-def layer_layout(layer: Any, kv: torch.Tensor, vllm_config: Any) -> RowLayout:
+def layer_layout(layer: AttentionLayer, kv: torch.Tensor, vllm_config: VllmConfig) -> RowLayout:
     """The row layout of ``layer``'s cache ``kv``: planned from vLLM's declarations, kept
     only if the layer's own write op agrees (``UnsupportedLayoutError`` otherwise)."""
     facts = cache_facts(layer, kv, vllm_config)
@@ -108,7 +118,7 @@ def layer_layout(layer: Any, kv: torch.Tensor, vllm_config: Any) -> RowLayout:
     return probe_layout(kv, candidates, backend_write(layer, facts.mla), facts.backend)
 
 
-def rope_band(vllm_config: Any) -> tuple[RopeSpec, int]:
+def rope_band(vllm_config: VllmConfig) -> tuple[RopeSpec, int]:
     """How the served model's cached keys rotate, and where the band starts in a row."""
     hf = vllm_config.model_config.hf_config
     if is_mla(hf.model_type):

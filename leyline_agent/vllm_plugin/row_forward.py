@@ -24,25 +24,30 @@ which the route asks before it runs a REPAIR directive.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from leyline_agent.vllm_plugin.kv_rows import RowLayout, read_rows, write_rows
 from leyline_agent.vllm_plugin.layer_rows import layer_layout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.model_executor.models.llama import LlamaAttention
 
 __all__ = ["LAYER_TYPES", "RowForward", "repair_problem"]
 
 LAYER_TYPES = frozenset({"LlamaDecoderLayer"})  # decoder layers whose forward is known here
 
 
-def _layers(model: Any) -> list[Any]:
+def _layers(model: nn.Module) -> list[nn.Module]:
     inner = getattr(model, "model", None)
     return list(getattr(inner, "layers", None) or [])
 
 
-def repair_problem(model: Any) -> str | None:
+def repair_problem(model: nn.Module) -> str | None:
     """Why REPAIR's row forward cannot run on ``model`` (a sentence that starts with the
     setting to change), or None when it can."""
     layers = _layers(model)
@@ -67,7 +72,7 @@ def repair_problem(model: Any) -> str | None:
 class RowForward:
     """The row forward of one worker's model (module doc)."""
 
-    def __init__(self, model: Any, vllm_config: Any) -> None:
+    def __init__(self, model: nn.Module, vllm_config: VllmConfig) -> None:
         self.model = model
         self._config = vllm_config
         self._layout: RowLayout | None = None
@@ -110,7 +115,7 @@ class RowForward:
 
     def _attention(
         self,
-        sa: Any,
+        sa: LlamaAttention,
         pos: torch.Tensor,
         x: torch.Tensor,
         row_slots: torch.Tensor,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
@@ -50,6 +50,15 @@ from leyline_agent.vllm_plugin.namespace import is_leyline_salt, route_salt, sal
 from leyline_agent.vllm_plugin.pins import Arrival, BlockPins, Refs, Watch, ttl_from_env
 from leyline_agent.vllm_plugin.sequences import SequenceIndex
 from leyline_agent.wire import Counters
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    BlockHasher = Callable[[Request], list[BlockHash]]  # vLLM's request_block_hasher
 
 __all__ = ["HOLD_KEY", "Held", "LeylineScheduler"]
 
@@ -64,7 +73,7 @@ LOSS_SWEEP_S = 1.0  # how often unheld pins are checked for lost rows (pin_evict
 class Held:
     """Blocks kept with one reference each (a head's, or a directive's base ``T``)."""
 
-    blocks: list[Any]
+    blocks: list[KVCacheBlock]
     salt: str | None
     num_cached_tokens: int = 0
     since: float = field(default_factory=time.monotonic)
@@ -107,10 +116,12 @@ class LeylineScheduler(Scheduler):
 
     # -- lookups (read-only) ---------------------------------------------------------------
     @property
-    def block_pool(self) -> Any:
+    def block_pool(self) -> BlockPool:
         return self.kv_cache_manager.block_pool
 
-    def leyline_hashes(self, tokens: list[int], salt: str | None, hasher: Any) -> list[Any]:
+    def leyline_hashes(
+        self, tokens: list[int], salt: str | None, hasher: BlockHasher
+    ) -> list[BlockHash]:
         """Block hashes of ``tokens``' full blocks under ``salt`` (vLLM's own hasher)."""
         probe = Request(
             request_id="leyline-probe",
@@ -122,13 +133,13 @@ class LeylineScheduler(Scheduler):
         )
         return list(probe.block_hashes)
 
-    def leyline_cached_block(self, block_hash: Any) -> Any:
+    def leyline_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         found = self.block_pool.get_cached_block(block_hash, [0])
         return found[0] if found else None
 
     def leyline_extension(
-        self, ns: str, tokens: list[int], salt: str | None, hasher: Any
-    ) -> tuple[Any, int] | None:
+        self, ns: str, tokens: list[int], salt: str | None, hasher: BlockHasher
+    ) -> tuple[KVCacheBlock, int] | None:
         """A cached full block that continues ``tokens``' cached full blocks under ``salt``
         and how many of its rows agree with ``tokens`` (``sequences``), or None."""
         num_full = len(self.leyline_cached_blocks(tokens, salt, hasher))
@@ -142,7 +153,7 @@ class LeylineScheduler(Scheduler):
         """Rows past the last full block can be held and handed over (our connector runs)."""
         return self.leyline_connector is not None
 
-    def leyline_route(self, tokens: list[int], salt: str | None, hasher: Any) -> str | None:
+    def leyline_route(self, tokens: list[int], salt: str | None, hasher: BlockHasher) -> str | None:
         """The salt a request of ``tokens`` with ``salt`` is served under (``route_salt``)."""
         first = list(tokens[: self.block_size])
 
@@ -158,7 +169,9 @@ class LeylineScheduler(Scheduler):
 
         return route_salt(salt, ANONYMOUS_SALT, holds)
 
-    def leyline_cached_blocks(self, tokens: list[int], salt: str | None, hasher: Any) -> list[Any]:
+    def leyline_cached_blocks(
+        self, tokens: list[int], salt: str | None, hasher: BlockHasher
+    ) -> list[KVCacheBlock]:
         """The cached full blocks of ``tokens`` under ``salt``, from the first, up to a miss."""
         out = []
         for h in self.leyline_hashes(tokens, salt, hasher):
@@ -178,7 +191,7 @@ class LeylineScheduler(Scheduler):
         )
 
     def leyline_keep_rows(
-        self, ns: str, tokens: list[int], block: Any, salt: str | None, *, touch: bool
+        self, ns: str, tokens: list[int], block: KVCacheBlock, salt: str | None, *, touch: bool
     ) -> None:
         """Hold ``block`` as the rows of ``tokens`` past its last full block (``touch``: take
         a reference for the table; otherwise the caller's reference passes to it)."""
@@ -209,7 +222,7 @@ class LeylineScheduler(Scheduler):
             self._leyline_heads[request.request_id] = str(extra[HOLD_KEY])
         super().add_request(request)
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         if self.leyline_connector is not None:
             self.leyline_connector.leyline_step_done()
         out = super().schedule(*args, **kwargs)
@@ -223,7 +236,9 @@ class LeylineScheduler(Scheduler):
         self._leyline_expire()
         return out
 
-    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+    def _free_request(
+        self, request: Request, delay_free_blocks: bool = False
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         rid = request.request_id
         cached = self._leyline_cached.pop(rid, 0)
         hold_id = self._leyline_heads.pop(rid, None)
@@ -233,9 +248,7 @@ class LeylineScheduler(Scheduler):
         if ns is not None and self.cache_config.enable_prefix_caching:
             n = int(request.num_computed_tokens)
             hashes = list(request.block_hashes[: n // self.block_size])
-            self.leyline_sequences.record(
-                ns, request.cache_salt, request.all_token_ids[:n], hashes
-            )
+            self.leyline_sequences.record(ns, request.cache_salt, request.all_token_ids[:n], hashes)
         if rid.startswith("leyline-forget-") and ns is not None:  # T' of a FORGET
             self._leyline_pin_request(request, ns)
         if hold_id is not None:
@@ -270,7 +283,11 @@ class LeylineScheduler(Scheduler):
 
     # -- holds ----------------------------------------------------------------------------
     def leyline_hold(
-        self, hold_id: str, blocks: list[Any], salt: str | None, num_cached_tokens: int = 0
+        self,
+        hold_id: str,
+        blocks: list[KVCacheBlock],
+        salt: str | None,
+        num_cached_tokens: int = 0,
     ) -> None:
         self.block_pool.touch(blocks)
         self.leyline_held[hold_id] = Held(list(blocks), salt, num_cached_tokens)
@@ -297,7 +314,7 @@ class LeylineScheduler(Scheduler):
         for hid in [h for h, v in self.leyline_held.items() if now - v.since > HOLD_TTL_S]:
             self.leyline_release(hid)
 
-    def leyline_drop(self, block_hash: Any) -> int:
+    def leyline_drop(self, block_hash: BlockHash) -> int:
         """Drop every cached block registered under ``block_hash`` (hash only: a block in
         use stays readable by its request)."""
         key = make_block_hash_with_group_id(block_hash, 0)
@@ -311,7 +328,12 @@ class LeylineScheduler(Scheduler):
 
     # -- pins -----------------------------------------------------------------------------
     def leyline_pin(
-        self, ns: str, tokens: list[int], blocks: list[Any], salt: str | None, partial: Any
+        self,
+        ns: str,
+        tokens: list[int],
+        blocks: list[KVCacheBlock],
+        salt: str | None,
+        partial: KVCacheBlock | None,
     ) -> None:
         """``tokens`` (``T'``, full ``blocks`` cached under ``salt``, rows past them in the
         held block ``partial`` or none) is ``ns``'s latest splice result: pinned."""

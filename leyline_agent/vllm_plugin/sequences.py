@@ -22,7 +22,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import BlockHash
 
 __all__ = ["Extension", "SequenceIndex"]
 
@@ -34,12 +37,12 @@ MAX_TOKENS = 4_000_000  # tokens kept over all namespaces (4 bytes each)
 class Seen:
     salt: str | None
     tokens: array  # the computed tokens
-    hashes: tuple[Any, ...]  # the hash of each full block of ``tokens``
+    hashes: tuple[BlockHash, ...]  # the hash of each full block of ``tokens``
 
 
 @dataclass(frozen=True, slots=True)
 class Extension:
-    block_hash: Any  # the cached block that continues the prefix
+    block_hash: BlockHash  # the cached block that continues the prefix
     num_rows: int  # its first rows that agree with the tokens asked about
 
 
@@ -50,7 +53,7 @@ class SequenceIndex:
         self._tokens = 0
 
     def record(
-        self, ns: str, salt: str | None, tokens: Sequence[int], hashes: Sequence[Any]
+        self, ns: str, salt: str | None, tokens: Sequence[int], hashes: Sequence[BlockHash]
     ) -> None:
         """A request of ``ns`` computed ``tokens``, cached under ``salt`` as ``hashes``."""
         if not hashes:
@@ -70,7 +73,7 @@ class SequenceIndex:
         ns: str,
         salt: str | None,
         tokens: Sequence[int],
-        prefix_hashes: Sequence[Any],
+        prefix_hashes: Sequence[BlockHash],
         block_size: int,
     ) -> Extension | None:
         """A block of ``ns`` under ``salt`` that continues the cached full blocks

@@ -19,7 +19,7 @@ heads of every block; the same slot plan applies to all of them):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,16 +29,19 @@ from leyline_agent.vllm_plugin.kv_rows import RowLayout, move_rows
 from leyline_agent.vllm_plugin.layer_rows import attention_layers, layer_layout, rope_band
 from leyline_agent.vllm_plugin.row_forward import RowForward, repair_problem
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
 __all__ = ["LeylineWorkerExtension", "RowCopier"]
 
 
 class LeylineWorkerExtension:
     """Mixed into vLLM's worker; ``self`` is the worker (``self.model_runner``, ...)."""
 
-    def leyline_describe(self) -> dict[str, Any]:
+    def leyline_describe(self) -> dict[str, object]:
         cfg = self.vllm_config  # type: ignore[attr-defined]
         layers = attention_layers(cfg)
-        info: dict[str, Any] = {"num_layers": len(layers), "problem": None, "field": None}
+        info: dict[str, object] = {"num_layers": len(layers), "problem": None, "field": None}
         try:
             if not layers:
                 raise RuntimeUnavailableError("kv_cache: no attention layer holds a KV cache")
@@ -83,7 +86,7 @@ class RowCopier:
     of a layer are read before any is written. Used by the worker extension (splices) and
     by the connector's worker side (held rows loaded into a request's block: delta 0)."""
 
-    def __init__(self, vllm_config: Any) -> None:
+    def __init__(self, vllm_config: VllmConfig) -> None:
         self._config = vllm_config
         self._layout: RowLayout | None = None
         self._band: tuple[RopeSpec, int] | None = None  # the model's rotary band, read once
