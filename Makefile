@@ -34,9 +34,9 @@ lint: setup
 # The quick tier for a contributor: ruff, then the main suite without its `slow` modules (real
 # servers, agent loops, benchmarks, fuzzing: each over 5 s here; `pytestmark = pytest.mark.slow`)
 # and without tests/vllm, tests/conformance and tests/reliability (a live leyline serve per
-# module, watched while hostile requests run). An unmarked module over 20 s fails it (idle;
-# the limit grows with the load: leyline_agent/testing/slow_marker.py); `make test` runs all.
+# module, watched while hostile requests run), in two pytest sessions side by side
+# (scripts/check.sh). An unmarked module over 20 s fails it (idle; the limit grows with the
+# load: leyline_agent/testing/slow_marker.py); `make test` runs all.
 check: setup
 	$(VENV)/bin/ruff check leyline_agent policies kernels experiments tests
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests --ignore=tests/vllm --ignore=tests/conformance \
-		--ignore=tests/reliability -m "not slow" --unmarked-slow-s 20
+	@bash scripts/check.sh -m "not slow" --unmarked-slow-s 20

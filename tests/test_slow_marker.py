@@ -45,3 +45,16 @@ def test_an_unmarked_slow_module_fails_the_run_by_name(tmp_path: Path) -> None:
     assert "test_unmarked.py" in listed
     assert "test_marked.py" not in listed and "test_quick.py" not in listed
     assert "3 passed" in out.stdout
+
+
+def test_not_slow_never_imports_a_module_marked_slow(tmp_path: Path) -> None:
+    """With ``-m "not slow"`` a module marked slow as a whole is not imported (this one
+    raises when it is); without ``-m`` it is, and fails the run."""
+    heavy = MARK + "raise RuntimeError('the slow module was imported')\n\ndef test_x():\n    pass\n"
+    (tmp_path / "test_heavy.py").write_text(heavy)
+    (tmp_path / "test_quick.py").write_text("def test_quick():\n    pass\n")
+    quick = _pytest(tmp_path, "-m", "not slow")
+    assert quick.returncode == 0, quick.stdout
+    assert "1 passed" in quick.stdout and "was imported" not in quick.stdout
+    full = _pytest(tmp_path)
+    assert full.returncode != 0 and "the slow module was imported" in full.stdout

@@ -13,14 +13,22 @@ larger of the run's start and end; ini ``slow_marker_load_scaling = false`` turn
 since a loaded machine stretches every module. With the option given, such a module fails the
 run (exit status 1), so a forgotten marker shows in ``make check``; without it the list is a
 report only.
+
+With ``-m "not slow"`` exactly, a test module whose source marks it slow as a whole on one
+line (``pytestmark = pytest.mark.slow``, or a list naming it) is not collected at all: every
+one of its tests would be deselected anyway, and importing it (an agent framework, an SDK, a
+benchmark) is most of what collecting it costs.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections import defaultdict
+from pathlib import Path
 
 DEFAULT_S = 5.0
+_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bmark\.slow\b", re.M)
 
 
 def load_factor() -> float:
@@ -96,3 +104,23 @@ def pytest_configure(config) -> None:
         config.getoption("--unmarked-slow-s"), config.getini("slow_marker_load_scaling")
     )
     config.pluginmanager.register(rule, "slow-rule")
+
+
+def marked_slow(source: str) -> bool:
+    """Whether a test module's source marks the whole module slow on one line."""
+    return _MODULE_MARK.search(source) is not None
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """Leave a module marked slow as a whole out of a ``-m "not slow"`` run before it is
+    imported; no opinion (None) on anything else."""
+    name = collection_path.name
+    if config.getoption("markexpr", "") != "not slow" or not (
+        name.startswith("test_") and name.endswith(".py")
+    ):
+        return None
+    try:
+        source = collection_path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return True if marked_slow(source) else None
