@@ -7,10 +7,12 @@ bounded: ``--max-key-body-bytes``). The text is a line the tokenizer covers in f
 repeated (``long_input``), so a 1 MB input is a prompt within the
 model's context that the prefix cache serves after the first request. Printed, every
 ``--every`` responses and at the end: the server's RSS, and the tenant's
-``stored_responses`` / ``stored_response_bytes`` from ``/leyline/v1/stats``; then the RSS and
-the stats after ``/leyline/v1/flush`` and its ``dropped_responses``. The budget is the
-store's per-tenant limit (``StoreLimits``: 256 MiB); the RSS growth over the warm start
-(after ``--warmup`` responses and a flush) is set beside it.
+``stored_responses`` / ``stored_response_bytes`` from ``/leyline/v1/stats`` and the bytes of
+the store's files on disk; then the same after ``/leyline/v1/flush`` and its
+``dropped_responses``. The store's entries live on disk (``responses_store``: 256 MiB per
+tenant there); what a tenant's retained requests may hold in memory is the tracked
+conversations' budget (``front.conversations``: 64 MiB) plus the store's index, and the RSS
+growth over the warm start (after ``--warmup`` responses and a flush) is set beside it.
 
     leyline bench store-budget --model DIR                     # 5,000 x 1 MB, 2 clients
     leyline bench store-budget --model DIR --responses 300 --every 100
@@ -26,7 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from leyline_agent.server.responses_store import StoreLimits
+from leyline_agent.front.conversations import DEFAULT_CONVERSATION_BYTES
+from leyline_agent.server.responses_store import SPILL_PREFIX, StoreLimits
 
 from ..options import standalone
 from .soak_rss import rss_mb, start_server
@@ -36,6 +39,12 @@ def anon(pid: int) -> float:
     """The server's anonymous resident memory in MB: what the store and the conversations hold
     (VmRSS alone undercounts once the kernel drops the server's mapped files under pressure)."""
     return rss_mb(pid, "RssAnon")
+
+
+def disk_mb(pid: int) -> float:
+    """The bytes of the server's store files (its spill directory) in MiB."""
+    dirs = Path(tempfile.gettempdir()).glob(f"{SPILL_PREFIX}{pid}-*")
+    return sum(f.stat().st_size for d in dirs for f in d.iterdir()) / 2**20
 
 
 KEYS = [f"store-budget-key-{k}" for k in range(64)]  # one per client, one tenant
@@ -65,15 +74,19 @@ def main(args: argparse.Namespace) -> int:
     auth = {"Authorization": f"Bearer {KEYS[0]}"}
     text = long_input(args.input_bytes)
     budget_mb = StoreLimits().tenant_bytes / 2**20
+    memory_mb = DEFAULT_CONVERSATION_BYTES / 2**20
     print(f"{args.responses} responses of {args.input_bytes} bytes of input, {args.clients} "
-          f"clients; store budget {budget_mb:.0f} MiB per tenant", flush=True)  # fmt: skip
+          f"clients; store budget {budget_mb:.0f} MiB per tenant on disk; retained in memory: "
+          f"conversations {memory_mb:.0f} MiB per tenant and the store's index",
+          flush=True)  # fmt: skip
     statuses: dict[int, int] = {}
     lock = threading.Lock()
     todo = iter(range(args.responses))
 
     def stats(c: httpx.Client) -> str:
         s = c.get("/leyline/v1/stats").json()
-        return f"stored {s['stored_responses']}, {s['stored_response_bytes'] / 2**20:.0f} MiB"
+        return (f"stored {s['stored_responses']}, {s['stored_response_bytes'] / 2**20:.0f} MiB, "
+                f"on disk {disk_mb(proc.pid):.0f} MiB")  # fmt: skip
 
     def client(c: httpx.Client, n: int | None = None) -> None:
         body = {"model": model.name, "input": text, "max_output_tokens": 1, "temperature": 0}
@@ -121,8 +134,8 @@ def main(args: argparse.Namespace) -> int:
         proc.wait(60)
     print(f"statuses: {dict(sorted(statuses.items()))}; {time.monotonic() - t0:.0f} s")
     print(f"after the run: RSS {full:.0f} MB ({full - warm:+.0f} MB over the warm start), "
-          f"anon {full_anon:.0f} MB ({full_anon - warm_anon:+.0f} MB; "
-          f"store budget {budget_mb:.0f} MiB), {counted}")  # fmt: skip
+          f"anon {full_anon:.0f} MB ({full_anon - warm_anon:+.0f} MB; in-memory budget "
+          f"{memory_mb:.0f} MiB + the index), {counted}")  # fmt: skip
     print(f"flush: dropped_responses {flushed.get('dropped_responses')}; RSS {after:.0f} MB "
           f"({after - warm:+.0f} MB over the warm start), anon {after_anon:.0f} MB "
           f"({after_anon - warm_anon:+.0f} MB), {left}")  # fmt: skip

@@ -37,8 +37,11 @@ starts its own, and a repeat of the last prompt never continues an anonymous con
 (it proves nothing about who sent it). The answer's commit saves the next state unclaimed;
 a request that fails leaves its state claimed, so the client's next turn starts afresh.
 Bounded: the least recently used conversations are forgotten, past ``per_tenant`` of them
-or past ``per_tenant_chars`` characters of message text (the prompt as sent and as served,
-and the reply) in a tenant's conversations; the one just saved is always kept. Cost: a lookup compares the
+or past ``per_tenant_bytes`` of memory held by a tenant's conversations (``held_bytes``: the
+messages as sent and as served and the reply, every dict, list and string counted as Python
+holds it, and ``TOKEN_BYTES`` per cached token id), so the bound is on resident memory, not
+on characters (a character takes 1 to 4 bytes, a token id 40); the one just saved is always
+kept. Cost: a lookup compares the
 request with each conversation of its tenant (and key, or session); without an echo (or a
 declared edit) no message may differ, so a conversation whose last message differs from the
 request's message at that place is ruled out by that one comparison before any walk over
@@ -58,6 +61,7 @@ the request proved it holds the reply, without which no drift is believed.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import uuid
 from collections import OrderedDict
@@ -75,12 +79,15 @@ __all__ = [
     "Conversation",
     "ConversationStore",
     "Match",
+    "TOKEN_BYTES",
     "edited_in_place",
+    "held_bytes",
 ]
 
 CONVERSATION_PREFIX = SERVER_SESSION_PREFIX  # an anonymous conversation's session
 DEFAULT_CONVERSATIONS = 4096
-DEFAULT_CONVERSATION_CHARS = 64 << 20  # per tenant (a 1 MB prompt counts twice: sent, served)
+DEFAULT_CONVERSATION_BYTES = 64 << 20  # per tenant, of memory held (``held_bytes``)
+TOKEN_BYTES = 40  # a cached token id: its tuple slot (8) and its int object (32 allocated)
 _clock = itertools.count(1)
 
 
@@ -150,14 +157,14 @@ class ConversationStore:
     def __init__(
         self,
         per_tenant: int = DEFAULT_CONVERSATIONS,
-        per_tenant_chars: int = DEFAULT_CONVERSATION_CHARS,
+        per_tenant_bytes: int = DEFAULT_CONVERSATION_BYTES,
     ) -> None:
-        if per_tenant < 1 or per_tenant_chars < 1:
-            raise ValueError(f"per_tenant {per_tenant}, chars {per_tenant_chars}: must be >= 1")
-        self.per_tenant, self.per_tenant_chars = per_tenant, per_tenant_chars
+        if per_tenant < 1 or per_tenant_bytes < 1:
+            raise ValueError(f"per_tenant {per_tenant}, bytes {per_tenant_bytes}: must be >= 1")
+        self.per_tenant, self.per_tenant_bytes = per_tenant, per_tenant_bytes
         self._lock = threading.Lock()
         self._tenants: dict[str, OrderedDict[str, Conversation]] = {}
-        self._chars: dict[str, dict[str, int]] = {}  # tenant -> conversation id -> its text
+        self._bytes: dict[str, dict[str, int]] = {}  # tenant -> conversation id -> held_bytes
 
     def find(
         self,
@@ -255,19 +262,19 @@ class ConversationStore:
 
     def save(self, tenant: str, conv: Conversation) -> None:
         conv.used = next(_clock)
-        size = sum(len(message_text(m)) for m in (*conv.raw, *conv.served, conv.reply or {}))
+        size = held_bytes(conv)
         with self._lock:
             convs = self._tenants.setdefault(tenant, OrderedDict())
-            chars = self._chars.setdefault(tenant, {})
+            sizes = self._bytes.setdefault(tenant, {})
             convs[conv.id] = conv
             convs.move_to_end(conv.id)
-            chars[conv.id] = size
-            total = sum(chars.values())
+            sizes[conv.id] = size
+            total = sum(sizes.values())
             while len(convs) > self.per_tenant or (
-                len(convs) > 1 and total > self.per_tenant_chars
+                len(convs) > 1 and total > self.per_tenant_bytes
             ):
                 cid, _ = convs.popitem(last=False)
-                total -= chars.pop(cid, 0)
+                total -= sizes.pop(cid, 0)
 
     def forgotten(
         self,
@@ -308,6 +315,7 @@ class ConversationStore:
                 # tokens: the FORGET changed them; a token diff against the old ones
                 # would find its edit again and splice it back
                 convs[cid] = replace(c, raw=raw, served=served, labels=labels, tokens=None)
+                self._bytes.setdefault(tenant, {})[cid] = held_bytes(convs[cid])
                 updated += 1
         return updated
 
@@ -338,12 +346,34 @@ class ConversationStore:
     def forget_tenant(self, tenant: str) -> int:
         """Drop every conversation of ``tenant`` (a cache flush); how many there were."""
         with self._lock:
-            self._chars.pop(tenant, None)
+            self._bytes.pop(tenant, None)
             return len(self._tenants.pop(tenant, {}))
 
     def __len__(self) -> int:
         with self._lock:
             return sum(len(v) for v in self._tenants.values())
+
+
+def held_bytes(conv: Conversation) -> int:
+    """The memory ``conv`` holds: its messages (as sent, as served, the reply), each dict, list
+    and string once (``sys.getsizeof``; a message shared by the two lists counts once), and
+    ``TOKEN_BYTES`` per cached token id. An upper bound of what dropping it frees: objects it
+    shares with another conversation are counted in both."""
+    seen: set[int] = set()
+    total = 0
+    todo: list[Any] = [conv.raw, conv.served, conv.reply]
+    while todo:
+        value = todo.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        total += sys.getsizeof(value)
+        if isinstance(value, Mapping):
+            todo.extend(value.keys())
+            todo.extend(value.values())
+        elif isinstance(value, list | tuple):
+            todo.extend(value)
+    return total + TOKEN_BYTES * len(conv.tokens or ())
 
 
 def _continues(

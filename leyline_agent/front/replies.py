@@ -7,6 +7,8 @@ echoes to prove it continues this conversation. ``ReplyReader`` is fed the answe
 chunks as they pass the middleware and returns the first choice's message once the answer
 has finished (a ``finish_reason``), or None for an answer that failed or was cut short;
 ``reading(send, commit)`` is the ASGI ``send`` that feeds it and commits the reply.
+``reporting(send, fields)`` is the ``send`` that merges ``fields`` (``usage.leyline``) into a
+JSON answer, or into the one event of a stream that carries ``usage``.
 A stream's deltas are joined: ``content``, ``reasoning_content`` (or vLLM's ``reasoning``),
 and ``tool_calls`` by their ``index`` (id, name, arguments concatenated).
 """
@@ -17,9 +19,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from leyline_agent.http.asgi import Message, Send, is_stream
+from leyline_agent.http.asgi import Message, Send, annotate, annotating, is_stream
 
-__all__ = ["ReplyReader", "reading"]
+__all__ = ["ReplyReader", "reading", "reporting"]
 
 
 class ReplyReader:
@@ -120,3 +122,50 @@ def reading(send: Send, commit: Callable[[dict[str, Any]], None]) -> Send:
         await send(message)
 
     return reading
+
+
+def reporting(send: Send, fields: dict[str, Any]) -> Send:
+    """A ``send`` that merges ``fields`` into a 200 JSON answer (``http.asgi.annotating``) or
+    into a stream's first event that carries ``usage`` (a stream without one: unchanged);
+    any other answer passes unchanged."""
+    json_answer = annotating(send, fields)
+    mode, buf = "json", b""
+
+    async def reported(message: Message) -> None:
+        nonlocal mode, buf
+        if message["type"] == "http.response.start":
+            mode = "stream" if message.get("status") == 200 and is_stream(message) else "json"
+        if mode == "json":
+            await json_answer(message)
+            return
+        if mode == "pass" or message["type"] != "http.response.body":
+            await send(message)
+            return
+        buf += message.get("body", b"")
+        more = message.get("more_body", False)
+        head, sep, rest = buf.rpartition(b"\n\n")
+        if more and not sep:
+            return  # no whole event yet
+        events, buf = (head + sep, rest) if more else (buf, b"")
+        out, found = _usage_event(events, fields)
+        if found:
+            mode = "pass"  # said once
+            out += buf
+            buf = b""
+        await send({**message, "body": out})
+
+    return reported
+
+
+def _usage_event(events: bytes, fields: dict[str, Any]) -> tuple[bytes, bool]:
+    """``events`` (whole server-sent events) with ``fields`` merged into the first one whose
+    JSON carries a ``usage`` object; whether there was one."""
+    parts = events.split(b"\n\n")
+    for i, part in enumerate(parts):
+        if not part.startswith(b"data: {") or b'"usage":' not in part:
+            continue
+        data = _json(part[6:])
+        if isinstance(data, dict) and isinstance(data.get("usage"), dict):
+            parts[i] = b"data: " + annotate(part[6:], fields, False)
+            return b"\n\n".join(parts), True
+    return events, False

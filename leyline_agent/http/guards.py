@@ -7,14 +7,18 @@ vLLM's own FastAPI app), so that both refuse the same inputs with the same answe
   the limit is refused before a byte is read; a body without one (chunked) is counted as it
   arrives and refused as soon as the count passes the limit. 413 ``PayloadTooLargeError``
   naming ``body``.
-- **API key** (``bearer_problem``): ``Authorization: Bearer KEY`` compared with every
-  configured key in constant time (``hmac.compare_digest`` over SHA-256 digests, so the
-  time does not depend on where a guess first differs, nor on the key's length). 401
+- **API key** (``bearer_problem``; ``key_index``, which ``leyline serve``'s tenant keys use
+  too): ``Authorization: Bearer KEY`` compared with every configured key in constant time
+  (``hmac.compare_digest`` over SHA-256 digests, so the time does not depend on where a
+  guess first differs, nor on the key's length). 401
   ``AuthenticationError`` naming ``authorization``, with ``WWW-Authenticate: Bearer``.
   ``AnthropicKeyHeader``, outside the key check, lets the Messages routes take the key as
   the Anthropic SDK sends it (``x-api-key``).
 - **JSON** (``parse_json``): not JSON, or nested deeper than ``MAX_JSON_DEPTH``, is a 400
   naming ``body`` (Python's parser would raise ``RecursionError`` on a deep enough body).
+- **session** (``session_header``): the ``X-Leyline-Session`` header checked
+  (``namespaces.check_session_id``: ids starting with the server's own prefix are refused),
+  a 400 naming the header.
 - **text** (``check_json_text``): Python's ``json`` accepts an escaped lone surrogate
   (``"\\ud800"``: a string that cannot be encoded as UTF-8, which a tokenizer then fails on)
   and ``NaN`` / ``Infinity`` (or ``1e400``); the first such value is a 400 naming its path
@@ -35,16 +39,21 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from leyline_agent.errors import InvalidRequestError
+from leyline_agent.http import json_parse
 from leyline_agent.http.asgi import ASGIApp, Receive, Scope, Send, header
+from leyline_agent.http.json_parse import MAX_JSON_VALUES, TooManyValuesError
+from leyline_agent.http.offload import off_loop
 from leyline_agent.http_errors import error_body
+from leyline_agent.namespaces import SESSION_HEADER, check_session_id
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "MAX_JSON_DEPTH",
+    "OFF_LOOP_BODY_BYTES",
     "AnthropicKeyHeader",
     "AuthenticationError",
     "BAD_KEY",
@@ -55,18 +64,23 @@ __all__ = [
     "MESSAGES_PATHS",
     "PayloadTooLargeError",
     "bearer_problem",
+    "body_object",
     "bearer_token",
     "check_json_text",
     "content_length_over",
     "error_message",
+    "json_object",
     "key_digests",
+    "key_index",
     "max_body_bytes",
+    "parse_body",
     "parse_json",
     "read_body",
     "read_capped",
     "read_json",
     "replay",
     "send_error",
+    "session_header",
 ]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -132,10 +146,9 @@ async def read_capped(headers: Headers, receive: Receive, limit: int) -> bytes:
 
 
 async def read_json(headers: Headers, receive: Receive, limit: int) -> Any:
-    """A request's body, size-checked (``read_capped``) and parsed (``parse_json``; an
+    """A request's body, size-checked (``read_capped``) and parsed (``parse_body``; an
     empty body is None): what a plugin's Leyline route reads."""
-    raw = await read_capped(headers, receive, limit)
-    return parse_json(raw) if raw.strip() else None
+    return await parse_body(await read_capped(headers, receive, limit))
 
 
 def content_length_over(headers: Headers, limit: int) -> bool:
@@ -193,17 +206,23 @@ def bearer_token(authorization: bytes | None) -> bytes | None:
     return token if scheme.lower() == b"bearer" and token else None
 
 
+def key_index(token: bytes, digests: Sequence[bytes]) -> int | None:
+    """Which of the keys (``key_digests``) ``token`` is (None: none). Every key is compared,
+    in constant time over SHA-256 digests, whatever the first one answered."""
+    presented = hashlib.sha256(token).digest()
+    found = None
+    for i, digest in enumerate(digests):
+        if hmac.compare_digest(digest, presented):
+            found = i
+    return found
+
+
 def bearer_problem(authorization: bytes | None, digests: Sequence[bytes]) -> str | None:
-    """None if ``Authorization`` names one of the keys (``key_digests``), else why not.
-    Every key is compared, in constant time, whatever the first one answered."""
+    """None if ``Authorization`` names one of the keys (``key_index``), else why not."""
     token = bearer_token(authorization)
     if token is None:
         return MISSING_KEY
-    presented = hashlib.sha256(token).digest()
-    found = False
-    for digest in digests:
-        found |= hmac.compare_digest(digest, presented)
-    return None if found else BAD_KEY
+    return None if key_index(token, digests) is not None else BAD_KEY
 
 
 def authentication_error(problem: str) -> AuthenticationError:
@@ -234,11 +253,30 @@ class AnthropicKeyHeader:
         await self.app(scope, receive, send)
 
 
-# -- JSON --------------------------------------------------------------------------------
-def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """``raw`` parsed, checked by ``check_json_text``; ``GuardError`` naming the field."""
+def session_header(value: str | bytes | None) -> str | None:
+    """The ``X-Leyline-Session`` header's session id (None: no header); ``GuardError``
+    naming the header for a bad id (``namespaces.check_session_id``)."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
     try:
-        body = json.loads(raw)
+        return check_session_id(value, SESSION_HEADER)
+    except ValueError as e:
+        raise GuardError(str(e).partition(": ")[2] or str(e), SESSION_HEADER) from None
+
+
+# -- JSON --------------------------------------------------------------------------------
+OFF_LOOP_BODY_BYTES = 256 << 10  # a smaller body parses in well under a millisecond
+
+
+def parse_json(
+    raw: bytes, max_depth: int = MAX_JSON_DEPTH, loads: Callable[[bytes], Any] = json.loads
+) -> Any:
+    """``raw`` parsed by ``loads`` (``json_parse.loads`` off the event loop), checked by
+    ``check_json_text``; ``GuardError`` naming the field."""
+    try:
+        body = loads(raw)
+    except TooManyValuesError as e:
+        raise GuardError(f"{e}; a request has at most {MAX_JSON_VALUES}", "body") from None
     except RecursionError:
         raise GuardError(f"nested deeper than {max_depth} levels", "body") from None
     except json.JSONDecodeError as e:
@@ -247,6 +285,38 @@ def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise JSONBodyError(0) from None
     check_json_text(body, max_depth)
     return body
+
+
+def json_object(raw: bytes, loads: Callable[[bytes], Any] = json.loads) -> dict[str, Any] | None:
+    """``raw`` as a JSON object, or None (empty, not JSON, or not an object): for a front
+    that passes such a body on to the engine, which answers it. A body of more than
+    ``MAX_JSON_VALUES`` values (``json_parse.loads``) is refused, as every Leyline front
+    refuses it."""
+    try:
+        data = loads(raw) if raw.strip() else None
+    except TooManyValuesError as e:
+        raise GuardError(f"{e}; a request has at most {MAX_JSON_VALUES}", "body") from None
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+async def parse_body(raw: bytes) -> Any:
+    """``parse_json(raw)`` (None for an empty body), run off the event loop with
+    ``json_parse.loads`` for a body of ``OFF_LOOP_BODY_BYTES`` or more: a body of millions of
+    small values neither holds the loop nor parses for long (``json_parse``)."""
+    if not raw.strip():
+        return None
+    if len(raw) < OFF_LOOP_BODY_BYTES:
+        return parse_json(raw)
+    return await off_loop(parse_json, raw, MAX_JSON_DEPTH, json_parse.loads)
+
+
+async def body_object(raw: bytes) -> dict[str, Any] | None:
+    """``json_object(raw)``, off the event loop as ``parse_body`` is for a large body."""
+    if len(raw) < OFF_LOOP_BODY_BYTES:
+        return json_object(raw)
+    return await off_loop(json_object, raw, json_parse.loads)
 
 
 def _join(path: str, key: Any) -> str:

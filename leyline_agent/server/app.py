@@ -140,6 +140,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        app.state.leyline_responses.close()  # the store's files (responses_store)
         if owned:
             worker.close(cancel_pending=True)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from leyline_agent.directives.pin_table import DEFAULT_TTL_S
 from leyline_agent.directives.repair import DEFAULT_BUDGET
 
 __all__ = ["add_serve_arguments", "register"]
@@ -87,7 +88,7 @@ MIB = 1024 * 1024
 # other value; ``--served-model-name`` is passed on to SGLang).
 _EMBEDDED_ONLY = {
     "cache_tokens": 65536,
-    "pin_ttl_s": 300.0,
+    "pin_ttl_s": DEFAULT_TTL_S,
     "no_packed_linears": False,
     "api_key": [],
     "api_key_file": [],

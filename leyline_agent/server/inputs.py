@@ -11,6 +11,13 @@ fails on) and the non-standard ``NaN`` / ``Infinity`` literals (and numbers such
 parse of a body a route parses itself, run off the event loop (``offload``): a 16 MiB body
 takes a core for a second, during which the loop answers other requests.
 
+A route with a body model (``/v1/chat/completions``, ``/v1/responses``) has its body parsed
+by FastAPI before any dependency runs; its router's ``ParsedBodyRoute`` hands FastAPI a
+request whose ``json()`` parses a body of ``http_guards.OFF_LOOP_BODY_BYTES`` or more off the loop with
+``http.json_parse.loads`` (which lets the loop run meanwhile even on a body of millions of
+small values, where ``json.loads`` would hold the GIL on any thread to its end, and refuses
+a body of more than ``MAX_JSON_VALUES`` values: a 400 naming ``body``).
+
 Bounds and shapes of message lists (``messages``, a directive's ``old_messages`` /
 ``new_messages``, the Responses API's ``input``), checked by ``check_message_lists`` before
 the body is validated, so a huge chat costs a length check, not a render:
@@ -29,20 +36,25 @@ route has no field to take, and a field it would ignore is a request it would no
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from leyline_agent.directives.validate import check_text_bound, message_text_bytes
 from leyline_agent.http import guards as http_guards
+from leyline_agent.http.json_parse import MAX_JSON_VALUES, TooManyValuesError, loads
+from leyline_agent.http.offload import off_loop
 from leyline_agent.server.errors import RequestError
-from leyline_agent.server.offload import off_loop
 
 __all__ = [
     "DEFAULT_MAX_MESSAGES",
     "InputLimits",
+    "ParsedBodyRoute",
     "check_json_body",
     "check_json_text",
     "check_message_lists",
@@ -105,7 +117,7 @@ async def check_json_body(request: Request) -> None:
     limits = getattr(getattr(request.app.state, "leyline", None), "inputs", None)
     limits = limits if isinstance(limits, InputLimits) else InputLimits()
     if takes_raw:
-        body = await off_loop(http_guards.parse_json, raw) if raw.strip() else None
+        body = await http_guards.parse_body(raw)
         request.state.json_body = body
         check_message_lists(body, limits)
         return
@@ -132,3 +144,45 @@ def raw_json_body(model: type[BaseModel]) -> dict[str, Any]:
             "content": {"application/json": {"schema": model.model_json_schema()}},
         }
     }
+
+
+class _OffLoopJSONRequest(Request):
+    """A request whose large JSON body is parsed off the event loop (module doc)."""
+
+    _leyline_json: Any
+    _leyline_error: Exception | None = None
+
+    async def parse_large(self) -> None:
+        """Parse a body of ``OFF_LOOP_BODY_BYTES`` or more off the loop, for ``json()``; past
+        ``json_parse.MAX_JSON_VALUES`` values, a 400 naming ``body``. A body that is not JSON
+        raises its error from ``json()``, where FastAPI answers it as it always does."""
+        raw = await self.body()
+        if len(raw) < http_guards.OFF_LOOP_BODY_BYTES:
+            return
+        try:
+            self._leyline_json = await off_loop(loads, raw)
+        except TooManyValuesError as e:
+            raise RequestError(f"{e}; a request has at most {MAX_JSON_VALUES}", "body") from None
+        except (ValueError, RecursionError) as e:
+            self._leyline_error = e
+
+    async def json(self) -> Any:
+        if self._leyline_error is not None:
+            raise self._leyline_error
+        if not hasattr(self, "_leyline_json"):
+            self._leyline_json = json.loads(await self.body())  # small: parse_large
+        return self._leyline_json
+
+
+class ParsedBodyRoute(APIRoute):
+    """The route class of routers whose routes have a body model (module doc)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def parsed(request: Request) -> Response:
+            ours = _OffLoopJSONRequest(request.scope, request.receive)
+            await ours.parse_large()
+            return await handler(ours)
+
+        return parsed

@@ -31,6 +31,7 @@ from fastapi import APIRouter, Request
 
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.service import DirectiveService, ServedModel, run_inline
+from leyline_agent.http.offload import off_loop
 from leyline_agent.server.disconnect import run_connected
 from leyline_agent.server.inputs import raw_json_body
 from leyline_agent.server.responses_routes import responses_store
@@ -113,10 +114,10 @@ async def flush(request: Request) -> FlushResponse:
     def job(engine: ServedEngine) -> FlushResponse:  # on the worker: between two engine steps
         rows = run_inline(service.flush(tenant, engine.directive_backend))  # cache, memory
         return rows.model_copy(
-            update={
-                "dropped_conversations": st.conversations.forget_tenant(tenant),
-                "dropped_responses": responses.forget_tenant(tenant),
-            }
+            update={"dropped_conversations": st.conversations.forget_tenant(tenant)}
         )
 
-    return await run_connected(request, st.worker, job)
+    rows = await run_connected(request, st.worker, job)
+    # the stored responses' files (up to 1,024 unlinks) on the offload pool, not the worker
+    dropped = await off_loop(responses.forget_tenant, tenant)
+    return rows.model_copy(update={"dropped_responses": dropped})

@@ -50,6 +50,7 @@ from leyline_agent.server.disconnect import (
     while_connected,
 )
 from leyline_agent.server.errors import RequestError, classify, exception_code
+from leyline_agent.server.inputs import ParsedBodyRoute
 from leyline_agent.server.limits import check_text_bound, message_text_bytes
 from leyline_agent.server.openai_api import (
     ChatCompletionRequest,
@@ -81,7 +82,7 @@ from leyline_agent.server.worker import ServedEngine, StreamEnd, session_key
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # a large body parsed off the loop
 PROMPT_TAIL = 24  # prompt tokens decoded for what the generation prompt wrote of the answer
 
 

@@ -30,7 +30,11 @@ from leyline_agent.server.messages_routes import count_prompt
 from leyline_agent.server.openai_api import ChatCompletionRequest
 from leyline_agent.server.responses_api import ResponsesRequest, chat_request
 from leyline_agent.server.responses_output import output_items
-from leyline_agent.server.responses_routes import ResponseNotFoundError, responses_store
+from leyline_agent.server.responses_routes import (
+    ResponseNotFoundError,
+    responses_store,
+    stored,
+)
 from leyline_agent.server.tenants import namespace
 
 __all__ = ["input_items", "router"]
@@ -74,7 +78,7 @@ async def list_input_items(
         raise RequestError("must be 'asc' or 'desc'", "order")
     if include:
         raise RequestError("no input item carries extra content here", "include")
-    found = responses_store(request).get(namespace(request).tenant, response_id)
+    found = await stored(request, response_id)
     if found is None:
         raise ResponseNotFoundError(f"no stored response {response_id!r}", "response_id")
     items = input_items(response_id, found.conversation)
@@ -97,7 +101,7 @@ async def list_input_items(
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(response_id: str, request: Request) -> Any:
-    if responses_store(request).get(namespace(request).tenant, response_id) is None:
+    if not responses_store(request).has(namespace(request).tenant, response_id):
         raise ResponseNotFoundError(f"no stored response {response_id!r}", "response_id")
     raise RequestError(
         "only background responses can be cancelled, and this server runs none "
@@ -126,7 +130,7 @@ async def input_tokens(request: Request) -> Any:
     req = parse_request(ResponsesRequest, request.state.json_body)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        found = responses_store(request).get(namespace(request).tenant, req.previous_response_id)
+        found = await stored(request, req.previous_response_id)
         if found is None:
             raise RequestError(
                 f"no stored response {req.previous_response_id!r}", "previous_response_id"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -29,8 +29,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from leyline_agent.errors import InvalidRequestError
+from leyline_agent.http.offload import off_loop
 from leyline_agent.http_errors import field_path
 from leyline_agent.server.errors import RequestError
+from leyline_agent.server.inputs import ParsedBodyRoute
 from leyline_agent.server.openai_api import ChatCompletionRequest
 from leyline_agent.server.openai_routes import chat_completions
 from leyline_agent.server.request_fields import fields_check, ignore
@@ -59,9 +61,9 @@ from leyline_agent.server.state import state
 from leyline_agent.server.template_options import template_reads
 from leyline_agent.server.tenants import namespace
 
-__all__ = ["ResponseNotFoundError", "responses_store", "router"]
+__all__ = ["ResponseNotFoundError", "responses_store", "router", "stored"]
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # a large body parsed off the loop
 
 
 class ResponseNotFoundError(RequestError):
@@ -87,7 +89,7 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
     store = responses_store(request)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        previous = store.get(tenant, req.previous_response_id)
+        previous = await stored(request, req.previous_response_id)
         if previous is None:
             raise RequestError(
                 f"no stored response {req.previous_response_id!r} (unknown, deleted, or "
@@ -100,7 +102,7 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
         metadata=req.metadata,
         user=req.user,
         text=req.text,
-        stored_bytes=entry_bytes(req.input, history) if req.store else 0,
+        stored_bytes=await off_loop(entry_bytes, req.input, history) if req.store else 0,
         limits=store.limits,
     )
     effort = template_reads(st.worker.engine, "reasoning_effort")
@@ -111,9 +113,10 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
     ignore(request, notes)  # listed in the chat answer's leyline.ignored
     head = _head(new_item_id("resp"), st.model.id, req)
 
-    def save(response: dict[str, Any], reply: dict[str, Any]) -> None:
-        if req.store:
-            store.put(tenant, response["id"], StoredResponse(response, [*conversation, reply]))
+    async def save(response: dict[str, Any], reply: dict[str, Any]) -> None:
+        if req.store:  # a file of up to an entry's bytes, written off the loop
+            entry = StoredResponse(response, [*conversation, reply])
+            await off_loop(store.put, tenant, response["id"], entry)
 
     try:
         answer = await chat_completions(chat, request)
@@ -136,13 +139,20 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
         finish_reason=choice["finish_reason"],
         extra=extra,
     )
-    save(response, reply_message(items))
+    await save(response, reply_message(items))
     return JSONResponse(response)
+
+
+async def stored(request: Request, response_id: str) -> StoredResponse | None:
+    """The tenant's stored response ``response_id``, read from its file off the event loop;
+    None if it is not stored."""
+    store, tenant = responses_store(request), namespace(request).tenant
+    return await off_loop(store.get, tenant, response_id)
 
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> Any:
-    found = responses_store(request).get(namespace(request).tenant, response_id)
+    found = await stored(request, response_id)
     if found is None:
         raise ResponseNotFoundError(f"no stored response {response_id!r}", "response_id")
     return JSONResponse(found.response)
@@ -150,7 +160,8 @@ async def get_response(response_id: str, request: Request) -> Any:
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Any:
-    if not responses_store(request).delete(namespace(request).tenant, response_id):
+    store, tenant = responses_store(request), namespace(request).tenant
+    if not await off_loop(store.delete, tenant, response_id):
         raise ResponseNotFoundError(f"no stored response {response_id!r}", "response_id")
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -200,7 +211,7 @@ def _head(response_id: str, model: str, req: ResponsesRequest) -> dict[str, Any]
 async def _events(
     answer: StreamingResponse,
     head: dict[str, Any],
-    save: Callable[[dict[str, Any], dict[str, Any]], None],
+    save: Callable[[dict[str, Any], dict[str, Any]], Awaitable[None]],
     namespaces: dict[str, str],
 ) -> AsyncIterator[str]:
     """The Responses events of the chat route's stream ``answer``."""
@@ -219,5 +230,7 @@ async def _events(
                     return
                 for event in out.chunk(payload):
                     yield event
-    for event in out.finish(lambda response: save(response, out.reply())):
+    events = out.finish()
+    await save(out.response, out.reply())  # stored before the client reads it completed
+    for event in events:
         yield event

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from leyline_agent.engine import grammar_spec as gs
+from leyline_agent.http.offload import off_loop
 from leyline_agent.server.errors import RequestError
-from leyline_agent.server.offload import off_loop
 from leyline_agent.server.response_format import SCHEMA_FIELD, answer_grammar, supports_grammar
 from leyline_agent.server.tool_choice import ToolChoice, parse_tool_choice
 

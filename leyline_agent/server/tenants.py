@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import hashlib
-import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +37,9 @@ from leyline_agent.namespaces import (
     DEFAULT_TENANT,
     SESSION_HEADER,
     Namespace,
-    check_session_id,
     named_namespace,
 )
-from leyline_agent.server.errors import RequestError, error_response
+from leyline_agent.server.errors import error_response
 
 __all__ = [
     "ApiKeys",
@@ -82,9 +80,10 @@ def read_key_file(path: str | Path) -> list[tuple[str, str | None]]:
 
 @dataclass(frozen=True, slots=True)
 class ApiKeys:
-    """Keys (as bytes, for ``hmac.compare_digest``) and their tenants."""
+    """Keys (as SHA-256 digests, ``http.guards.key_digests``) and their tenants."""
 
-    entries: tuple[tuple[bytes, str], ...] = ()
+    digests: tuple[bytes, ...] = ()
+    tenants: tuple[str, ...] = ()
 
     @classmethod
     def build(cls, keys: Iterable[str | tuple[str, str | None]] = ()) -> ApiKeys:
@@ -98,18 +97,15 @@ class ApiKeys:
             tenant = tenant or key_tenant(key)
             if tenants.setdefault(key, tenant) != tenant:
                 raise ValueError(f"api key given twice with tenants {tenants[key]!r}, {tenant!r}")
-        return cls(tuple((k.encode("utf-8"), t) for k, t in tenants.items()))
+        return cls(guards.key_digests(tenants), tuple(tenants.values()))
 
     def __bool__(self) -> bool:
-        return bool(self.entries)
+        return bool(self.digests)
 
     def tenant(self, presented: bytes) -> str | None:
-        """The tenant of ``presented``, comparing with every key in constant time."""
-        found = None
-        for key, tenant in self.entries:
-            if hmac.compare_digest(key, presented):
-                found = tenant
-        return found
+        """The tenant of ``presented``, compared with every key (``http.guards.key_index``)."""
+        i = guards.key_index(presented, self.digests)
+        return None if i is None else self.tenants[i]
 
 
 class BearerAuth:
@@ -189,10 +185,7 @@ def session_header(request: Request) -> str | None:
     request and kept in its scope; later calls for the same request return that value."""
     if SCOPE_SESSION in request.scope:
         return request.scope[SCOPE_SESSION]
-    try:
-        session = check_session_id(request.headers.get(SESSION_HEADER), SESSION_HEADER)
-    except ValueError as e:
-        raise RequestError(str(e).partition(": ")[2] or str(e), SESSION_HEADER) from e
+    session = guards.session_header(request.headers.get(SESSION_HEADER))
     request.scope[SCOPE_SESSION] = session
     return session
 

@@ -22,6 +22,9 @@ from leyline_agent.integrations.debug_gym import (  # noqa: E402
 from leyline_agent.testing.scripted import ReplayModel  # noqa: E402
 from leyline_agent.testing.stub_server import StubServer  # noqa: E402
 
+# slow: importing debug-gym's LLM (its gym, swesmith, datasets, litellm) takes about 13 s of CPU
+pytestmark = pytest.mark.slow
+
 VIEW = {"content": "Let me look.", "tool": "view", "arguments": {"path": "a.py"}}
 
 

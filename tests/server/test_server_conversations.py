@@ -7,6 +7,8 @@ A text-only echo proves nothing about who edited a user message.
 
 from __future__ import annotations
 
+import sys
+
 from leyline_agent.front.conversations import ConversationStore
 
 CALL = "call_0123456789abcdef01234567"
@@ -56,19 +58,27 @@ def test_a_user_message_edit_is_not_believed_without_the_call_ids():
     assert store.find("", None, [*_edited(raw), REPLY_TEXT]) is None
 
 
-def test_a_tenants_conversations_are_bounded_by_their_text_lru_first():
-    store = ConversationStore(per_tenant_chars=10_000)
+def test_a_tenants_conversations_are_bounded_by_the_memory_they_hold_lru_first():
+    def held(raw: list, reply: dict, tokens: int) -> int:  # one list for sent and served
+        strings = [*raw[0].keys(), *raw[0].values(), *reply.values()]  # keys shared
+        dicts = sys.getsizeof(raw[0]) + sys.getsizeof(reply)
+        return sys.getsizeof(raw) + dicts + sum(map(sys.getsizeof, strings)) + 40 * tokens
+
+    reply = {"role": "assistant", "content": "r" * 10}
+    sizes = [held([{"role": "user", "content": f"{k}" * 1000}], reply, 100) for k in range(10)]
+    budget = sum(sizes[-4:]) + sizes[0] // 2  # 4 fit, a fifth would not
+    store = ConversationStore(per_tenant_bytes=budget)
     ids = []
-    for k in range(10):  # 1,000 characters sent + 1,000 served + a 10-character reply each
+    for k in range(10):  # 1,000 characters sent and served (one list) + a reply, 100 token ids
         conv = store.new("t", None)
-        conv.raw = [{"role": "user", "content": f"{k}" * 1000}]
-        conv.served, conv.reply = list(conv.raw), {"role": "assistant", "content": "r" * 10}
+        conv.raw = conv.served = [{"role": "user", "content": f"{k}" * 1000}]
+        conv.reply, conv.tokens = reply, tuple(range(1000, 1100))
         store.save("t", conv)
         ids.append(conv.id)
     kept = [cid for cid in ids if cid in store._tenants["t"]]
-    assert kept == ids[-4:]  # 4 x 2,010 fit in 10,000; a fifth would not
+    assert kept == ids[-4:]
     other = store.new("u", None)
-    other.raw = other.served = [{"role": "user", "content": "x" * 50_000}]
+    other.raw = other.served = [{"role": "user", "content": "x" * 500_000}]
     store.save("u", other)  # over the budget alone: the one just saved is kept
     assert len(store) == 5
     assert store.forget_tenant("t") == 4 and len(store) == 1

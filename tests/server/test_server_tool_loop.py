@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from leyline_agent.directives.tool_prompt import set_setting, template_tools
+from leyline_agent.errors import RequestError
 
 pytestmark = pytest.mark.slow
 
@@ -123,6 +124,24 @@ def test_the_template_setting_refuses_tools_naming_them(smol):
         assert e.value.body["param"] == "messages[1]"
     finally:
         set_setting(engine.tokenizer, "hermes")
+
+
+def test_a_setting_changed_later_reaches_a_thread_that_rendered_before(smol):
+    """Each render thread keeps its own copy of the tokenizer (``Engine._render_tokenizer``):
+    a thread that rendered under ``hermes`` must see ``template`` once it is set."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine, _, _ = smol
+    user = [{"role": "user", "content": "hi"}]
+    with ThreadPoolExecutor(1) as one:
+        assert one.submit(engine.render, user, TOOLS, True).result()  # its copy, under hermes
+        set_setting(engine.tokenizer, "template")
+        try:
+            with pytest.raises(RequestError) as e:
+                one.submit(engine.render, user, TOOLS, True).result()
+            assert e.value.field == "tools"
+        finally:
+            set_setting(engine.tokenizer, "hermes")
 
 
 def test_logprobs_and_usage_leave_out_the_stop_token(smol):

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from leyline_agent.server.errors import RequestError
+from leyline_agent.errors import RequestError
 
 __all__ = ["OFFLOAD_THREADS", "off_loop"]
 
