@@ -25,6 +25,7 @@ The checker is tested too, on made-up sources, so that it can fail.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -347,7 +348,7 @@ DIRECTIVE_STEPS = {
 STEP_RUNNERS = {"leyline_agent.directives.service"}
 SERVICE_MOUNTS = {  # every directive route and runtime goes through the service
     "leyline_agent.server.leyline_routes",
-    "leyline_agent.vllm_plugin.route",
+    "leyline_agent.directives.remote_engine",
     "leyline_agent.sglang_plugin.http_route",
     "leyline_agent.sglang_plugin.client",
     "leyline_agent.engine.executor",
@@ -356,8 +357,9 @@ SERVICE_MOUNTS = {  # every directive route and runtime goes through the service
 
 def test_directive_requests_run_through_the_one_service(package):
     """One front door: outside ``directives``, only the service takes the pipeline's steps;
-    ``leyline serve``'s route, the engine's ``apply_directives``, the vLLM plugin's route and
-    SGLang's route and runtime import ``directives.service``."""
+    ``leyline serve``'s route, the engine's ``apply_directives``, the backend of an engine in
+    another process (the vLLM plugin's route is its adapter) and SGLang's route and runtime
+    import ``directives.service``."""
     found = [
         f"{m.name}:{i.line}: {i.target}.{name}"
         for m in package.values()
@@ -393,7 +395,10 @@ def test_the_directive_service_speaks_no_web_framework(package):
 SHARED_LIGHT = {
     "leyline_agent.http.guards": "the HTTP guards every server runs",
     "leyline_agent.http.asgi": "their raw ASGI plumbing",
-    "leyline_agent.vllm_plugin.ops": "the EngineCore ops' wire, imported by vLLM's API server",
+    "leyline_agent.front.door": "the Leyline front before an engine's own app (vLLM's)",
+    "leyline_agent.front.pin_report": "the answer that says a splice result was lost",
+    "leyline_agent.directives.engine_rpc": "the ops between a front and an engine process",
+    "leyline_agent.directives.remote_engine": "the directive backend over those ops",
     "leyline_agent.launch": "the one launcher of real servers, for tests and benchmarks",
 }
 HEAVY = {*TORCH, "vllm", "sglang", "fastapi", "starlette", "uvicorn"}
@@ -405,6 +410,23 @@ def test_the_shared_services_import_no_engine_and_no_web_framework(package):
     for name, what in SHARED_LIGHT.items():
         heavy = {i.target.split(".")[0] for i in package[name].imports} & HEAVY
         assert not heavy, f"{name} ({what}) imports {sorted(heavy)}"
+
+
+PLUGIN_MAX_LINES = 2000  # vLLM's adaptation only: what is engine-neutral lives in directives/
+PLUGIN_MAX_ANY_LINES = 30
+
+
+def test_the_vllm_plugin_stays_an_adaptation():
+    """``vllm_plugin/`` keeps only vLLM's adaptation (scheduler, worker, connector, rows,
+    pins, the transport): at most ``PLUGIN_MAX_LINES`` lines, ``Any`` on at most
+    ``PLUGIN_MAX_ANY_LINES`` of them. Past either, the new code is probably engine-neutral and
+    belongs in ``directives/`` (or the plugin grew a second product again)."""
+    files = sorted((SOURCES["leyline_agent"] / "vllm_plugin").glob("*.py"))
+    lines = [line for f in files for line in f.read_text().splitlines()]
+    per_file = {f.name: len(f.read_text().splitlines()) for f in files}
+    assert len(lines) <= PLUGIN_MAX_LINES, f"vllm_plugin/ has {len(lines)} lines: {per_file}"
+    with_any = [line for line in lines if re.search(r"\bAny\b", line)]
+    assert len(with_any) <= PLUGIN_MAX_ANY_LINES, with_any
 
 
 # ---- the checker itself -----------------------------------------------------------------

@@ -28,9 +28,19 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["DEFAULT_WATCHED", "Arrival", "Pin", "PinTable", "Refs", "Rows", "Watched"]
+__all__ = [
+    "DEFAULT_TTL_S",
+    "DEFAULT_WATCHED",
+    "Arrival",
+    "Pin",
+    "PinTable",
+    "Refs",
+    "Rows",
+    "Watched",
+]
 
 DEFAULT_WATCHED = 4096
+DEFAULT_TTL_S = 300.0  # unless configured: ``leyline serve --pin-ttl-s``, ``LEYLINE_PIN_TTL_S``
 
 
 @dataclass(frozen=True, slots=True)

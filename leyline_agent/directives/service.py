@@ -20,15 +20,18 @@ a plan on it, release it, and count. Everything else is the service's, in this o
 8. lookup: the backend holds the cached prefix of the base in the namespace;
 9. ``pipeline.decide``: a miss (409, or the ``fallback`` answer), a noop, or a ``Plan``;
 10. execute: the backend checks the whole plan, then mutates (a refused directive of a
-    batch leaves the cache as it was); the held prefix is released whatever happened;
+    batch leaves the cache as it was); a miss only the backend can see (``executed``) is
+    answered as ``decide``'s are; the held prefix is released whatever happened;
 11. counters: every answer (``Counters.count_directive``); ``directive_errors`` counts the
     requests refused after they reached the cache (a miss, a failed execution): a bad body
     never reaches it and changes no counter;
 12. error mapping: a ``LeylineError`` or an invalid body becomes the OpenAI-shaped error
-    body with the field (``answers``), for transports without their own handlers.
+    body with the field (``answers.error_content``): the plugins' routes
+    (``http.directive_routes``) and ``leyline serve``'s handlers map what the service raises.
 
 Steps 1-4 are ``admit`` (pure), 6-11 ``run``. ``flush`` empties a tenant's part of the
-cache through the backend (``POST /leyline/v1/flush``). ``run`` is a coroutine; a backend that never
+cache through the backend (``POST /leyline/v1/flush``). A plugin (vLLM, SGLang) mounts the
+service on ``http.directive_routes`` through ``PluginMount``. ``run`` is a coroutine; a backend that never
 suspends (the embedded engine, on its worker thread) is driven to its end by ``run_inline``.
 """
 
@@ -36,27 +39,29 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from pydantic import ValidationError
-
-from leyline_agent.directives.answers import error_content
 from leyline_agent.directives.core import Mode
 from leyline_agent.directives.flush import FlushResponse
 from leyline_agent.directives.idempotence import RequestMemory, check_request_id, fingerprint
-from leyline_agent.directives.pipeline import Plan, compile_request, decide
+from leyline_agent.directives.pipeline import (
+    Compiled,
+    Plan,
+    compile_request,
+    decide,
+    fallback_answer,
+)
 from leyline_agent.directives.validate import (
     RequestLimits,
     check_served,
     checked,
     parse_directives,
 )
-from leyline_agent.errors import LeylineError
-from leyline_agent.http_errors import error_body
-from leyline_agent.namespaces import Namespace
+from leyline_agent.errors import CacheMissError, LeylineError
+from leyline_agent.namespaces import DEFAULT_TENANT, Namespace, named_namespace
 from leyline_agent.wire import Counters, DirectivesRequest, DirectivesResponse
 
 __all__ = [
@@ -65,8 +70,8 @@ __all__ = [
     "Flushed",
     "FlushedRows",
     "HeldPrefix",
+    "PluginMount",
     "ServedModel",
-    "error_answer",
     "run_directive",
     "run_inline",
 ]
@@ -201,21 +206,6 @@ class DirectiveService:
         async with self.ordered(ns):
             return await self.run(ready, ns, backend)
 
-    async def answer(
-        self,
-        body: object,
-        namespace_of: Callable[[str | None], Namespace],
-        backend: DirectiveBackend[Any],
-    ) -> tuple[int, dict[str, Any]]:
-        """Every step, errors mapped (step 12): ``(status, JSON body)``."""
-        try:
-            req, ns = self.admit(body, namespace_of)
-            async with self.ordered(ns):
-                resp = await self.run(req, ns, backend)
-        except (ValidationError, LeylineError) as e:
-            return error_content(e)
-        return 200, resp.model_dump(mode="json")
-
     async def flush(self, tenant: str, backend: DirectiveBackend[Any]) -> FlushResponse:
         """``POST /leyline/v1/flush``'s cache part (``directives.flush``): the server adds
         what else it drops of the tenant (conversations, stored responses)."""
@@ -238,6 +228,54 @@ class DirectiveService:
         )
 
 
+class Conversations(Protocol):
+    """A chat front's conversations (``front.conversations.ConversationStore``), as far as
+    the directive routes touch them."""
+
+    def directive_ran(self, ns: Namespace, req: DirectivesRequest) -> None: ...
+
+    def forget_tenant(self, tenant: str) -> int: ...
+
+
+class PluginMount:
+    """What a plugin server answers its Leyline routes with (``http.directive_routes``'s
+    ``DirectiveMount``): its one tenant's directives through the service (``service_of``:
+    made on first use) over ``backend``, flushes, and ``stats_of``'s stats. A chat front's
+    ``conversations`` are told what each directive ran and are dropped by a flush. Errors
+    are raised, for the routes to answer."""
+
+    def __init__(
+        self,
+        backend: DirectiveBackend[Any],
+        service_of: Callable[[], Awaitable[DirectiveService]],
+        stats_of: Callable[[], Awaitable[dict[str, Any]]],
+        conversations: Conversations | None = None,
+    ) -> None:
+        self.backend = backend
+        self.service_of = service_of
+        self.stats = stats_of
+        self.conversations = conversations
+
+    async def directives(self, body: object, session_header: str | None) -> tuple[int, dict]:
+        """Every step (module doc): ``(200, the answer)``; the session is the header's or
+        the body's (``named_namespace``)."""
+        svc = await self.service_of()
+        req, ns = svc.admit(body, lambda s: named_namespace(s, session_header))
+        async with svc.ordered(ns):
+            resp = await svc.run(req, ns, self.backend)
+        if self.conversations is not None:
+            self.conversations.directive_ran(ns, req)  # what it forgot stays forgotten
+        return 200, resp.model_dump(mode="json")
+
+    async def flush_all(self) -> dict[str, Any]:
+        """``POST /leyline/v1/flush``: the cache's part and the conversations; counters are
+        untouched."""
+        out = await (await self.service_of()).flush(DEFAULT_TENANT, self.backend)
+        convs = self.conversations
+        dropped = convs.forget_tenant(DEFAULT_TENANT) if convs is not None else 0
+        return out.model_copy(update={"dropped_conversations": dropped}).model_dump(mode="json")
+
+
 async def run_directive(
     req: DirectivesRequest,
     ns: Namespace,
@@ -256,7 +294,7 @@ async def run_directive(
             held = await backend.hold(compiled.base, ns)
         decision = decide(compiled, held.length if held is not None else 0, req)
         if isinstance(decision, Plan):
-            answer = await backend.execute(decision, held, ns)
+            answer = await executed(backend, decision, held, ns, compiled, req)
         else:
             answer = decision
     except LeylineError:
@@ -271,17 +309,29 @@ async def run_directive(
     return answer
 
 
+async def executed(
+    backend: DirectiveBackend[Any],
+    plan: Plan,
+    held: Any,
+    ns: Namespace,
+    compiled: Compiled,
+    req: DirectivesRequest,
+) -> DirectivesResponse:
+    """Step 10: ``backend.execute``. A backend finds some misses only when it checks the
+    whole batch (a span the batch's earlier splices leave uncached on its storage, rows
+    evicted since the lookup); its ``CacheMissError``, raised before the first write, is a
+    miss like ``decide``'s: 409, or with ``req.fallback`` the ``fallback`` answer (nothing
+    executed, counted in ``fallbacks``), on every backend alike."""
+    try:
+        return await backend.execute(plan, held, ns)
+    except CacheMissError:
+        if not req.fallback:
+            raise
+        return fallback_answer(compiled)
+
+
 def _count_error(counters: Counters) -> None:
     counters.directive_errors += 1
-
-
-def error_answer(
-    status: int, type_: str, message: str, field_: str | None
-) -> tuple[int, dict[str, Any]]:
-    """``(status, {"error": ...})``: the body ``leyline serve``'s handlers answer."""
-    return status, {
-        "error": error_body(type_, message, field_, status=status).model_dump(mode="json")
-    }
 
 
 def run_inline[R](coro: Coroutine[Any, Any, R]) -> R:

@@ -188,11 +188,16 @@ class Engine:
 
     def _render_tokenizer(self) -> Any:
         """This thread's copy of the tokenizer (made on its first render: about 10 ms). A fast
-        tokenizer's Rust object is not to be used by two threads at once."""
+        tokenizer's Rust object is not to be used by two threads at once. The copy reads its
+        settings (``init_kwargs``: the tool setting, ``tool_prompt.set_setting``) from the
+        served tokenizer's own dict, so a setting changed after the copy was made reaches
+        every thread's renders."""
         tok = getattr(self._render_local, "tokenizer", None)
         if tok is None:
             with self.stepper.exclusive():  # the copy reads the shared tokenizer
-                tok = self._render_local.tokenizer = copy.deepcopy(self.tokenizer)
+                tok = copy.deepcopy(self.tokenizer)
+                tok.init_kwargs = self.tokenizer.init_kwargs
+                self._render_local.tokenizer = tok
         return tok
 
     def check_ids(self, ids: Sequence[int], where: str, allow_empty: bool = False) -> list[int]:

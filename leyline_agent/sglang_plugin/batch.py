@@ -33,10 +33,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from leyline_agent.directives import Directive, Mode, plan_batch
+from leyline_agent.directives import Directive, plan_batch
 from leyline_agent.directives.modes import executed_by, rule_of
 from leyline_agent.directives.pipeline import Plan, applied_answer
-from leyline_agent.errors import DirectiveError, UnsupportedModeError
+from leyline_agent.directives.splice_plan import SpliceStep, splice_counts, tail_op
+from leyline_agent.errors import DirectiveError
 from leyline_agent.namespaces import ANONYMOUS
 from leyline_agent.wire import DirectivesResponse
 
@@ -61,23 +62,11 @@ PREFILL_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}
 @dataclass(slots=True, frozen=True)
 class DirectiveCalls:
     directive: Directive
-    tokens_before: list[int]
-    tokens_after: list[int]
+    step: SpliceStep  # the planner's step on the sequence before it: what it moves and fills
     prefill_ids: list[int]  # AMORTIZE: T[:s] + R; FORGET: all of T'
     rpc_kwargs: dict[str, str | int]  # the RPCs' keywords (both modes)
     rpc_before: str  # before the prefill: leyline_check (read-only) / leyline_forget
     rpc_after: str | None  # after it: leyline_splice (AMORTIZE) / nothing (FORGET)
-
-    @property
-    def rotated(self) -> int:
-        if self.directive.mode is not Mode.AMORTIZE:
-            return 0
-        return len(self.tokens_before) - self.directive.end
-
-    @property
-    def prefilled(self) -> int:
-        d = self.directive
-        return len(self.prefill_ids) - d.start
 
 
 def plan_calls(
@@ -97,14 +86,13 @@ def plan_calls(
             raise DirectiveError(f"directives[{i}].replacement: compile text to token ids first")
         after = cur[: d.start] + d.replacement + cur[d.end :]
         kw = encode_splice_kwargs(cur, d, namespace)
-        rule = rule_of(d.mode, executed_by(ROW_OPS), where=f"directives[{i}].mode")
-        if rule.tail == "move":
+        rule_of(d.mode, executed_by(ROW_OPS), where=f"directives[{i}].mode")
+        step = SpliceStep(d.start, d.end, tuple(d.replacement), d.mode, len(cur))
+        if tail_op(d.mode) == "move":
             head = cur[: d.start] + d.replacement
-            steps.append(DirectiveCalls(d, cur, after, head, kw, RPC_CHECK, RPC_METHOD))
-        elif rule.tail == "prefill":
-            steps.append(DirectiveCalls(d, cur, after, after, kw, RPC_FORGET, None))
-        else:  # a rule executed_by(ROW_OPS) admits has one of ROW_OPS as its tail
-            raise UnsupportedModeError(f"directives[{i}].mode: {d.mode.value!r} has no SGLang call")
+            steps.append(DirectiveCalls(d, step, head, kw, RPC_CHECK, RPC_METHOD))
+        else:  # "prefill" (``tail_op`` refuses any other tail)
+            steps.append(DirectiveCalls(d, step, after, kw, RPC_FORGET, None))
         cur = after
     return steps
 
@@ -112,13 +100,10 @@ def plan_calls(
 def response_for(steps: Sequence[DirectiveCalls], plan: Plan) -> DirectivesResponse:
     """The answer to an executed ``plan``; counts are what the steps asked for (each
     scheduler rank logs what it did)."""
-    splices = {"amortize": 0, "forget": 0}
-    for st in steps:
-        splices[st.directive.mode.value] += 1
     return applied_answer(
         plan,
-        splices=splices,
-        reused=sum(st.directive.start for st in steps),
-        prefilled=sum(st.prefilled for st in steps),
-        rotated=sum(st.rotated for st in steps),
+        splices=splice_counts(st.step for st in steps),
+        reused=sum(st.step.start for st in steps),
+        prefilled=sum(st.step.filled_rows for st in steps),
+        rotated=sum(st.step.moved_rows for st in steps),
     )

@@ -8,8 +8,9 @@ holds (SGLang serves one tenant, ``""``; ``scheduler_hook.leyline_flush``). The 
 wire models as ``leyline serve`` (``leyline_agent.wire``), so the agent-side
 ``HTTPRuntime`` works against either server.
 
-The body is read and checked as every Leyline front checks it (``http.guards.read_json``:
-413 past ``LEYLINE_MAX_BODY_BYTES``, default 16 MiB; not JSON, too deep, a lone surrogate or a
+The routes are ``http.directive_routes``'s, as on vLLM: the body is read and checked as
+every Leyline front checks it (``http.guards.read_json``: 413 past
+``LEYLINE_MAX_BODY_BYTES``, default 16 MiB; not JSON, too deep, a lone surrogate or a
 non-finite number: 400 naming the field). The request goes through
 ``directives.service.DirectiveService`` (parse, model and limits,
 ``request_id``, per-namespace order, compile, decide, counters, error bodies), as on
@@ -36,14 +37,10 @@ from __future__ import annotations
 from typing import Any
 
 import structlog
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
 
-from leyline_agent.directives.service import error_answer
-from leyline_agent.errors import LeylineError
-from leyline_agent.http import guards
-from leyline_agent.http_errors import classify
-from leyline_agent.namespaces import SESSION_HEADER, named_namespace
+from leyline_agent.directives.answers import error_content
+from leyline_agent.directives.service import DirectiveService, PluginMount
+from leyline_agent.http.directive_routes import add_directive_routes
 from leyline_agent.sglang_plugin.batch import PREFILL_PARAMS
 from leyline_agent.sglang_plugin.client import directive_service
 from leyline_agent.sglang_plugin.executor import SGLangBackend
@@ -64,28 +61,20 @@ class SGLangRoute:
         self.tm = tokenizer_manager
         self.rpc_ipc_name = rpc_ipc_name
         self.backend = SGLangBackend(self)
-        self.service = directive_service(tokenizer_manager)
+        self.service: DirectiveService = directive_service(tokenizer_manager)
         self._sock: Any = None
+        self.mount = PluginMount(self.backend, self._service, self.stats)  # the routes' answers
+
+    async def _service(self) -> DirectiveService:
+        return self.service
 
     @property
     def counters(self) -> Counters:
         return self.backend.counters
 
-    async def directives(
-        self, body: Any, session_header: str | None = None
-    ) -> tuple[int, dict[str, Any]]:
-        """(status, JSON body), errors mapped as ``leyline serve`` maps them (``http_errors``)."""
-        return await self.service.answer(
-            body, lambda session: named_namespace(session, session_header), self.backend
-        )
-
-    async def flush(self) -> tuple[int, dict[str, Any]]:
-        """``POST /leyline/v1/flush`` (one tenant, ``""``): (status, JSON body)."""
-        try:
-            out = await self.service.flush("", self.backend)
-        except LeylineError as e:
-            return error_answer(*classify(e))
-        return 200, out.model_dump(mode="json")
+    async def stats(self) -> dict[str, Any]:
+        """``GET /leyline/v1/stats``: the backend's counters."""
+        return self.counters.to_stats().model_dump(mode="json")
 
     async def prefill(self, token_ids: list[int], extra_key: str) -> None:
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -118,27 +107,8 @@ class SGLangRoute:
 
 
 def add_routes(app: Any, route: SGLangRoute) -> None:
-    limit = guards.max_body_bytes()
-
-    async def directives(request: Request) -> Response:
-        try:  # the body checks every Leyline front runs (``http.guards``)
-            body = await guards.read_json(request.headers.raw, request.receive, limit)
-        except guards.GuardError as e:
-            status, headers, raw = guards.error_message(e)
-            return Response(raw, status, headers, media_type="application/json")
-        status, content = await route.directives(body, request.headers.get(SESSION_HEADER))
-        return JSONResponse(content, status_code=status)
-
-    async def stats() -> JSONResponse:
-        return JSONResponse(route.counters.to_stats().model_dump(mode="json"))
-
-    async def flush() -> JSONResponse:
-        status, content = await route.flush()
-        return JSONResponse(content, status_code=status)
-
-    app.add_api_route("/leyline/v1/directives", directives, methods=["POST"])
-    app.add_api_route("/leyline/v1/stats", stats, methods=["GET"])
-    app.add_api_route("/leyline/v1/flush", flush, methods=["POST"])
+    """The three Leyline routes (``http.directive_routes``) over ``route``."""
+    add_directive_routes(app, lambda request: route.mount, error_content)
 
 
 def before_http_server(server_args: Any, tokenizer_manager: Any, template_manager: Any,

@@ -1,4 +1,5 @@
-"""Pure planning of one AMORTIZE splice over SGLang's radix cache (no tensor is mutated).
+"""Pure planning of one AMORTIZE splice over SGLang's radix cache (no tensor is mutated): the
+one planner's pieces (``directives.splice_plan.amortize_pieces``) placed on radix namespaces.
 
 Inputs are what read-only lookups found (``treeview.peek_prefix``), in two namespaces:
 - ``old``: the cached prefix of the base sequence ``T`` (``m`` tokens, their slots), in the
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from leyline_agent.directives import Directive, Mode
+from leyline_agent.directives.splice_plan import Piece, amortize_pieces
 from leyline_agent.errors import CacheMissError, DirectiveError
 
 __all__ = ["TreeSplicePlan", "check_base", "plan_amortize", "spliced_tokens"]
@@ -115,12 +117,14 @@ def plan_amortize(
     (old_len, old_slots), (own_len, own_slots), (plain_len, plain_slots) = old, own, plain
     check_base(tokens, directive, old_len)
     start, end, repl = directive.start, directive.end, list(directive.replacement)
+    # the planner's AMORTIZE of T[:old_len]: the head (kept prefix and R's fill) lies in one
+    # tree, reused or copied; the moved tail is read from T's slots and turned by delta
+    pieces = amortize_pieces(start, end, repl, old_len)
+    head_len = sum(p.size for p in pieces if p.kind != "move")
+    tail = next((p for p in pieces if p.kind == "move"), Piece("move", old_len, old_len))
     delta = directive.delta
-    head = list(tokens[:start]) + repl
-    head_len = len(head)
-    tail_cached = old_len - end  # tail tokens that have KV in the tree
-    new_total = head_len + tail_cached
-    new_ids = head + list(tokens[end:old_len])
+    new_total = head_len + tail.size
+    new_ids = list(tokens[:start]) + repl + list(tokens[end:old_len])
     if own_len >= head_len:  # the session's tree holds the head (and maybe an earlier tail)
         reuse = min(own_len, new_total)
         copy = _EMPTY
@@ -139,8 +143,8 @@ def plan_amortize(
         reuse_len=reuse,
         reuse_slots=own_slots[:reuse].clone(),
         copy_slots=copy,
-        src_slots=old_slots[end + skip : old_len].clone(),
+        src_slots=old_slots[tail.lo + skip : tail.hi].clone(),
         delta=delta,
-        first_old_pos=end + skip,
+        first_old_pos=tail.lo + skip,
         cached_base_len=old_len,
     )

@@ -23,28 +23,15 @@ What SGLang 0.5.23 does with ``extra_key`` (``sglang/srt/...``):
   ``Engine.generate`` has no ``extra_key`` argument (``entrypoints/engine.py:433-541``), so
   ``client.py`` builds the ``GenerateReqInput`` itself.
 
-Leyline's use of it (the rule is ``leyline_agent.namespaces``):
-- the **plain tree** (no extra key) holds exact rows only: plain prefills, shared by token
-  identity. No splice ever writes into it.
-- a session's namespace, extra key ``Namespace(tenant, session).key`` (``leyline/...``),
-  holds the session's own rows: each splice's ``T'`` in full (the head reused from the
-  session's tree or copied from the plain tree, the rotated tail in new slots) and every
-  row its requests computed on top of them. Requests that name no session belong to the
-  anonymous namespace ``Namespace().key``, which is a session like any other.
-- **routing** (``route_key``): a request of namespace ``N`` is matched (and its new rows
-  cached) in ``N``'s tree as soon as that tree holds any prefix of it (its first token),
-  otherwise in the plain tree. A session that never spliced thus shares exact rows with
-  everyone; after its first splice its requests stay in its own tree, whatever anyone
-  else sends, until that tree is evicted (its next request is then a fresh prefill in the
-  plain tree: exact rows, the session's spliced state being gone). Other sessions and
-  plain requests never look there.
-  Why not "the longer match wins": the plain tree may hold the session's edited tokens as
-  exact rows (another client sent the same history without splicing); the session would
-  then be served those instead of its own splice, and its answers would depend on what
-  someone else sent. The price of the rule: after a splice of the anonymous session,
-  every session-less request that starts like it (the same first token, usually every
-  chat) is served from the anonymous tree, and re-prefills there once what it had in the
-  plain tree.
+Leyline's use of it is the plugins' one rule (``directives.routing``): no extra key is the
+plain tree of exact rows, a session's extra key is ``Namespace(tenant, session).key``
+(``leyline/...``; the anonymous session's too), and every request is routed by
+``route_key``: to its namespace's tree as soon as that tree holds any prefix of it (its
+first token), otherwise to the plain tree. A session's tree holds each splice's ``T'`` in
+full (the head reused from the session's tree or copied from the plain tree, the rotated
+tail in new slots). The price of the rule: after a splice of the anonymous session, every
+session-less request that starts like it (the same first token, usually every chat) is
+served from the anonymous tree, and re-prefills there once what it had in the plain tree.
 
 The hooks: ``before_generate_request`` (main process, ``TokenizerManager.generate_request``)
 turns the ``X-Leyline-Session`` header into the request's extra key; ``before_scheduler_request``
@@ -60,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from leyline_agent.directives.routing import route_namespace
 from leyline_agent.errors import DirectiveError
 from leyline_agent.namespaces import ANONYMOUS, SESSION_HEADER, Namespace, check_session_id
 
@@ -89,14 +77,16 @@ def check_namespace(namespace: object) -> str:
     return namespace
 
 
-def route_key(tree: Any, token_ids: Sequence[int], namespace: str) -> str | None:
-    """``namespace`` if its tree holds a prefix of ``token_ids`` (their first token), else
-    ``None`` (the plain tree). Read-only, one dictionary lookup."""
+def route_key(tree: Any, token_ids: Sequence[int], namespace: str | None) -> str | None:
+    """The tree a request of ``namespace`` (None: the anonymous one) is matched in
+    (``directives.routing``): its namespace if that tree holds a prefix of ``token_ids``
+    (their first token), else ``None`` (the plain tree). Read-only, one dictionary lookup."""
     from leyline_agent.sglang_plugin.treeview import peek_prefix
 
-    if len(token_ids) == 0:
-        return None
-    return namespace if peek_prefix(tree, token_ids[:1], namespace).length else None
+    def holds_start(ns: str) -> bool:
+        return bool(token_ids) and bool(peek_prefix(tree, token_ids[:1], ns).length)
+
+    return route_namespace(namespace, ANONYMOUS_KEY, is_leyline_key, holds_start)
 
 
 def route_request(tree: Any, req: Any) -> None:
@@ -110,7 +100,7 @@ def route_request(tree: Any, req: Any) -> None:
         req.extra_key = None  # no Leyline splices without the plugin's tree
         return
     ids = req.input_ids
-    req.extra_key = route_key(tree, ids, key or ANONYMOUS_KEY) if ids is not None else None
+    req.extra_key = route_key(tree, ids, key) if ids is not None else None
 
 
 def before_scheduler_request(scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:

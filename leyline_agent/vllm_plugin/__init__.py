@@ -6,17 +6,17 @@ scheduler that hands blocks to requests, and the workers' KV tensors.
 
 - ``namespace``: which salt a request is served under (spliced blocks live in their
   session's namespace; unsalted blocks are exact prefills only).
-- ``plan``: pure, from a directive and two block lists to a ``BlockSplicePlan`` of rows.
-- ``scheduler``: ``LeylineScheduler`` (routing, holding a directive's head, counters).
-- ``held_rows`` / ``connector``: rows past a sequence's last full block, held and handed to
-  the next request as computed tokens through vLLM's KV connector API.
+- ``route``: the directive routes over the shared backend of an engine in another process
+  (``directives.remote_engine``), on vLLM's transport: ``directives.engine_rpc``'s ops to
+  the EngineCore, vLLM's own requests for the prefills.
+- ``scheduler``: ``LeylineScheduler`` (routing, holding a directive's head, counters, pins).
+- ``connector``: rows past a sequence's last full block (``directives.held_rows``), handed
+  to the next request as computed tokens through vLLM's KV connector API.
 - ``engine_ops``: ``EngineCore.leyline_rpc``, the ops that run between two engine steps.
 - ``worker`` / ``kv_rows``: ``LeylineWorkerExtension`` (rows copied, keys rotated with
   ``leyline_agent.kernels``), the CPU cache layout probed with the backend's write op.
-- ``route``, ``errors``, ``guard``: the HTTP side, same wire contract as ``leyline serve``
-  (directives; the chat front ``front.chat_proxy``, edits riding with a chat request).
-- ``pins`` / ``pin_report``: a splice result pinned for its namespace's next request (the
-  table, run by the scheduler), and the answer that says when one was lost.
+- ``guard``: what Leyline's front door (``front.door``: keys, chat and Messages fronts,
+  sessions; ``front.pin_report``) reads of vLLM's app.
 
 Entry points (``pyproject.toml``): ``vllm.general_plugins: leyline = register`` (loaded by
 vLLM in the API server, the EngineCore and the workers) and ``vllm.endpoint_plugins:
@@ -109,14 +109,15 @@ class LeylineEndpoints:
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
+        from leyline_agent.front.door import FrontDoor
+        from leyline_agent.front.pin_report import PinReport
         from leyline_agent.http import guards as http_guards
-        from leyline_agent.vllm_plugin.guard import LeylineGuard
-        from leyline_agent.vllm_plugin.pin_report import PinReport
+        from leyline_agent.vllm_plugin.guard import VLLM
         from leyline_agent.vllm_plugin.route import add_routes
 
         add_routes(app)
-        app.add_middleware(PinReport)  # inside the guard: it sees the body the guard hands on
-        app.add_middleware(LeylineGuard)
+        app.add_middleware(PinReport, VLLM)  # inside the door: it sees the body the door hands on
+        app.add_middleware(FrontDoor, VLLM)
         # vLLM adds its key check after the plugins' middleware, so outside it; the
         # Anthropic SDK's x-api-key must be read before that check: outermost, when the
         # stack is built (at the first request)
@@ -136,8 +137,7 @@ class LeylineEndpoints:
         if engine_client is None:
             return
         names = list(getattr(args, "served_model_name", None) or []) or [str(args.model)]
-        route = VLLMRoute(engine_client, names)
-        route.app_state = state  # vLLM's renderer, for the chat front (``render_chat``)
+        route = VLLMRoute(engine_client, names, state)  # state: vLLM's renderer, for the chat
         state.leyline = route
         setattr(state, FRONT_STATE, ChatFront(route))  # leyline.edits of chat requests
         info = await route.info()

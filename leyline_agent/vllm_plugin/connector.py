@@ -1,11 +1,10 @@
 """``LeylineConnector``: held rows handed to a request as computed tokens (vLLM's KV
 connector API, ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``).
 
-vLLM's prefix cache gives a request whole cached blocks only. The rows past a sequence's
-last full block (a splice's ``T'``, a finished request's prompt, a FORGET's or a head's
-prefix inside a block) are held by the scheduler (``held_rows.HeldRowsTable``). The KV
-connector API is vLLM's own way to say "these tokens were computed outside the prefix
-cache; load them into the request's blocks":
+vLLM's prefix cache gives a request whole cached blocks only; the rows past a sequence's
+last full block are held by the scheduler (``directives.held_rows``). The KV connector API
+is vLLM's own way to say "these tokens were computed outside the prefix cache; load them
+into the request's blocks":
 
 - scheduler side: ``get_num_new_matched_tokens(request, num_local)`` asks the table for
   rows that extend the request's local hit (``LeylineScheduler.leyline_match``); vLLM
@@ -44,7 +43,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from leyline_agent.vllm_plugin.held_rows import RowsMatch
+    from leyline_agent.directives.held_rows import RowsMatch
     from leyline_agent.vllm_plugin.worker import RowCopier
 
 __all__ = ["CONNECTOR_NAME", "LeylineConnector", "RowLoads"]
@@ -83,7 +82,6 @@ class LeylineConnector(KVConnectorBase_V1):
         self._loads = RowLoads()
         self._pinned: list[KVCacheBlock] = []  # source blocks read by the step being built
         self._copier: RowCopier | None = None
-        self.loaded_rows = 0  # rows handed to requests (scheduler side)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -117,7 +115,6 @@ class LeylineConnector(KVConnectorBase_V1):
         self._loads.dst.extend(dst_block * b + i for i in range(n))
         self.scheduler.block_pool.touch([match.held.block])
         self._pinned.append(match.held.block)
-        self.loaded_rows += n
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._loads = self._loads, RowLoads()

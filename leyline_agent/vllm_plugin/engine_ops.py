@@ -3,64 +3,47 @@
 The API server reaches the EngineCore process with vLLM's utility calls
 (``engine_client.engine_core.call_utility_async(name, *args)`` -> ``getattr(engine_core,
 name)(*args)``), which vLLM runs in its busy loop between two steps: no forward pass runs
-while an op does. The general plugin adds this one method to ``EngineCore``. Ops:
+while an op does. The general plugin adds this one method to ``EngineCore``. The ops
+(``directives.engine_rpc``), on vLLM's block pool:
 
-- ``describe``: the checks of what the plugin supports, and the facts the route needs.
 - ``lock``: ``T``'s cached full blocks in its routed namespace and, when the namespace
-  holds them (``held_rows``), the rows of its partial last block, held with a reference so
-  no eviction can take them before the splice (a miss holds nothing). ``stage=s``: the
-  rows ``T[block_start(s):s]`` are also held for the namespace as the rows of ``T[:s]``,
-  so the request that follows (a head ``T[:s] + R``, a FORGET's ``T'``) is handed them
-  instead of prefilling them again. ``hold=False``: the same, then the hold is given back in
-  the same op (a lookup, or a FORGET's staging: one trip through the busy loop, not two).
-- ``splice``: the plan (``plan.py``) from the locked ``T`` and the held head, fresh blocks,
-  ``collective_rpc("leyline_copy_rows")`` on every worker (``repair``: then REPAIR's rows,
-  chosen and checked to be fresh before the first write, ``leyline_repair_rows``),
-  ``T'``'s full blocks registered
-  under its hash chain in the session's namespace (a block already registered there under
-  the same hash is dropped: the latest directive wins), the rows past them held for the
-  session's next request, references released; ``T'`` is the namespace's pinned result
-  (``scheduler``: pins), replacing its last one.
+  holds them, the rows of its partial last block (held rows, or the cached full block a
+  longer sequence left, ``directives.sequences``), held with a reference so no eviction can
+  take them before the splice (a miss holds nothing). ``stage=s``: the rows
+  ``T[block_start(s):s]`` are also held for the namespace as the rows of ``T[:s]``, so the
+  request that follows (a head ``T[:s] + R``, a FORGET's ``T'``) is handed them.
+- ``splice``: the plan (``directives.block_plan``) from the locked ``T`` and the held head,
+  fresh blocks, ``leyline_copy_rows`` on every worker (``repair``: then REPAIR's rows,
+  checked to be fresh before the first write, ``leyline_repair_rows``), ``T'``'s full
+  blocks registered under its hash chain in the session's namespace (a block already
+  registered there under the same hash is dropped: the latest directive wins), the rows past
+  them held for the session's next request, references released; ``T'`` is the namespace's
+  pinned result, replacing its last one.
 - ``forget``: (``stage=T``: first ``lock(T, stage=start, hold=False)``) drop the session's
-  cached blocks and held rows of ``T'`` past ``start``, so
-  that the FORGET's normal request computes them again (its rows before ``start`` come
-  from the cache and from the rows ``lock`` staged); that request's ``T'`` is pinned when it
-  ends (``scheduler``).
-- ``release``: give back a lock or a hold (a failed directive).
-- ``arrive``: a request of namespace ``salt`` is about to be served: ``lost`` (said once)
-  if its last splice result's rows were lost (``pins.PinTable.arrive``), and whether the
-  namespace is still ``watched`` (if not, the route stops asking).
-- ``stats``: counters, cache occupancy, pinned rows and pins lost.
-- ``flush``: every pin and watch is dropped, then every cached block no request holds
-  leaves the prefix cache (its rows are free for reuse); a block a request in flight (or a
-  directive's hold) holds stays cached.
+  cached blocks and held rows of ``T'`` past ``start``, so that the FORGET's normal request
+  computes them again; that request's ``T'`` is pinned when it ends (``scheduler``).
+- ``flush``: every pin and watch is dropped, then every cached block no request (or
+  directive's hold) holds leaves the prefix cache.
 
-Each op and its answer is a model of ``ops`` (the wire's one definition); a request that is
-no op is a ``DirectiveError`` naming ``op``. Errors travel back as ``{"error": {"type",
-"message"}}`` with the Leyline class name, never as an exception through vLLM's utility
-machinery.
+The replies, errors included, are ``engine_rpc.serve_op``'s.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from leyline_agent.errors import (
-    CacheMissError,
-    DirectiveError,
-    LeylineError,
-    RuntimeUnavailableError,
+from leyline_agent.directives.block_plan import (
+    plan_block_splice,
+    repair_rows,
+    row_copies,
+    splice_slots,
 )
-from leyline_agent.vllm_plugin.cache_layout import PLAIN_SPECS
-from leyline_agent.vllm_plugin.namespace import is_leyline_salt
-from leyline_agent.vllm_plugin.ops import (
+from leyline_agent.directives.engine_rpc import (
     ArriveAnswer,
     ArriveOp,
     DescribeAnswer,
@@ -78,10 +61,11 @@ from leyline_agent.vllm_plugin.ops import (
     SpliceOp,
     StatsAnswer,
     StatsOp,
-    answer_json,
-    parse_op,
+    serve_op,
 )
-from leyline_agent.vllm_plugin.plan import plan_block_splice, repair_rows, row_copies, splice_slots
+from leyline_agent.errors import CacheMissError, RuntimeUnavailableError
+from leyline_agent.vllm_plugin.cache_layout import PLAIN_SPECS
+from leyline_agent.vllm_plugin.namespace import is_leyline_salt
 
 if TYPE_CHECKING:
     from vllm.v1.engine.core import EngineCore
@@ -92,21 +76,8 @@ __all__ = ["leyline_rpc"]
 
 
 def leyline_rpc(engine: EngineCore, request_json: str) -> str:
-    """The method the general plugin installs on ``EngineCore`` (``self`` = the engine): the
-    op of ``request_json`` (``ops.parse_op``) run, its answer as JSON (``ops.answer_json``)."""
-    try:
-        try:
-            op = parse_op(request_json)
-        except ValidationError as e:
-            raise DirectiveError(f"op: not a Leyline op ({e.errors()[0]['msg']})") from None
-        return answer_json(_OPS[type(op)](engine, op))
-    except LeylineError as e:
-        return json.dumps({"error": {"type": type(e).__name__, "message": str(e)}})
-    except Exception as e:  # noqa: BLE001 - reported to the route, which answers 500
-        logging.getLogger(__name__).exception("leyline op failed")
-        return json.dumps(
-            {"error": {"type": "InternalError", "message": f"{type(e).__name__}: {e}"}}
-        )
+    """The method the general plugin installs on ``EngineCore`` (``self`` = the engine)."""
+    return serve_op(engine, _OPS, request_json)
 
 
 def _scheduler(engine: EngineCore) -> LeylineScheduler:
@@ -181,21 +152,21 @@ def _describe(engine: EngineCore, op: DescribeOp) -> DescribeAnswer:
 def _lock(engine: EngineCore, op: LockOp) -> LockAnswer:
     tokens, salt, stage = list(op.tokens), op.salt, op.stage
     sched = _scheduler(engine)
-    hasher = engine.request_block_hasher
-    bs = sched.block_size
+    hasher, bs = engine.request_block_hasher, sched.block_size
     routed = sched.leyline_route(tokens, salt, hasher)
-    blocks = sched.leyline_cached_blocks(tokens, routed, hasher)
+    hashes = sched.leyline_hashes(tokens, routed, hasher)
+    blocks = sched.leyline_cached_blocks(hashes)
     rows = len(blocks) * bs
     ns = salt if is_leyline_salt(salt) else None
     if ns is not None and sched.leyline_rows_on:
         partial = sched.leyline_rows.find(ns, routed, tokens, rows)
         if partial is not None:
-            blocks = [*blocks, partial.block]
-            rows = len(partial.tokens)
-        elif rows < len(tokens):  # rows inside a cached full block that goes on (``sequences``)
-            ext = sched.leyline_extension(ns, tokens, routed, hasher)
-            if ext is not None:
-                blocks, rows = [*blocks, ext[0]], rows + ext[1]
+            blocks, rows = [*blocks, partial.block], len(partial.tokens)
+        elif rows < len(tokens):  # rows inside a cached full block that goes on
+            ext = sched.leyline_sequences.extension(ns, routed, tokens, hashes[: len(blocks)], bs)
+            found = sched.leyline_cached_blocks([ext.block_hash]) if ext is not None else []
+            if ext is not None and found:
+                blocks, rows = [*blocks, *found], rows + ext.num_rows
     lock_id = None
     if blocks:
         lock_id = "lock-" + uuid.uuid4().hex
@@ -216,34 +187,32 @@ def _release(engine: EngineCore, op: ReleaseOp) -> ReleaseAnswer:
 def _splice(engine: EngineCore, op: SpliceOp) -> SpliceAnswer:
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    lock_id, hold_id, salt, start, end = op.lock_id, op.hold_id, op.salt, op.start, op.end
-    tokens, replacement = list(op.tokens), list(op.replacement)
-    repair = op.repair.model_dump() if op.repair is not None else None
+    from leyline_agent.vllm_plugin.scheduler import block_request
 
     t0 = time.perf_counter()
     sched = _scheduler(engine)
-    pool, bs = sched.block_pool, sched.block_size
+    pool, bs, salt, tokens = sched.block_pool, sched.block_size, op.salt, list(op.tokens)
     try:
-        head = sched.leyline_held.get(hold_id)
+        head = sched.leyline_held.get(op.hold_id)
         if head is None:
             raise CacheMissError("head: the directive's head request left no blocks (evicted?)")
-        base = sched.leyline_held.get(lock_id) if lock_id else None
-        t_blocks = base.blocks if base is not None else []
-        t_salt = base.salt if base is not None else None
+        base = sched.leyline_held.get(op.lock_id) if op.lock_id else None
         plan = plan_block_splice(
-            bs, tokens, start, end, replacement,
-            [b.block_id for b in t_blocks], [b.block_id for b in head.blocks],
-            t_in_target=t_salt == salt, head_in_target=head.salt == salt,
+            bs, tokens, op.start, op.end, list(op.replacement),
+            [b.block_id for b in base.blocks] if base is not None else [],
+            [b.block_id for b in head.blocks],
+            t_in_target=base is not None and base.salt == salt, head_in_target=head.salt == salt,
             t_rows=base.num_cached_tokens if base is not None else 0,
             hold_partial=sched.leyline_rows_on,
         )  # fmt: skip
-        rows = repair_rows(plan, tokens, start, end, len(replacement), repair, bs)
-        hashes = sched.leyline_hashes(plan.full_tokens, salt, engine.request_block_hasher)
-        for j, src in enumerate(plan.blocks):  # a reused block must already be T''s block j
-            if src.reuse is not None:
-                have = pool.blocks[src.reuse].block_hash
-                if have != make_block_hash_with_group_id(hashes[j], 0):
-                    raise RuntimeUnavailableError(f"block {j}: reused block has another hash")
+        repair = op.repair.model_dump() if op.repair is not None else None
+        rows = repair_rows(plan, tokens, op.start, op.end, len(op.replacement), repair, bs)
+        owner = block_request(plan.full_tokens, salt, engine.request_block_hasher, "leyline-splice")
+        n_full = len(owner.block_hashes)
+        for j, src in enumerate(plan.blocks[:n_full]):  # a reused block is T''s block j
+            key = make_block_hash_with_group_id(owner.block_hashes[j], 0)
+            if src.reuse is not None and pool.blocks[src.reuse].block_hash != key:
+                raise RuntimeUnavailableError(f"block {j}: reused block has another hash")
         while plan.num_new_blocks > pool.get_num_free_blocks() and sched.leyline_break_pin():
             pass  # the pool is short: the oldest pins give way, as for any allocation
         if plan.num_new_blocks > pool.get_num_free_blocks():
@@ -262,25 +231,12 @@ def _splice(engine: EngineCore, op: SpliceOp) -> SpliceAnswer:
         except Exception:
             pool.free_blocks(new)
             raise
-        it = iter(new)
-        blocks = [pool.blocks[b.reuse] if b.reuse is not None else next(it) for b in plan.blocks]
-        n_full = len(hashes)
-        for j, b in enumerate(plan.blocks[:n_full]):
-            if b.reuse is None:
-                sched.leyline_drop(hashes[j])  # latest wins in the namespace
-        sched.leyline_rows.drop_past(salt, plan.tokens, start)
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request
-
-        owner = Request(
-            request_id="leyline-splice",
-            prompt_token_ids=plan.full_tokens,
-            sampling_params=SamplingParams(max_tokens=1),
-            pooling_params=None,
-            cache_salt=salt,
-            block_hasher=engine.request_block_hasher,
-        )
+        blocks = [pool.blocks[i] for i in plan.block_ids([b.block_id for b in new])]
         fresh = [b.reuse is None for b in plan.blocks[:n_full]]  # reused ones hold their hash
+        for h, is_fresh in zip(owner.block_hashes, fresh, strict=True):
+            if is_fresh:
+                sched.leyline_drop(h)  # latest wins in the namespace
+        sched.leyline_rows.drop_past(salt, plan.tokens, op.start)
         pool.cache_full_blocks(owner, blocks[:n_full], 0, n_full, bs, 0, block_mask=fresh)
         partial = None
         if plan.partial_rows:  # the fresh last block's reference passes to the held rows
@@ -288,17 +244,16 @@ def _splice(engine: EngineCore, op: SpliceOp) -> SpliceAnswer:
             new, partial = new[:-1], blocks[-1]
         sched.leyline_pin(salt, plan.tokens, blocks[:n_full], salt, partial)  # before the free
         pool.free_blocks(reversed(new))
-        head_cached = head.num_cached_tokens
     finally:
-        sched.leyline_release(hold_id)
-        if lock_id:
-            sched.leyline_release(lock_id)
+        sched.leyline_release(op.hold_id)
+        if op.lock_id:
+            sched.leyline_release(op.lock_id)
     return SpliceAnswer(
         cached_tokens=len(plan.tokens),
         new_blocks=plan.num_new_blocks,
         rotated_tokens=plan.rotated_tokens,
         repaired_tokens=len(rows),
-        head_cached_tokens=head_cached,
+        head_cached_tokens=head.num_cached_tokens,
         elapsed_s=time.perf_counter() - t0,
     )
 
@@ -320,7 +275,9 @@ def _forget(engine: EngineCore, op: ForgetOp) -> ForgetAnswer:
 
 
 def _arrive(engine: EngineCore, op: ArriveOp) -> ArriveAnswer:
-    arrival = _scheduler(engine).leyline_arrive(op.salt)
+    sched = _scheduler(engine)
+    arrival = sched.leyline_pins.arrive(op.salt)
+    sched.leyline_apply(arrival.refs)
     return ArriveAnswer(lost=arrival.lost, watched=arrival.watched)
 
 
@@ -337,7 +294,7 @@ def _stats(engine: EngineCore, op: StatsOp) -> StatsAnswer:
         cache_capacity_tokens=(pool.num_gpu_blocks - 1) * sched.block_size,
         held=len(sched.leyline_held),
         held_rows=len(sched.leyline_rows),
-        pinned_tokens=sched.leyline_pins.pinned_blocks * sched.block_size,
+        pinned_tokens=sched.leyline_pins.pinned() * sched.block_size,
         pin_evictions=sched.leyline_pins.pin_evictions,
     )
 
@@ -345,18 +302,14 @@ def _stats(engine: EngineCore, op: StatsOp) -> StatsAnswer:
 def _flush(engine: EngineCore, op: FlushOp) -> FlushAnswer:
     sched = _scheduler(engine)
     pool, bs = sched.block_pool, sched.block_size
-    dropped_pins = sched.leyline_unpin_all()  # pins and watches go first, then their blocks
+    dropped_pins, refs = sched.leyline_pins.clear()  # pins and watches first, then blocks
+    sched.leyline_apply(refs)
     sched.leyline_rows.clear()  # held rows are no request's: they go too
     sched.leyline_sequences.forget()
-    free, kept = set(), 0
-    for blk in pool.blocks:
-        if blk.is_null or blk.block_hash is None:
-            continue
-        if blk.ref_cnt == 0:
-            free.add(blk.block_id)
-        else:
-            kept += 1
+    cached = [b for b in pool.blocks if not b.is_null and b.block_hash is not None]
+    free = {b.block_id for b in cached if b.ref_cnt == 0}  # held blocks stay cached
     pool.evict_blocks(free)
+    kept = len(cached) - len(free)
     return FlushAnswer(
         flushed_tokens=len(free) * bs, kept_tokens=kept * bs, dropped_pins=dropped_pins
     )

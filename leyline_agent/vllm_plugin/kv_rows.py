@@ -1,16 +1,12 @@
 """Rows of one vLLM 0.32 attention cache: read them, write them, learn the layout from the op.
 
-A layer's cache is the logical ``[B, H, N, C]`` view vLLM builds over its allocation (any
-physical axis order: indexing goes through the view's strides). Which elements of a
-(block, head) make up the row of slot ``s`` is the backend's write op's business, so it is
-not assumed: ``cache_layout.plan_layout`` names the layouts the declared shape and stride
-order allow, and :func:`probe_layout` writes known rows with the backend's own op into a
-two-block scratch cache in the same axis order and keeps the candidate under which the
-plugin reads those rows back and its own writes leave the very same bytes. A layout no
-candidate explains is refused (``UnsupportedLayoutError``).
-
-Keys are the first ``key_width`` elements of a row (the latent ``[kv_lora_rank | rope]`` for
-MLA, whose ``value_width`` is 0), values the next ``value_width``.
+Which elements of the logical ``[B, H, N, C]`` cache make up the row of slot ``s`` is the
+backend's write op's business, so it is not assumed: of the layouts ``cache_layout``
+plans from vLLM's declarations, :func:`probe_layout` keeps the one under which the rows the
+backend's own op wrote into a scratch cache read back, and the plugin's writes leave the
+very same bytes. Keys are the first ``key_width`` elements of a row (the latent
+``[kv_lora_rank | rope]`` for MLA, whose ``value_width`` is 0), values the next
+``value_width``.
 """
 
 from __future__ import annotations
@@ -37,30 +33,28 @@ __all__ = [
 BackendWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def _chunk_views(kv: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys ``[B, H, D, N]`` (``keys_transposed``; else ``[B, H, N, D]``) and values
-    ``[B, H, N, D]`` of a chunk-layout cache, as views: a slot's row is then one index pair
-    ``(slot // N, slot % N)``, the same for every layer and head."""
+def _views(kv: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of every row as ``[B, H, N, width]`` views of the cache: a slot's
+    row is then one index pair ``(slot // N, slot % N)``, the same for every layer and head.
+    A chunk-layout cache's (block, head) chunk is read as ``N * C`` elements: keys first
+    (``[D, N]`` when ``keys_transposed``, else ``[N, D]``), then the values ``[N, D]``."""
+    k = layout.key_width
+    if layout.kind == "paged":
+        return kv[..., :k], kv[..., k : k + layout.value_width]
     _, h, b, c = kv.shape
-    d = layout.key_width
     flat = kv.view(kv.shape[0], h, b * c)
-    keys = flat[:, :, : b * d].unflatten(2, (d, b) if layout.keys_transposed else (b, d))
-    return keys, flat[:, :, b * d : 2 * b * d].unflatten(2, (b, d))
+    keys = flat[:, :, : b * k].unflatten(2, (k, b) if layout.keys_transposed else (b, k))
+    keys = keys.transpose(2, 3) if layout.keys_transposed else keys
+    return keys, flat[:, :, b * k : 2 * b * k].unflatten(2, (b, k))
 
 
 def read_rows(
     kv: torch.Tensor, slots: torch.Tensor, layout: RowLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys ``[N, H, key_width]`` and values ``[N, H, value_width]`` at ``slots`` (copies)."""
-    b = kv.shape[2]
-    blk, off = slots // b, slots % b
-    if layout.kind == "chunk":
-        keys, values = _chunk_views(kv, layout)
-        k = keys[blk, :, :, off] if layout.keys_transposed else keys[blk, :, off, :]
-        return k, values[blk, :, off, :]
-    rows = kv[blk, :, off, :]  # [N, H, C]
-    k = layout.key_width
-    return rows[..., :k].clone(), rows[..., k : k + layout.value_width].clone()
+    keys, values = _views(kv, layout)
+    blk, off = slots // kv.shape[2], slots % kv.shape[2]
+    return keys[blk, :, off], values[blk, :, off]
 
 
 def write_rows(
@@ -68,19 +62,11 @@ def write_rows(
     layout: RowLayout,
 ) -> None:  # fmt: skip
     """Write ``keys``/``values`` (as :func:`read_rows` returns them) at ``slots``."""
-    b, k = kv.shape[2], layout.key_width
-    blk, off = slots // b, slots % b
-    if layout.kind == "chunk":
-        kview, vview = _chunk_views(kv, layout)
-        if layout.keys_transposed:
-            kview[blk, :, :, off] = keys.to(kv.dtype)
-        else:
-            kview[blk, :, off, :] = keys.to(kv.dtype)
-        vview[blk, :, off, :] = values.to(kv.dtype)
-        return
-    kv[blk, :, off, :k] = keys.to(kv.dtype)
+    key_view, value_view = _views(kv, layout)
+    blk, off = slots // kv.shape[2], slots % kv.shape[2]
+    key_view[blk, :, off] = keys.to(kv.dtype)
     if layout.value_width:
-        kv[blk, :, off, k : k + layout.value_width] = values.to(kv.dtype)
+        value_view[blk, :, off] = values.to(kv.dtype)
 
 
 def move_rows(

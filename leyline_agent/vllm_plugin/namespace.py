@@ -5,20 +5,12 @@ extra key of the first block's hash (``generate_block_hash_extra_keys``), and ev
 hash chains over its parent, so two salts never share a block, not even the first one. A
 salt is at most 128 characters without ``@ / \\`` or NUL (``validate_cache_salt``).
 
-Leyline's use of it (the rule is ``leyline_agent.namespaces``):
-
-- **no salt** holds exact rows only: plain prefills, shared by token identity. No splice
-  ever writes there.
-- a session's namespace, salt :func:`salt_for` ``(Namespace(session=id))``, holds the
-  session's spliced ``T'`` (each block either the session's own or a copy) and everything
-  its requests computed on top of them. Requests that name no session belong to the
-  anonymous session, ``salt_for(Namespace())``, which is a session like any other.
-- **routing** (:func:`route_salt`, applied by the scheduler to every request): a request of
-  namespace ``N`` is looked up (and its new blocks cached) under ``N``'s salt as soon as
-  ``N`` holds the first block of its prompt, otherwise without a salt. A session that never
-  spliced shares exact blocks with everyone; after a splice its requests stay in its own
-  namespace while that namespace holds their first block. Other sessions and plain requests
-  never look there. Requests with a salt of their own (not a Leyline salt) are left alone.
+Leyline's use of it is the plugins' one rule (``directives.routing``): no salt is the plain
+namespace of exact rows, a session's salt is :func:`salt_for` of its ``Namespace`` (the
+anonymous session's too), and the scheduler routes every request with :func:`route_salt`
+(a namespace "holds the start" of a prompt when it has the prompt's first block cached, or
+the plugin holds the rows of a shorter start). Requests with a salt of their own (not a
+Leyline salt) are left alone.
 
 A client names its session with the ``X-Leyline-Session`` header (``wrap_openai`` sends it on
 every call); the plugin's middleware turns it into the request's ``cache_salt``. No torch,
@@ -30,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
+from leyline_agent.directives.routing import route_namespace
 from leyline_agent.namespaces import Namespace
 
 __all__ = ["SALT_PREFIX", "is_leyline_salt", "route_salt", "salt_for"]
@@ -50,12 +43,6 @@ def is_leyline_salt(salt: object) -> bool:
 def route_salt(
     salt: str | None, anonymous: str, holds_first_block: Callable[[str], bool]
 ) -> str | None:
-    """The salt a request with ``salt`` is served under (see the module docstring).
-
-    ``holds_first_block(s)``: whether namespace ``s`` has the request's first block cached.
-    A foreign salt is returned unchanged.
-    """
-    if salt is not None and not is_leyline_salt(salt):
-        return salt
-    target = salt if salt is not None else anonymous
-    return target if holds_first_block(target) else None
+    """The salt a request with ``salt`` is served under (``directives.routing``);
+    ``holds_first_block(s)``: whether namespace ``s`` holds the request's start."""
+    return route_namespace(salt, anonymous, is_leyline_salt, holds_first_block)

@@ -1,50 +1,38 @@
-"""PIN of splice results on vLLM: ``directives.pin_table.PinTable`` holding blocks (pure).
+"""PIN of splice results on vLLM: ``directives.pin_table.PinTable`` bound to the block pool.
 
-The semantics are the one pin table's, ``leyline serve``'s too: the latest splice result
-``T'`` of each namespace (its salt) is kept from eviction until the namespace's next
-request is scheduled, its next directive, a TTL, or a flush; pins are broken oldest first
-under memory pressure, pinned blocks stay within a budget (half the pool), and a result
-lost meanwhile is told once (``Arrival.lost``, the answer's ``usage.leyline.splice_evicted``).
-Here a result is watched by its full blocks' ids and hash keys (opaque) and the block
-holding its rows past them (``Watch``); the table's references are block ids, which the
-scheduler takes and gives back (``Refs``: ``take`` first); the scheduler's ``Rows.intact``
-says whether a watched ``T'`` still lives in the blocks the splice wrote. No torch, no vLLM.
+The semantics are the one pin table's. Here namespaces are salts, a result is watched by
+its full blocks' ids and hash keys and the held block with its rows past them (``Watch``),
+the table's references and sizes are block ids and blocks (the scheduler takes and gives
+them back, ``LeylineScheduler.leyline_apply``; at most half the pool), and
+``BlockRows.intact`` says whether a watched ``T'`` still lives in the blocks the splice
+wrote. No torch, no vLLM import.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from leyline_agent.directives.pin_table import DEFAULT_WATCHED, Arrival, PinTable, Refs, Rows
+from leyline_agent.directives.held_rows import HeldRowsTable
+from leyline_agent.directives.pin_table import DEFAULT_TTL_S
 
-__all__ = [
-    "DEFAULT_TTL_S",
-    "DEFAULT_WATCHED",
-    "TTL_ENV",
-    "Arrival",
-    "BlockPins",
-    "Refs",
-    "Rows",
-    "Watch",
-    "ttl_from_env",
-]
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+__all__ = ["TTL_ENV", "BlockRows", "Watch", "ttl_from_env"]
 
 TTL_ENV = "LEYLINE_PIN_TTL_S"
-DEFAULT_TTL_S = 300.0  # leyline serve's --pin-ttl-s default
 
 
 def ttl_from_env(environ: Mapping[str, str] = os.environ) -> float:
     """``LEYLINE_PIN_TTL_S`` in seconds (unset: 300, as ``leyline serve``; 0: no pins, the
     results are only watched). ``ValueError`` naming the variable for anything else."""
     raw = environ.get(TTL_ENV, "").strip()
-    if not raw:
-        return DEFAULT_TTL_S
     try:
-        ttl = float(raw)
+        ttl = float(raw) if raw else DEFAULT_TTL_S
     except ValueError:
         raise ValueError(f"{TTL_ENV}: {raw!r} is not a number of seconds") from None
     if not math.isfinite(ttl) or ttl < 0:
@@ -65,26 +53,24 @@ class Watch:
     partial: int | None = None
 
 
-class BlockPins(PinTable[str, Watch]):
-    """The pin table of the plugin's scheduler: namespaces are salts, sizes are blocks,
-    at most ``max_blocks`` pinned."""
+class BlockRows:
+    """``Rows`` over the block pool's blocks and the scheduler's held-rows table."""
 
     def __init__(
-        self,
-        rows: Rows[str, Watch],
-        ttl_s: float,
-        max_blocks: int,
-        clock: Callable[[], float] = time.monotonic,
-        max_watched: int = DEFAULT_WATCHED,
+        self, blocks: Sequence[KVCacheBlock], block_size: int, held: HeldRowsTable
     ) -> None:
-        super().__init__(
-            rows, ttl_s, budget=max_blocks, clock=clock, max_watched=max_watched, ttl_name=TTL_ENV
+        self.blocks, self.block_size, self.held = blocks, block_size, held
+
+    def intact(self, ns: str, watch: Watch, with_partial: bool) -> bool:
+        blocks = self.blocks
+        if any(blocks[i].block_hash != k for i, k in zip(watch.block_ids, watch.keys, strict=True)):
+            return False
+        if not with_partial or watch.partial is None:
+            return True
+        base = len(watch.block_ids) * self.block_size
+        held = self.held.find(ns, watch.salt, watch.tokens, base)
+        return (
+            held is not None
+            and held.block_id == watch.partial
+            and len(held.tokens) == len(watch.tokens)
         )
-
-    def pin_blocks(self, ns: str, watch: Watch) -> Refs:
-        """``watch`` is ``ns``'s latest splice result: its full blocks are pinned."""
-        return self.pin(ns, watch, watch.block_ids, len(watch.block_ids))
-
-    @property
-    def pinned_blocks(self) -> int:
-        return self.pinned()

@@ -10,7 +10,7 @@ under the edited context, through vLLM's own modules of the served model, layer 
 - at each layer every selected row's K/V is written into its slot before any row attends,
   then each row attends to every row of ``T'`` at a position up to its own, gathered from the
   paged cache (``kv_rows.write_rows`` / ``read_rows`` in the layer's row layout, the one the
-  splice's row copies use: ``layer_rows.layer_layout``, probed with the backend's own op):
+  splice's row copies use, ``RowCopier.layout``):
   the prefix, ``R``, the tail rows before it (the selected ones already recomputed at this
   layer) and itself. That is what ``leyline serve``'s engine does (``engine.repair``): its
   runs of consecutive rows forwarded together, each run attending causally to itself.
@@ -31,10 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from leyline_agent.vllm_plugin.kv_rows import RowLayout, read_rows, write_rows
-from leyline_agent.vllm_plugin.layer_rows import layer_layout
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.model_executor.models.llama import LlamaAttention
 
 __all__ = ["LAYER_TYPES", "RowForward", "repair_problem"]
@@ -72,10 +70,8 @@ def repair_problem(model: nn.Module) -> str | None:
 class RowForward:
     """The row forward of one worker's model (module doc)."""
 
-    def __init__(self, model: nn.Module, vllm_config: VllmConfig) -> None:
-        self.model = model
-        self._config = vllm_config
-        self._layout: RowLayout | None = None
+    def __init__(self, model: nn.Module, layout: RowLayout) -> None:
+        self.model, self._layout = model, layout  # the layers' row layout (``RowCopier``)
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], rows: Sequence[int], slots: Sequence[int]) -> int:
@@ -89,10 +85,7 @@ class RowForward:
         if rows[-1] >= len(slots):
             raise ValueError(f"row {rows[-1]} has no slot ({len(slots)} given)")
         layers = _layers(self.model)
-        kv0 = layers[0].self_attn.attn.kv_cache
-        if self._layout is None:  # every layer's cache has the first one's shape and strides
-            self._layout = layer_layout(layers[0].self_attn.attn, kv0, self._config)
-        dev = kv0.device
+        dev = layers[0].self_attn.attn.kv_cache.device
         pos = torch.tensor(list(rows), dtype=torch.int64, device=dev)
         row_slots = torch.tensor([slots[r] for r in rows], dtype=torch.int64, device=dev)
         ctx_slots = torch.tensor(list(slots[: rows[-1] + 1]), dtype=torch.int64, device=dev)
@@ -132,7 +125,6 @@ class RowForward:
         q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
         q, k = sa.rotary_emb(pos, q.contiguous(), k.contiguous())
         kv, layout = attn.kv_cache, self._layout
-        assert layout is not None
         write_rows(kv, row_slots, k.reshape(n, kvh, hd), v.reshape(n, kvh, hd), layout)
         if write_only:
             return x

@@ -1,28 +1,22 @@
-"""Scheduler side: ``LeylineScheduler``, vLLM 0.32's ``Scheduler`` with four additions.
+"""Scheduler side: ``LeylineScheduler``, vLLM 0.32's ``Scheduler`` with five additions.
 
 1. **Routing** (``add_request``): every request without a salt of its own is served under
    its Leyline namespace's salt or under none (``namespace.route_salt``); its block hashes
    are recomputed when the salt changes. This is what keeps spliced blocks to their
-   session.
+   session. A namespace that holds a prompt's first rows in a held block is routed as if
+   it held the first block.
 2. **Holding a head** (``_free_request``): a request whose ``sampling_params.extra_args``
    names ``leyline_hold`` is a directive's head (``T[:s] + R`` prefilled by vLLM's own
    request path). When it finishes its blocks (the last, partial one too, which vLLM would
    not cache) are kept with one reference until the splice reads them.
-3. **Held rows** (``held_rows``): when a request of a Leyline namespace finishes, the
-   rows past its last full block (which vLLM would free) are kept in the namespace's
-   ``HeldRowsTable``, as are a splice's ``T'`` rows past its last full block and a
-   directive's prefix rows inside a block (``engine_ops``). ``LeylineConnector`` hands
-   them to the namespace's next request whose prompt starts with their tokens
-   (``leyline_match``), so vLLM computes only what follows them. A namespace that holds a
-   prompt's first rows in a held block is routed as if it held the first block.
-4. **Pins** (``pins.BlockPins``): a splice result's full blocks are held with one extra
-   reference each (its rows past them stay in the held-rows table, which passes over a
-   pinned namespace) until the namespace's next request is scheduled (it holds them
-   itself then), its next directive, ``LEYLINE_PIN_TTL_S`` or a flush; pinned blocks stay
-   within half the pool, and when an allocation finds the pool short
-   (``KVCacheManager.allocate_slots`` answers ``None``) the oldest pin gives way before
-   vLLM preempts or queues anything. ``leyline_arrive`` tells a namespace's arriving
-   request whether its result was lost meanwhile.
+3. **Held rows** (``directives.held_rows``): a finished request's rows past its last full
+   block, a splice's ``T'`` rows past its last full block and a directive's prefix rows
+   inside a block (``engine_ops``) are kept per namespace; ``LeylineConnector`` hands them
+   to the namespace's next request whose prompt starts with their tokens (``leyline_match``).
+4. **Pins** (``directives.pin_table`` on the block pool, ``pins``): a splice result's full
+   blocks are held with one extra reference each; pinned blocks stay within half the pool,
+   and when an allocation finds the pool short (``KVCacheManager.allocate_slots`` answers
+   ``None``) the oldest pin gives way before vLLM preempts or queues anything.
 5. **Counters** of the requests it served, for ``/leyline/v1/stats``.
 
 The splice itself (``engine_ops``) runs inside the EngineCore between two steps, as a
@@ -37,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import TYPE_CHECKING, Any
 
 from vllm.sampling_params import SamplingParams
@@ -44,11 +39,12 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+from leyline_agent.directives.held_rows import HeldRows, HeldRowsTable, RowsMatch
+from leyline_agent.directives.pin_table import PinTable, Refs
+from leyline_agent.directives.sequences import SequenceIndex
 from leyline_agent.namespaces import ANONYMOUS
-from leyline_agent.vllm_plugin.held_rows import HeldRows, HeldRowsTable, RowsMatch
 from leyline_agent.vllm_plugin.namespace import is_leyline_salt, route_salt, salt_for
-from leyline_agent.vllm_plugin.pins import Arrival, BlockPins, Refs, Watch, ttl_from_env
-from leyline_agent.vllm_plugin.sequences import SequenceIndex
+from leyline_agent.vllm_plugin.pins import TTL_ENV, BlockRows, Watch, ttl_from_env
 from leyline_agent.wire import Counters
 
 if TYPE_CHECKING:
@@ -60,13 +56,29 @@ if TYPE_CHECKING:
 
     BlockHasher = Callable[[Request], list[BlockHash]]  # vLLM's request_block_hasher
 
-__all__ = ["HOLD_KEY", "Held", "LeylineScheduler"]
+__all__ = ["HOLD_KEY", "Held", "LeylineScheduler", "block_request"]
 
 HOLD_KEY = "leyline_hold"
 log = logging.getLogger(__name__)
 ANONYMOUS_SALT = salt_for(ANONYMOUS)
 HOLD_TTL_S = 120.0
 LOSS_SWEEP_S = 1.0  # how often unheld pins are checked for lost rows (pin_evictions)
+
+
+def block_request(
+    tokens: list[int], salt: str | None, hasher: BlockHasher, request_id: str = "leyline-probe"
+) -> Request:
+    """A request of ``tokens`` under ``salt`` that is never scheduled: its ``block_hashes``
+    are the hash chain vLLM gives those tokens (its own hasher), and the block pool takes it
+    as the owner of blocks it registers."""
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        cache_salt=salt,
+        block_hasher=hasher,
+    )
 
 
 @dataclass(slots=True)
@@ -88,14 +100,17 @@ class LeylineScheduler(Scheduler):
         self._leyline_heads: dict[str, str] = {}  # request id -> hold id
         self._leyline_ns: dict[str, str] = {}  # request id -> its Leyline namespace's salt
         pool_blocks = int(self.block_pool.num_gpu_blocks)
-        self.leyline_pins = BlockPins(_BlockRows(self), ttl_from_env(), pool_blocks // 2)
-        self._leyline_swept = time.monotonic()
-        self.leyline_sequences = SequenceIndex()  # rows inside cached full blocks
         self.leyline_rows = HeldRowsTable(
             lambda blk: self.block_pool.free_blocks([blk]),
             max_entries=max(1, pool_blocks // 8),
-            protect=self.leyline_pins.holds,
+            protect=lambda ns: self.leyline_pins.holds(ns),  # pinned namespaces are passed over
         )
+        rows = BlockRows(self.block_pool.blocks, self.block_size, self.leyline_rows)
+        self.leyline_pins = PinTable[str, Watch](
+            rows, ttl_from_env(), budget=pool_blocks // 2, ttl_name=TTL_ENV
+        )
+        self._leyline_swept = time.monotonic()
+        self.leyline_sequences = SequenceIndex()  # rows inside cached full blocks
         allocate = self.kv_cache_manager.allocate_slots
 
         def allocate_slots(*args: Any, **kwargs: Any) -> Any:
@@ -123,30 +138,7 @@ class LeylineScheduler(Scheduler):
         self, tokens: list[int], salt: str | None, hasher: BlockHasher
     ) -> list[BlockHash]:
         """Block hashes of ``tokens``' full blocks under ``salt`` (vLLM's own hasher)."""
-        probe = Request(
-            request_id="leyline-probe",
-            prompt_token_ids=list(tokens),
-            sampling_params=SamplingParams(max_tokens=1),
-            pooling_params=None,
-            cache_salt=salt,
-            block_hasher=hasher,
-        )
-        return list(probe.block_hashes)
-
-    def leyline_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        found = self.block_pool.get_cached_block(block_hash, [0])
-        return found[0] if found else None
-
-    def leyline_extension(
-        self, ns: str, tokens: list[int], salt: str | None, hasher: BlockHasher
-    ) -> tuple[KVCacheBlock, int] | None:
-        """A cached full block that continues ``tokens``' cached full blocks under ``salt``
-        and how many of its rows agree with ``tokens`` (``sequences``), or None."""
-        num_full = len(self.leyline_cached_blocks(tokens, salt, hasher))
-        prefix = self.leyline_hashes(tokens[: num_full * self.block_size], salt, hasher)
-        ext = self.leyline_sequences.extension(ns, salt, tokens, prefix, self.block_size)
-        block = self.leyline_cached_block(ext.block_hash) if ext is not None else None
-        return (block, ext.num_rows) if ext is not None and block is not None else None
+        return list(block_request(tokens, salt, hasher).block_hashes)
 
     @property
     def leyline_rows_on(self) -> bool:
@@ -159,26 +151,22 @@ class LeylineScheduler(Scheduler):
 
         def holds(s: str) -> bool:
             whole = len(first) == self.block_size
-            if whole:
-                block = self.leyline_cached_block(self.leyline_hashes(first, s, hasher)[0])
-                if block is not None:
-                    return True
+            if whole and self.leyline_cached_blocks(self.leyline_hashes(first, s, hasher)):
+                return True
             # the namespace's own rows of the prompt's start, though not a full block: a
             # short prompt's, or T[:s] staged for a head or a FORGET with s in the first block
             return self.leyline_rows_on and self.leyline_rows.holds_start(s, s, first, whole=whole)
 
         return route_salt(salt, ANONYMOUS_SALT, holds)
 
-    def leyline_cached_blocks(
-        self, tokens: list[int], salt: str | None, hasher: BlockHasher
-    ) -> list[KVCacheBlock]:
-        """The cached full blocks of ``tokens`` under ``salt``, from the first, up to a miss."""
+    def leyline_cached_blocks(self, hashes: list[BlockHash]) -> list[KVCacheBlock]:
+        """The cached blocks of a hash chain, from the first, up to a miss."""
         out = []
-        for h in self.leyline_hashes(tokens, salt, hasher):
-            blk = self.leyline_cached_block(h)
-            if blk is None:
+        for h in hashes:
+            found = self.block_pool.get_cached_block(h, [0])
+            if not found:
                 break
-            out.append(blk)
+            out.append(found[0])
         return out
 
     def leyline_match(self, request: Request, num_local: int) -> RowsMatch | None:
@@ -208,15 +196,12 @@ class LeylineScheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         if request.cache_salt is None or is_leyline_salt(request.cache_salt):
             self._leyline_ns[request.request_id] = request.cache_salt or ANONYMOUS_SALT
-        hasher = getattr(request, "_block_hasher", None)
-        if self.cache_config.enable_prefix_caching and hasher is not None:
-            ids = request.prompt_token_ids
-            if ids is not None:
-                routed = self.leyline_route(list(ids), request.cache_salt, hasher)
-                if routed != request.cache_salt:
-                    request.cache_salt = routed
-                    request.block_hashes = []
-                    request.update_block_hashes()
+        hasher, ids = getattr(request, "_block_hasher", None), request.prompt_token_ids
+        if self.cache_config.enable_prefix_caching and hasher is not None and ids is not None:
+            routed = self.leyline_route(list(ids), request.cache_salt, hasher)
+            if routed != request.cache_salt:  # another salt: another hash chain
+                request.cache_salt, request.block_hashes = routed, []
+                request.update_block_hashes()
         extra = request.sampling_params.extra_args if request.sampling_params else None
         if extra and extra.get(HOLD_KEY):
             self._leyline_heads[request.request_id] = str(extra[HOLD_KEY])
@@ -232,7 +217,7 @@ class LeylineScheduler(Scheduler):
             if ns is not None and self.leyline_pins.watches(ns):
                 if not new.req_id.startswith("leyline-"):  # a directive's own requests
                     prompt = self.requests[new.req_id].prompt_token_ids or []
-                    self._leyline_apply(self.leyline_pins.scheduled(ns, prompt))
+                    self.leyline_apply(self.leyline_pins.scheduled(ns, prompt))
         self._leyline_expire()
         return out
 
@@ -243,18 +228,17 @@ class LeylineScheduler(Scheduler):
         cached = self._leyline_cached.pop(rid, 0)
         hold_id = self._leyline_heads.pop(rid, None)
         ns = self._leyline_ns.pop(rid, None)
-        if hold_id is None and ns is not None and self.cache_config.enable_prefix_caching:
-            self._leyline_keep_request_rows(request, ns)
         if ns is not None and self.cache_config.enable_prefix_caching:
+            if hold_id is None:
+                self._leyline_keep_request_rows(request, ns)
             n = int(request.num_computed_tokens)
             hashes = list(request.block_hashes[: n // self.block_size])
             self.leyline_sequences.record(ns, request.cache_salt, request.all_token_ids[:n], hashes)
-        if rid.startswith("leyline-forget-") and ns is not None:  # T' of a FORGET
-            self._leyline_pin_request(request, ns)
+            if rid.startswith("leyline-forget-"):  # T' of a FORGET
+                self._leyline_pin_request(request, ns)
         if hold_id is not None:
             blocks = list(self.kv_cache_manager.get_blocks(rid).blocks[0])
-            self.block_pool.touch(blocks)
-            self.leyline_held[hold_id] = Held(blocks, request.cache_salt, cached)
+            self.leyline_hold(hold_id, blocks, request.cache_salt, cached)
         elif not rid.startswith("leyline-forget-"):  # a FORGET's re-prefill: the route counts it
             self.leyline_served.count_generation(
                 request.num_prompt_tokens, cached, request.num_output_tokens
@@ -283,12 +267,9 @@ class LeylineScheduler(Scheduler):
 
     # -- holds ----------------------------------------------------------------------------
     def leyline_hold(
-        self,
-        hold_id: str,
-        blocks: list[KVCacheBlock],
-        salt: str | None,
-        num_cached_tokens: int = 0,
+        self, hold_id: str, blocks: list[KVCacheBlock], salt: str | None, num_cached_tokens: int
     ) -> None:
+        """Keep ``blocks`` with one reference each under ``hold_id`` (``leyline_release``)."""
         self.block_pool.touch(blocks)
         self.leyline_held[hold_id] = Held(list(blocks), salt, num_cached_tokens)
 
@@ -304,7 +285,7 @@ class LeylineScheduler(Scheduler):
         gone, crash) are released; once a second, unheld pins are checked for lost rows."""
         now = time.monotonic()
         if self.leyline_pins.num_pins:
-            self._leyline_apply(self.leyline_pins.expire())
+            self.leyline_apply(self.leyline_pins.expire())
             if now - self._leyline_swept > LOSS_SWEEP_S:
                 self._leyline_swept = now
                 self.leyline_pins.count_lost()
@@ -338,11 +319,7 @@ class LeylineScheduler(Scheduler):
         """``tokens`` (``T'``, full ``blocks`` cached under ``salt``, rows past them in the
         held block ``partial`` or none) is ``ns``'s latest splice result: pinned."""
         n_full = len(tokens) // self.block_size
-        full = []
-        for b in blocks[:n_full]:
-            if b.block_hash is None:
-                break
-            full.append(b)
+        full = list(takewhile(lambda b: b.block_hash is not None, blocks[:n_full]))
         if len(full) < n_full:  # what is not cached cannot be held: the cached head is
             log.warning("leyline pin: %d of T's %d full blocks cached", len(full), n_full)
             tokens, partial = tokens[: len(full) * self.block_size], None
@@ -353,24 +330,13 @@ class LeylineScheduler(Scheduler):
             salt,
             None if partial is None else int(partial.block_id),
         )
-        self._leyline_apply(self.leyline_pins.pin_blocks(ns, watch))
-
-    def leyline_arrive(self, ns: str) -> Arrival:
-        arrival = self.leyline_pins.arrive(ns)
-        self._leyline_apply(arrival.refs)
-        return arrival
+        self.leyline_apply(self.leyline_pins.pin(ns, watch, watch.block_ids, len(watch.block_ids)))
 
     def leyline_break_pin(self) -> bool:
         """The oldest pin that holds blocks gives them back (False: none holds any)."""
         refs = self.leyline_pins.break_oldest()
-        self._leyline_apply(refs)
+        self.leyline_apply(refs)
         return bool(refs.give_back)
-
-    def leyline_unpin_all(self) -> int:
-        """Every pin and watch dropped (a flush); how many pins."""
-        n, refs = self.leyline_pins.clear()
-        self._leyline_apply(refs)
-        return n
 
     def _leyline_pin_request(self, request: Request, ns: str) -> None:
         """A FORGET's re-prefill of ``T'`` ends: its full blocks (and the rows past them,
@@ -382,30 +348,10 @@ class LeylineScheduler(Scheduler):
         partial = held.block if held is not None and len(held.tokens) == len(tokens) else None
         self.leyline_pin(ns, tokens, blocks, request.cache_salt, partial)
 
-    def _leyline_apply(self, refs: Refs) -> None:
-        """Take, then give back, the block-pool references a pin-table answer names."""
+    def leyline_apply(self, refs: Refs) -> None:
+        """Take, then give back, the block-pool references a pin-table answer names (every
+        answer of ``leyline_pins`` that carries ``Refs`` passes through here)."""
         if refs.take:
             self.block_pool.touch([self.block_pool.blocks[i] for i in refs.take])
         if refs.give_back:
             self.block_pool.free_blocks(self.block_pool.blocks[i] for i in refs.give_back)
-
-
-class _BlockRows:
-    """``pins.Rows`` over the scheduler's block pool and held-rows table."""
-
-    def __init__(self, sched: LeylineScheduler) -> None:
-        self.sched = sched
-
-    def intact(self, ns: str, watch: Watch, with_partial: bool) -> bool:
-        blocks = self.sched.block_pool.blocks
-        if any(blocks[i].block_hash != k for i, k in zip(watch.block_ids, watch.keys, strict=True)):
-            return False
-        if not with_partial or watch.partial is None:
-            return True
-        base = len(watch.block_ids) * self.sched.block_size
-        held = self.sched.leyline_rows.find(ns, watch.salt, watch.tokens, base)
-        return (
-            held is not None
-            and held.block_id == watch.partial
-            and len(held.tokens) == len(watch.tokens)
-        )

@@ -4,17 +4,13 @@ vLLM mixes this class into its worker (``WorkerWrapperBase.init_worker``); the E
 reaches its methods with ``collective_rpc`` on every worker (every TP rank holds its own
 heads of every block; the same slot plan applies to all of them):
 
-- ``leyline_describe()``: what the splice needs to know and check: block size, dtype, the
-  attention backend and its rows' layout (planned from vLLM's declarations and probed with
-  the backend's own write op, ``layer_rows.layer_layout``), and whether the model's rotary
-  band can be moved in closed form (``RopeSpec``).
-- ``leyline_copy_rows(src, dst, delta)``: for every attention layer, copy the rows at
-  ``src`` slots into ``dst`` slots, keys rotated by ``delta`` (``kernels.apply_plan``, the
-  torch reference path on CPU). All rows are read before any is written; ``dst`` are fresh
-  blocks nobody reads yet.
-- ``leyline_repair_rows(token_ids, rows, slots)``: REPAIR's selected rows of a spliced ``T'``
-  recomputed in place through the model's own layers (``row_forward``); ``leyline_describe``
-  says in ``repair_problem`` why it cannot run on this model, if it cannot.
+- ``leyline_describe()``: block size, dtype, the attention backend and its rows' layout
+  (``layer_rows.layer_layout``), whether the model's rotary band can be moved in closed
+  form (``RopeSpec``), and why REPAIR cannot run on this model, if it cannot.
+- ``leyline_copy_rows(src, dst, delta)``: ``RowCopier``; ``dst`` are fresh blocks nobody
+  reads yet.
+- ``leyline_repair_rows(token_ids, rows, slots)``: REPAIR's selected rows of a spliced
+  ``T'`` recomputed in place (``row_forward``).
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from leyline_agent.directives.block_plan import whole_blocks
 from leyline_agent.errors import RopeSpecError, RuntimeUnavailableError
 from leyline_agent.kernels import RopeSpec
 from leyline_agent.vllm_plugin.kv_rows import RowLayout, move_rows
@@ -71,36 +68,53 @@ class LeylineWorkerExtension:
 
     def leyline_repair_rows(self, token_ids: list[int], rows: list[int], slots: list[int]) -> int:
         if getattr(self, "_leyline_rows", None) is None:
-            self._leyline_rows = RowForward(self.model_runner.get_model(), self.vllm_config)  # type: ignore[attr-defined]
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            self._leyline_rows = RowForward(model, self._leyline_copier().layout)
         return self._leyline_rows.run(token_ids, rows, slots)
 
     def leyline_copy_rows(self, src: list[int], dst: list[int], delta: list[int]) -> int:
-        if getattr(self, "_leyline_copier", None) is None:
-            self._leyline_copier = RowCopier(self.vllm_config)  # type: ignore[attr-defined]
-        return self._leyline_copier.copy(src, dst, delta)
+        return self._leyline_copier().copy(src, dst, delta)
+
+    def _leyline_copier(self) -> RowCopier:
+        if getattr(self, "_leyline_rows_copier", None) is None:
+            self._leyline_rows_copier = RowCopier(self.vllm_config)  # type: ignore[attr-defined]
+        return self._leyline_rows_copier
 
 
 class RowCopier:
-    """Copies rows between slots of every attention layer, keys moved by a per-row delta
-    (``kernels.apply_plan``: the torch path on CPU, the project's kernel on CUDA). All rows
-    of a layer are read before any is written. Used by the worker extension (splices) and
-    by the connector's worker side (held rows loaded into a request's block: delta 0)."""
+    """Copies rows between slots of every attention layer (``kv_rows.move_rows``: keys
+    turned by a per-row delta), whole blocks at delta 0 block by block. Used by the worker
+    extension (splices) and the connector's worker side (held rows: delta 0)."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         self._config = vllm_config
         self._layout: RowLayout | None = None
         self._band: tuple[RopeSpec, int] | None = None  # the model's rotary band, read once
 
+    @property
+    def layout(self) -> RowLayout:
+        """The row layout of every layer's cache (probed once: they share the first one's
+        shape and strides, ``leyline_describe`` checks)."""
+        if self._layout is None:
+            kv, layer = attention_layers(self._config)[0]
+            self._layout = layer_layout(layer, kv, self._config)
+        return self._layout
+
     def copy(self, src: list[int], dst: list[int], delta: list[int]) -> int:
         if not src:
             return 0
         if not len(src) == len(dst) == len(delta):
             raise ValueError("src, dst and delta must have the same length")
+        n, layout = len(src), self.layout
         layers = attention_layers(self._config)
-        kv0, layer0 = layers[0]
-        if self._layout is None:  # every layer's view has the first one's shape and strides
-            self._layout = layer_layout(layer0, kv0, self._config)
+        kv0 = layers[0][0]
         dev = kv0.device
+        # whole blocks at delta 0 (a splice's prefix) are copied block by block; the rest
+        # row by row, rotated where their delta says
+        src_b, dst_b, rest = whole_blocks(src, dst, delta, int(kv0.shape[2]))
+        src_bt = torch.tensor(src_b, dtype=torch.int64, device=dev)
+        dst_bt = torch.tensor(dst_b, dtype=torch.int64, device=dev)
+        src, dst, delta = [src[i] for i in rest], [dst[i] for i in rest], [delta[i] for i in rest]
         src_t = torch.tensor(src, dtype=torch.int64, device=dev)
         dst_t = torch.tensor(dst, dtype=torch.int64, device=dev)
         d_t = torch.tensor(delta, dtype=torch.int64, device=dev)
@@ -111,5 +125,8 @@ class RowCopier:
             spec, band_offset = self._band
         plan = None
         for kv, _ in layers:
-            plan = move_rows(kv, self._layout, src_t, dst_t, d_t, spec, band_offset, plan)
-        return len(src)
+            if src_b:  # sources are never destinations (``dst`` are fresh): read-before-write
+                kv.index_copy_(0, dst_bt, kv.index_select(0, src_bt))
+            if src:
+                plan = move_rows(kv, layout, src_t, dst_t, d_t, spec, band_offset, plan)
+        return n

@@ -121,6 +121,23 @@ def test_a_refused_batch_changes_nothing_and_counts_one_error(service):
     assert be.counters.directive_errors == 2 and be.held == 0
 
 
+def test_a_miss_only_the_backend_sees_is_a_counted_fallback_when_asked(service):
+    """A batch the backend refuses with a miss before its first write (a span its earlier
+    splices would leave uncached): with ``fallback`` the answer is ``fallback`` (T' as asked,
+    nothing executed), counted in ``fallbacks``, not in ``directive_errors``; the cache is
+    as it was."""
+    be = ListBackend(frozenset({"move", "prefill"}), {NS.key: list(T)}, fail_on=2)
+    body = {"tokens": T, "fallback": True, "directives": [
+        {"start": 2, "end": 4, "replacement": [1]}, {"start": 10, "end": 11, "replacement": [2]},
+    ]}  # fmt: skip
+    out = _run(service, be, body)
+    assert out.outcome == "fallback" and out.fallback and out.splices == {}
+    assert out.tokens == T[:2] + [1] + T[4:10] + [2] + T[11:]
+    assert be.cached[NS.key] == T and be.held == 0 and be.log[-1] == "release"
+    assert be.counters.fallbacks == 1 and be.counters.directive_errors == 0
+    assert be.counters.splices == {"amortize": 0, "forget": 0}
+
+
 def test_a_request_id_runs_once_per_namespace(service):
     be = ListBackend(frozenset({"move", "prefill"}), {NS.key: list(T)})
     body = {"tokens": T, "directives": [{"start": 2, "end": 4, "replacement": [1]}],

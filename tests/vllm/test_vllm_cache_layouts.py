@@ -339,6 +339,33 @@ def _cpu_setup(alloc_layout: KVCacheLayout, n: int = 32):
     return spec, views, impl, layers
 
 
+@pytest.mark.parametrize(("name", "layout"), list(_gqa_cases()))
+def test_a_whole_block_at_delta_0_moves_every_element_and_rows_beside_it_move_as_rows(
+    name, layout, monkeypatch
+):
+    """A splice's prefix (a whole block, in order, delta 0) is copied block by block; the
+    rows around it (a block not in order, a row turned) go the row way; nothing else moves."""
+    views, cfg, _ = _gqa_setup(name, layout, monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    for kv in views:
+        kv.copy_(torch.randn(kv.shape, generator=g))
+    whole = list(range(N, 2 * N))  # block 1 -> block 4, in order
+    src = [*whole, 2 * N + 1, 2 * N]  # two rows of block 2, swapped, into block 5
+    dst = [*range(4 * N, 5 * N), 5 * N, 5 * N + 1]
+    before = [kv.clone() for kv in views]
+    assert RowCopier(cfg).copy(src, dst, [0] * len(src)) == N + 2
+    for kv, old in zip(views, before, strict=True):
+        assert torch.equal(kv[4], old[1])  # every element, whatever the layout in a block
+        # the two rows: block 5 now reads as block 2 with its rows 0 and 1 swapped
+        k_new, v_new = kv.transpose(1, 2).split(D, dim=-1)
+        k_old, v_old = old.transpose(1, 2).split(D, dim=-1)
+        for s, d in ((2 * N + 1, 5 * N), (2 * N, 5 * N + 1)):
+            assert torch.equal(k_new[d // N, d % N], k_old[s // N, s % N])
+            assert torch.equal(v_new[d // N, d % N], v_old[s // N, s % N])
+        for b in (0, 1, 2, 3):
+            assert torch.equal(kv[b], old[b])
+
+
 def test_cpu_backend_refuses_what_it_does_not_declare():
     declared = CPUAttentionBackend.supported_kv_cache_layouts()[0]
     _, views, _, layers = _cpu_setup(KVCacheLayout.LBNHC)

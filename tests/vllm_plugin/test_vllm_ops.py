@@ -1,4 +1,4 @@
-"""The EngineCore ops' one definition (``vllm_plugin/ops.py``): every op crosses the wire as
+"""The EngineCore ops' one definition (``directives/engine_rpc.py``): every op crosses the wire as
 JSON and comes back as the same model, an answer is read as its op's answer model, and
 ``engine_ops.leyline_rpc`` refuses a request that is no op by name (no vLLM needed)."""
 
@@ -9,7 +9,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from leyline_agent.vllm_plugin import ops
+from leyline_agent.directives import engine_rpc as ops
+from leyline_agent.errors import DirectiveError
 from leyline_agent.vllm_plugin.engine_ops import leyline_rpc
 
 OPS = [
@@ -55,3 +56,14 @@ def test_a_request_that_is_no_op_is_refused_naming_op(request_json):
     answer = json.loads(leyline_rpc(None, request_json))  # refused before the engine is used
     assert answer["error"]["type"] == "DirectiveError", answer
     assert answer["error"]["message"].startswith("op: "), answer
+
+
+def test_a_reply_gives_the_answer_or_raises_the_engines_error():
+    op = ops.ReleaseOp(ids=("lock-1",))
+    assert ops.read_reply(op, ops.answer_json(ops.ReleaseAnswer(released=1))).released == 1
+    refused = leyline_rpc(None, '{"op": "decay"}')  # the engine side's own error reply
+    with pytest.raises(DirectiveError, match="^op: "):
+        ops.read_reply(op, refused)
+    crashed = json.dumps({"error": {"type": "InternalError", "message": "KeyError: 3"}})
+    with pytest.raises(RuntimeError, match="InternalError: KeyError: 3"):  # answered 500
+        ops.read_reply(op, crashed)

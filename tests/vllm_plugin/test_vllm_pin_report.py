@@ -1,4 +1,4 @@
-"""``vllm_plugin.pin_report`` without a server: which requests ask the EngineCore, and where
+"""``front.pin_report`` on vLLM's attachment (``vllm_plugin.guard.VLLM``) without a server: which requests ask the EngineCore, and where
 ``usage.leyline.splice_evicted`` lands in a JSON answer and in a stream."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+from leyline_agent.front.pin_report import PinReport
 from leyline_agent.namespaces import ANONYMOUS, Namespace
+from leyline_agent.vllm_plugin.guard import VLLM
 from leyline_agent.vllm_plugin.namespace import salt_for
-from leyline_agent.vllm_plugin.pin_report import PinReport
 
 A = salt_for(Namespace(session="A"))
 
@@ -49,7 +50,7 @@ def _run(route: Route, body: dict[str, Any], answer: list[bytes], ctype=b"applic
     async def send(m: dict[str, Any]) -> None:
         sent.append(m)
 
-    asyncio.run(PinReport(_app(answer, ctype))(scope, receive, send))
+    asyncio.run(PinReport(_app(answer, ctype), VLLM)(scope, receive, send))
     return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), sent
 
 

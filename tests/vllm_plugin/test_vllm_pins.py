@@ -10,14 +10,8 @@ from collections import OrderedDict
 
 import pytest
 
-from leyline_agent.vllm_plugin.pins import (
-    DEFAULT_TTL_S,
-    TTL_ENV,
-    BlockPins,
-    Refs,
-    Watch,
-    ttl_from_env,
-)
+from leyline_agent.directives.pin_table import DEFAULT_TTL_S, PinTable, Refs
+from leyline_agent.vllm_plugin.pins import TTL_ENV, Watch, ttl_from_env
 
 
 class Pool:
@@ -76,10 +70,10 @@ class Clock:
         return self.now
 
 
-def _splice(pool: Pool, table: BlockPins, ns: str, n: int, tokens=None) -> Watch:
+def _splice(pool: Pool, table: PinTable, ns: str, n: int, tokens=None) -> Watch:
     blocks = pool.allocate(n, ns)
     w = Watch(tuple(tokens or range(n * 4)), tuple(blocks), tuple(pool.key[b] for b in blocks), ns)
-    pool.apply(table.pin_blocks(ns, w))
+    pool.apply(table.pin(ns, w, w.block_ids, len(w.block_ids)))
     pool.release(blocks)  # the splice's own references end; the pin's stay
     return w
 
@@ -91,7 +85,7 @@ def _flood(pool: Pool, k: int) -> None:
 
 def _setup(n=16, ttl=300.0, budget=8):
     pool, clock = Pool(n), Clock()
-    table = BlockPins(Rows(pool), ttl, budget, clock=clock)
+    table = PinTable(Rows(pool), ttl, budget=budget, clock=clock, ttl_name=TTL_ENV)
     return pool, clock, table
 
 
@@ -103,13 +97,13 @@ def test_a_pinned_result_survives_a_flood_and_is_not_reported():
     arrival = table.arrive("A")
     assert (arrival.lost, arrival.watched) == (False, True)
     pool.apply(table.scheduled("A", list(w.tokens) + [1]))
-    assert table.pinned_blocks == 0 and table.pin_evictions == 0
+    assert table.pinned() == 0 and table.pin_evictions == 0
 
 
 def test_without_a_pin_the_same_flood_evicts_and_the_next_request_is_told_once():
     pool, _, table = _setup(ttl=0.0)
     _splice(pool, table, "A", 3)
-    assert table.pinned_blocks == 0
+    assert table.pinned() == 0
     _flood(pool, 1)
     assert table.arrive("A").lost is True
     assert table.arrive("A").lost is False  # told once
@@ -125,7 +119,7 @@ def test_a_pin_that_stops_holding_then_loses_its_rows_is_counted(how):
     else:
         clock.now = DEFAULT_TTL_S + 1
         pool.apply(table.expire())
-    assert table.pinned_blocks == 0
+    assert table.pinned() == 0
     _flood(pool, 1)
     assert table.count_lost() == ["A"] and table.count_lost() == []
     arrival = table.arrive("A")
@@ -166,7 +160,7 @@ def test_held_partial_rows_count_while_the_pin_lasts():
     blocks = pool.allocate(2, "A")
     rows.partial_held.add(100)
     w = Watch(tuple(range(9)), tuple(blocks), tuple(pool.key[b] for b in blocks), "A", 100)
-    pool.apply(table.pin_blocks("A", w))
+    pool.apply(table.pin("A", w, w.block_ids, len(w.block_ids)))
     rows.partial_held.clear()  # dropped from the held-rows table
     assert table.arrive("A").lost is True
 
@@ -176,17 +170,17 @@ def test_pins_stay_within_the_budget_oldest_broken_first():
     _splice(pool, table, "A", 3)
     _splice(pool, table, "B", 3)
     _splice(pool, table, "C", 3)  # 9 > 6: A's pin gives way
-    assert table.pinned_blocks == 6
+    assert table.pinned() == 6
     assert not table.holds("A") and table.holds("B") and table.holds("C")
     _splice(pool, table, "D", 7)  # alone over the budget: everything gives way
-    assert table.pinned_blocks == 0
+    assert table.pinned() == 0
 
 
 def test_a_new_directive_replaces_the_pin_and_references_balance():
     pool, _, table = _setup()
     _splice(pool, table, "A", 3)
     _splice(pool, table, "A", 2)
-    assert table.pinned_blocks == 2 and table.num_pins == 1
+    assert table.pinned() == 2 and table.num_pins == 1
     dropped, refs = table.clear()
     pool.apply(refs)
     assert dropped == 1 and all(v == 0 for v in pool.refs.values())

@@ -1,18 +1,32 @@
-"""The EngineCore ops of the plugin, typed: one frozen model per op, each naming its answer.
+"""The calls between a front process and an engine process that holds a paged prefix cache,
+typed: one frozen model per op, each naming its answer (torch-free, engine-free).
 
-The route (API server) and ``engine_ops`` (EngineCore) speak through vLLM's utility call
-``leyline_rpc(request_json) -> answer_json``; these models are both ends of it. ``op`` tells
-the ops apart (``parse_op``); a reply is ``{"ok": ANSWER}`` (``answer_json``; the op's
-``read`` gives its answer back) or ``{"error": {"type", "message"}}``. Torch-free, vLLM-free: the API server
-imports it. What each op does: ``engine_ops``.
+A server whose engine runs in another process (vLLM's API server and EngineCore; SGLang's
+TokenizerManager and Scheduler have the same split) asks it for the directive steps that
+touch the cache: ``describe`` what it supports, ``lock`` a base's cached rows by namespace,
+``splice``, ``forget``, ``release``, ``arrive`` (a namespace's pinned result lost?),
+``stats`` and ``flush``. A namespace travels as the engine's own key of it (``salt``:
+vLLM's ``cache_salt``). A request is the op's JSON; ``op`` tells the ops apart
+(``parse_op``); a reply is ``{"ok": ANSWER}`` (``answer_json``; ``read_reply`` gives the
+op's answer back) or ``{"error": {"type", "message"}}`` with the Leyline error's class name.
+The front's side: ``directives.remote_engine``; vLLM's engine side: ``vllm_plugin.engine_ops``.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, ClassVar, Literal, cast
+import logging
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from leyline_agent.errors import (
+    CacheMissError,
+    DirectiveError,
+    LeylineError,
+    RuntimeUnavailableError,
+)
 
 __all__ = [
     "ArriveAnswer",
@@ -37,6 +51,8 @@ __all__ = [
     "WorkerDescription",
     "answer_json",
     "parse_op",
+    "read_reply",
+    "serve_op",
 ]
 
 
@@ -46,8 +62,8 @@ class _Frozen(BaseModel):
 
 # -- answers ---------------------------------------------------------------------------
 class WorkerDescription(BaseModel):
-    """One worker's ``leyline_describe`` (``worker.LeylineWorkerExtension``): why it cannot
-    splice (``problem``, ``field``) or REPAIR (``repair_problem``), and its cache's facts."""
+    """One worker's description (vLLM's: ``vllm_plugin.worker``): why it cannot splice
+    (``problem``, ``field``) or REPAIR (``repair_problem``), and its cache's facts."""
 
     model_config = ConfigDict(frozen=True, extra="allow")
     problem: str | None = None
@@ -57,7 +73,7 @@ class WorkerDescription(BaseModel):
 
 
 class DescribeAnswer(_Frozen):
-    """What the plugin supports here (``problem``/``field``: why not) and the route's facts."""
+    """What the engine supports here (``problem``/``field``: why not) and its facts."""
 
     problem: str | None = None
     field: str | None = None
@@ -96,7 +112,7 @@ class ForgetAnswer(_Frozen):
 
 class ArriveAnswer(_Frozen):
     lost: bool  # the namespace's last splice result lost rows (said once)
-    watched: bool  # the namespace is still watched (else the route stops asking)
+    watched: bool  # the namespace is still watched (else the front stops asking)
 
 
 class StatsAnswer(_Frozen):
@@ -125,12 +141,12 @@ class Op[A: BaseModel](_Frozen):
     answer: ClassVar[type[BaseModel]]
 
     def read(self, ok: object) -> A:
-        """The op's answer from the ``ok`` of ``leyline_rpc``'s reply."""
+        """The op's answer from the ``ok`` of its reply."""
         return cast(A, self.answer.model_validate(ok))
 
 
 class RepairBudget(_Frozen):
-    """REPAIR's row choice (``directives.repair``), as the route resolved it."""
+    """REPAIR's row choice (``directives.repair``), as the front resolved it."""
 
     budget: float
     selector: str
@@ -205,9 +221,47 @@ _OP: TypeAdapter[AnyOp] = TypeAdapter(AnyOp)
 
 
 def parse_op(request_json: str) -> AnyOp:
-    """The op of a ``leyline_rpc`` request (``pydantic.ValidationError`` naming the field)."""
+    """The op of a request (``pydantic.ValidationError`` naming the field)."""
     return _OP.validate_json(request_json)
 
 
 def answer_json(answer: BaseModel) -> str:
     return json.dumps({"ok": answer.model_dump(mode="json")})
+
+
+_ERRORS = {e.__name__: e for e in (CacheMissError, DirectiveError, RuntimeUnavailableError)}
+
+
+def read_reply[A: BaseModel](op: Op[A], reply_json: str) -> A:
+    """``op``'s answer from the engine's reply, or its error raised: a Leyline error as its
+    class, any other as ``RuntimeError`` (a 500)."""
+    reply = json.loads(reply_json)
+    if "error" in reply:
+        err = reply["error"]
+        cls = _ERRORS.get(err["type"])
+        if cls is None:
+            raise RuntimeError(f"{err['type']}: {err['message']}")
+        raise cls(err["message"])
+    return op.read(reply["ok"])
+
+
+def serve_op[E](
+    engine: E, handlers: Mapping[type[BaseModel], Callable[[E, Any], BaseModel]], request_json: str
+) -> str:
+    """The engine's side: the op of ``request_json`` run by its handler, the reply as JSON.
+    A request that is no op is a ``DirectiveError`` naming ``op``; errors travel back as
+    ``{"error": {"type", "message"}}`` (any error that is not a Leyline one, logged, as
+    ``InternalError``: the front answers 500), never as an exception through the engine's
+    call machinery."""
+    try:
+        try:
+            op = parse_op(request_json)
+        except ValidationError as e:
+            raise DirectiveError(f"op: not a Leyline op ({e.errors()[0]['msg']})") from None
+        return answer_json(handlers[type(op)](engine, op))
+    except LeylineError as e:
+        return json.dumps({"error": {"type": type(e).__name__, "message": str(e)}})
+    except Exception as e:  # noqa: BLE001 - reported to the front, which answers 500
+        logging.getLogger(__name__).exception("leyline op failed")
+        error = {"type": "InternalError", "message": f"{type(e).__name__}: {e}"}
+        return json.dumps({"error": error})

@@ -1,27 +1,32 @@
-"""Pure: one AMORTIZE directive on vLLM's block-granular prefix cache, as a plan of rows.
+"""Pure: the one splice planner's rows (``splice_plan``) placed on a paged cache of blocks.
 
-vLLM caches full blocks of ``B`` tokens only, and a block's hash chains over every token
-before it (and the namespace's salt). So ``T' = T[:s] + R + T[e:]`` is registered block by
-block under its own hash chain, in the session's namespace, and each block of ``T'`` is
-either a block that already holds exactly its rows under that hash (reused), or a fresh
-block whose ``B`` rows are copied from cached rows (the rotated ones moved by ``delta``):
-
-- rows ``p < s`` (the prefix): ``T``'s own rows (the prefix stays bitwise);
-- rows ``s <= p < s + |R|`` (``R``): the head request's rows (``T[:s] + R`` prefilled by
-  vLLM's own request path, which leaves them in ``head_blocks``);
-- rows ``p >= s + |R|`` (the tail): ``T``'s row ``p - delta``, its key rotated by ``delta``.
+A paged cache (vLLM's block pool; SGLang's paged pools) stores rows in blocks of ``B``
+slots, slot ``block_id * B + offset``, and shares full blocks only, registered under a hash
+that chains over every token before them (and the namespace's salt). So ``T' = T[:s] + R +
+T[e:]`` is registered block by block under its own hash chain, in the session's namespace,
+and each block of ``T'`` is either a block that already holds exactly its rows under that
+hash (reused), or a fresh block whose ``B`` rows are copied from cached rows. Which row goes
+where is the planner's AMORTIZE (``amortize_pieces``, row by row ``rows_of``): a kept or
+moved row is ``T``'s (its key turned by the row's delta), a fill row (``R``) the head
+request's (``T[:s] + R`` prefilled by the engine's own request path, in ``head_blocks``).
 
 A full block made only of prefix rows is reused when ``T`` was found in the target
 namespace (same salt, same tokens: same hash), and one made only of ``R`` rows when the
-head was; every other block is fresh. ``T``'s known rows are its cached full blocks and,
-where the plugin holds them, the rows of its partial last block (``t_rows``): the plan
+head was; every other block is fresh. On a session's first splice ``T`` (and the head) is
+found in the plain namespace (``directives.routing``: the session held nothing yet), and a
+block is registered under one hash only, so ``T``'s prefix is copied into fresh blocks under
+the session's chain: the plain namespace's blocks stay where other sessions find them.
+``T``'s known rows are its cached full blocks and,
+where the engine holds them, the rows of its partial last block (``t_rows``): the plan
 covers ``T'`` up to ``s + |R| + (t_rows - e)``. The full blocks of that are registered
 under ``T'``'s hashes; the rows past them go to one more fresh block (``partial``), which
-the plugin holds for the next request (``held_rows``) instead of leaving them to its
-prefill. Slots are ``block_id * B + offset``, as vLLM's slot mapping.
+the engine may hold for the next request instead of leaving them to its prefill.
 
-A REPAIR directive's rows (``repair_rows``) are chosen over the plan's ``T'`` by
-``directives.repair``; they are tail rows, so they lie in fresh blocks (checked).
+A REPAIR directive's rows (``repair_rows``) are the planner's (``repair_rows_of``) over the
+plan's ``T'``; they are tail rows, so they lie in fresh blocks (checked). A batch runs one
+directive at a time on these blocks (``splice_plan.batch_miss`` with the block size as the
+granularity when no rows are held past a last full block). ``whole_blocks`` splits a row
+copy into whole-block copies and single rows.
 """
 
 from __future__ import annotations
@@ -30,7 +35,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from leyline_agent.directives.repair import DEFAULT_SELECTOR, RepairSpan, select_rows
+from leyline_agent.directives.core import Mode
+from leyline_agent.directives.repair import DEFAULT_SELECTOR
+from leyline_agent.directives.splice_plan import (
+    SpliceStep,
+    amortize_pieces,
+    repair_rows_of,
+)
 from leyline_agent.errors import CacheMissError, DirectiveError
 
 __all__ = [
@@ -40,6 +51,7 @@ __all__ = [
     "repair_rows",
     "row_copies",
     "splice_slots",
+    "whole_blocks",
 ]
 
 
@@ -68,6 +80,13 @@ class BlockSplicePlan:
     @property
     def num_new_blocks(self) -> int:
         return sum(1 for b in self.blocks if b.reuse is None)
+
+    def block_ids(self, new_block_ids: Sequence[int]) -> list[int]:
+        """The id of each block of ``T'`` once its fresh blocks are ``new_block_ids``."""
+        if len(new_block_ids) != self.num_new_blocks:
+            raise ValueError(f"{len(new_block_ids)} block ids for {self.num_new_blocks} new blocks")
+        ids = iter(new_block_ids)
+        return [b.reuse if b.reuse is not None else next(ids) for b in self.blocks]
 
 
 def plan_block_splice(
@@ -112,30 +131,25 @@ def plan_block_splice(
         known = n_full * b
     new_tokens = (list(tokens[:s]) + r + list(tokens[e:cached]))[:known]
 
-    def t_slot(p: int) -> int:
-        return t_blocks[p // b] * b + p % b
-
-    def head_slot(p: int) -> int:
-        return head_blocks[p // b] * b + p % b
+    # ``rows_of``'s rows a piece at a time (no object per row: a splice moves thousands):
+    # row i of T' is read at ``slots[i]`` (a fill row in the head's blocks, any other in
+    # T's) and turned by ``deltas[i]``
+    slots: list[int] = []
+    deltas: list[int] = []
+    for p in amortize_pieces(s, e, r, cached):
+        blocks = head_blocks if p.kind == "prefill" else t_blocks
+        slots += [blocks[x // b] * b + x % b for x in p.sources]
+        deltas += [p.delta] * p.size
 
     out: list[BlockSource] = []
     for j in range(-(-known // b)):
         lo, hi = j * b, min((j + 1) * b, known)
         if hi - lo == b and hi <= s and t_in_target:
             out.append(BlockSource(reuse=t_blocks[j]))
-            continue
-        if hi - lo == b and lo >= s and hi <= h and head_in_target:
+        elif hi - lo == b and lo >= s and hi <= h and head_in_target:
             out.append(BlockSource(reuse=head_blocks[j]))
-            continue
-        rows = []
-        for p in range(lo, hi):
-            if p < s:  # the prefix: T's row where T has it cached, else the head's copy
-                rows.append((t_slot(p) if p // b < len(t_blocks) else head_slot(p), 0))
-            elif p < h:
-                rows.append((head_slot(p), 0))
-            else:
-                rows.append((t_slot(p - delta), delta))
-        out.append(BlockSource(rows=tuple(rows)))
+        else:
+            out.append(BlockSource(rows=tuple(zip(slots[lo:hi], deltas[lo:hi], strict=True))))
     return BlockSplicePlan(
         tokens=new_tokens, blocks=out, rotated_tokens=max(0, known - h), delta=delta,
         partial_rows=known - n_full * b,
@@ -146,14 +160,10 @@ def row_copies(
     plan: BlockSplicePlan, new_block_ids: Sequence[int], block_size: int
 ) -> tuple[list[int], list[int], list[int]]:
     """``(src_slots, dst_slots, deltas)`` of the plan's fresh blocks, given their ids."""
-    if len(new_block_ids) != plan.num_new_blocks:
-        raise ValueError(f"{len(new_block_ids)} block ids for {plan.num_new_blocks} new blocks")
     src, dst, deltas = [], [], []
-    ids = iter(new_block_ids)
-    for blk in plan.blocks:
+    for blk, bid in zip(plan.blocks, plan.block_ids(new_block_ids), strict=True):
         if blk.reuse is not None:
             continue
-        bid = next(ids)
         for off, (slot, d) in enumerate(blk.rows):
             src.append(slot)
             dst.append(bid * block_size + off)
@@ -176,12 +186,13 @@ def repair_rows(
     block of the plan (a reused block is shared with ``T``), checked before any write."""
     if not repair:
         return []
-    span = RepairSpan(start + replacement_len, len(plan.tokens), tuple(tokens[start:end]),
-                      float(repair["budget"]))  # fmt: skip
-    rows = select_rows(plan.tokens, [span], str(repair.get("selector") or DEFAULT_SELECTOR))
-    for r in rows:
-        if plan.blocks[r // block_size].reuse is not None:
-            raise ValueError(f"repair: row {r} lies in a reused block, not a fresh one")
+    r = (0,) * replacement_len  # the step's R: only its length is read
+    step = SpliceStep(start, end, r, Mode.REPAIR, len(tokens))
+    selector = str(repair.get("selector") or DEFAULT_SELECTOR)
+    rows = repair_rows_of(tokens, [step], [float(repair["budget"])], plan.tokens, selector)
+    for row in rows:
+        if plan.blocks[row // block_size].reuse is not None:
+            raise ValueError(f"repair: row {row} lies in a reused block, not a fresh one")
     return rows
 
 
@@ -189,6 +200,37 @@ def splice_slots(
     plan: BlockSplicePlan, new_block_ids: Sequence[int], block_size: int, n: int
 ) -> list[int]:
     """The slots of ``plan.tokens[:n]`` once the plan's fresh blocks are ``new_block_ids``."""
-    ids = iter(new_block_ids)
-    blocks = [b.reuse if b.reuse is not None else next(ids) for b in plan.blocks]
+    blocks = plan.block_ids(new_block_ids)
     return [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
+
+
+def whole_blocks(
+    src: Sequence[int], dst: Sequence[int], delta: Sequence[int], block_size: int
+) -> tuple[list[int], list[int], list[int]]:
+    """Split a row move into whole blocks and single rows: ``(src_blocks, dst_blocks,
+    rest)``. A run of ``block_size`` moves that reads every row of one block in order, at
+    ``delta`` 0, into every row of another block in order is the copy of that block (every
+    element of the source block to the destination, whatever the layout inside a block);
+    ``rest`` are the indices of the other moves, in their order."""
+    b, n = block_size, len(src)
+    src_blocks: list[int] = []
+    dst_blocks: list[int] = []
+    rest: list[int] = []
+    i = 0
+    while i < n:
+        j, s0, d0 = i + b, src[i], dst[i]
+        if (
+            j <= n
+            and s0 % b == 0
+            and d0 % b == 0
+            and list(src[i:j]) == list(range(s0, s0 + b))
+            and list(dst[i:j]) == list(range(d0, d0 + b))
+            and not any(delta[i:j])
+        ):
+            src_blocks.append(s0 // b)
+            dst_blocks.append(d0 // b)
+            i = j
+        else:
+            rest.append(i)
+            i += 1
+    return src_blocks, dst_blocks, rest

@@ -1,4 +1,4 @@
-"""The table of held rows (``vllm_plugin.held_rows``), without a server: which rows a
+"""The table of held rows (``directives.held_rows``, vLLM's), without a server: which rows a
 request may be handed, and that every block that leaves the table is given back.
 
 The expected answers are computed here from scratch (a brute-force longest common prefix),
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from leyline_agent.vllm_plugin.held_rows import PER_NAMESPACE, HeldRows, HeldRowsTable
+from leyline_agent.directives.held_rows import PER_NAMESPACE, HeldRows, HeldRowsTable
 
 B = 32
 

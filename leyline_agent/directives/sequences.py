@@ -1,10 +1,10 @@
 """Which cached full block holds the rows of a prefix that ends inside it.
 
-vLLM finds cached rows by the hash of whole blocks. A directive's base ``T`` often ends
+A paged cache (vLLM's) finds cached rows by the hash of whole blocks. A directive's base ``T`` often ends
 inside a block that the cache holds full, because the sequence that computed it went on:
 a chat turn's prompt followed by its answer, or a drift splice whose ``T`` stops where the
 next prompt departs from the last one. The hash of ``T``'s partial last block is nobody's,
-so vLLM's lookup stops a block early, although the rows are there: rows at positions
+so the lookup stops a block early, although the rows are there: rows at positions
 ``< k`` depend only on tokens ``< k``.
 
 ``SequenceIndex`` remembers the last sequences each namespace's requests computed (their
@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_utils import BlockHash
+from leyline_agent.directives.held_rows import common_prefix
+
+BlockHash = Hashable  # the engine's block hash (vLLM's ``BlockHash``), opaque here
 
 __all__ = ["Extension", "SequenceIndex"]
 
@@ -88,9 +88,7 @@ class SequenceIndex:
             if j and s.hashes[j - 1] != prefix_hashes[-1]:  # hashes chain: the last decides
                 continue
             hi = min(rows + block_size, len(tokens), len(s.tokens))
-            k = rows
-            while k < hi and s.tokens[k] == tokens[k]:
-                k += 1
+            k = common_prefix(s.tokens, tokens, rows, hi)
             if k > rows and (best is None or k - rows > best.num_rows):
                 best = Extension(s.hashes[j], k - rows)
         if best is not None:

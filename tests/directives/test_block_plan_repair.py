@@ -1,5 +1,6 @@
-"""REPAIR's rows on the plugin's block plan, no server: the rows are ``directives.repair``'s
-selection over ``T'``'s tail (as ``leyline serve`` selects them), each in a fresh block, and
+"""REPAIR's rows on the block plan (``directives.block_plan``, vLLM's): the rows are
+``directives.repair``'s selection over ``T'``'s tail (as ``leyline serve`` selects them),
+each in a fresh block, and
 ``splice_slots`` places row ``p`` of ``T'`` at offset ``p % B`` of its block. Expectations
 are written from the definitions (tail rows after ``R``; slot = block id * B + offset)."""
 
@@ -9,7 +10,7 @@ import random
 
 import pytest
 
-from leyline_agent.vllm_plugin.plan import plan_block_splice, repair_rows, splice_slots
+from leyline_agent.directives.block_plan import plan_block_splice, repair_rows, splice_slots
 
 
 def _plan(seed: int):

@@ -1,9 +1,9 @@
-"""``vllm_plugin.sequences.SequenceIndex`` (no vLLM needed): which cached full block holds
+"""``directives.sequences.SequenceIndex`` (vLLM's): which cached full block holds
 the rows of a prefix that ends inside it, checked on made-up sequences (block size 4)."""
 
 from __future__ import annotations
 
-from leyline_agent.vllm_plugin.sequences import SequenceIndex
+from leyline_agent.directives.sequences import SequenceIndex
 
 BS = 4
 

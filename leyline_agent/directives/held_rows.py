@@ -1,24 +1,24 @@
-"""Rows past a sequence's last full block, held for the session's next request.
+"""Rows past a sequence's last full block, held for the namespace's next request (pure).
 
-vLLM 0.32 caches full blocks only: the rows of a sequence after its last full block live
-in a partial block that vLLM frees when the request ends, so the next request (or a splice
-of the sequence) would prefill them again. The plugin keeps them instead: a ``HeldRows``
-is one block kept with one reference whose first ``num_rows`` rows are the rows of
-``tokens[base:]`` (``base`` a multiple of the block size) as some request or splice of a
-namespace computed them, over that namespace's cached full blocks of ``tokens[:base]``.
+A paged cache that shares full blocks only (vLLM's prefix cache; SGLang's paged pools)
+frees the block holding a sequence's rows past its last full block when the request ends,
+so the next request (or a splice of the sequence) would prefill them again. An engine keeps
+them instead: a ``HeldRows`` is one block kept with one reference whose first ``num_rows``
+rows are the rows of ``tokens[base:]`` (``base`` a multiple of the block size) as some
+request or splice of a namespace computed them, over that namespace's cached full blocks of
+``tokens[:base]``.
 
 ``HeldRowsTable`` keeps a few of them per namespace, least recently used first out (a
-namespace whose splice result is pinned, ``pins``, is passed over while it is, up to twice
-the bound), and
-answers one question (``match``): for a request of namespace ``ns`` served under salt
+namespace whose splice result is pinned is passed over while it is, up to twice the bound),
+and answers one question (``match``): for a request of namespace ``ns`` served under salt
 ``salt`` whose full blocks hit the cache through ``num_local`` tokens, how many rows past
 them a held block can give (the longest common prefix of ``tokens`` and the prompt inside
-that block, never the prompt's last token, which vLLM must compute for the logits).
+that block, never the prompt's last token, which the engine computes for the logits).
 Rows at positions ``< k`` depend only on tokens ``< k`` (causal attention), so a prefix of
 a held block is valid for any prompt that shares those tokens.
 
-Pure bookkeeping: blocks are opaque here; the caller takes and gives back the references
-(``release`` is called with every block that leaves the table).
+Blocks are opaque handles with a ``block_id``; the engine takes and gives back the
+references (``release`` is called with every block that leaves the table).
 """
 
 from __future__ import annotations
@@ -27,23 +27,27 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-__all__ = ["HeldRows", "HeldRowsTable", "RowsMatch"]
+__all__ = ["BlockRef", "HeldRows", "HeldRowsTable", "RowsMatch", "common_prefix"]
 
 PER_NAMESPACE = 6  # a request's own rows and its prompt's, a splice's T', a FORGET's or a
 # head's prefix
 HELD_TTL_S = 600.0
 
 
+class BlockRef(Protocol):
+    """An engine's cache block, opaque here but for its id (vLLM's ``BlockRef``)."""
+
+    @property
+    def block_id(self) -> int: ...
+
+
 @dataclass(slots=True)
 class HeldRows:
     tokens: tuple[int, ...]  # the sequence whose rows [base, len(tokens)) the block holds
     base: int  # first row in the block (a multiple of the block size)
-    block: KVCacheBlock  # one reference held by the table
+    block: BlockRef  # one reference held by the table
     salt: str | None  # the salt the full blocks of tokens[:base] are cached under
     since: float = field(default_factory=time.monotonic)
 
@@ -62,17 +66,24 @@ class RowsMatch:
     num_rows: int  # rows of held.block to copy, from its offset 0
 
 
-def _common(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
+    """The first ``k`` in ``[lo, hi)`` where ``a`` and ``b`` differ (``hi`` if none)."""
     k = lo
     while k < hi and a[k] == b[k]:
         k += 1
     return k
 
 
+def _same(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """``a == b``, the last tokens first: held sequences of a namespace often share a long
+    prefix (one conversation's turns) and differ at their end."""
+    return len(a) == len(b) and a[-1:] == b[-1:] and a == b
+
+
 class HeldRowsTable:
     def __init__(
         self,
-        release: Callable[[KVCacheBlock], None],
+        release: Callable[[BlockRef], None],
         max_entries: int,
         protect: Callable[[str], bool] = lambda ns: False,
     ) -> None:
@@ -91,7 +102,7 @@ class HeldRowsTable:
             self._release(held.block)
             return
         rows = self._by_ns.pop(ns, [])
-        for old in [h for h in rows if h.tokens == held.tokens and h.salt == held.salt]:
+        for old in [h for h in rows if h.salt == held.salt and _same(h.tokens, held.tokens)]:
             rows.remove(old)
             self._release(old.block)
         rows.insert(0, held)
@@ -113,14 +124,20 @@ class HeldRowsTable:
         """The held rows that extend a local hit of ``num_local`` tokens of ``prompt``."""
         best: RowsMatch | None = None
         limit = len(prompt) - 1  # the last prompt token is always computed
+        head: tuple[int, ...] | None = None  # prompt[:num_local], made once if needed
         for h in self._by_ns.get(ns, []):
             if h.salt != salt or h.base != num_local or h.base % block_size:
                 continue
             hi = min(len(h.tokens), limit)
-            if hi <= h.base or list(h.tokens[: h.base]) != list(prompt[: h.base]):
+            if hi <= h.base:
                 continue
-            k = _common(h.tokens, prompt, h.base, hi) - h.base
-            if k > 0 and (best is None or k > best.num_rows):
+            # the rows inside the block first (a few tokens), the prefix only for a candidate
+            k = common_prefix(h.tokens, prompt, h.base, hi) - h.base
+            if k <= 0 or (best is not None and k <= best.num_rows):
+                continue
+            if head is None:
+                head = tuple(prompt[: h.base])
+            if h.tokens[: h.base] == head:
                 best = RowsMatch(h, k)
         if best is not None:
             self._by_ns.move_to_end(ns)
@@ -150,7 +167,7 @@ class HeldRowsTable:
                 continue
             if list(h.tokens[:base]) != list(tokens[:base]):
                 continue
-            k = _common(h.tokens, tokens, base, min(len(h.tokens), len(tokens)))
+            k = common_prefix(h.tokens, tokens, base, min(len(h.tokens), len(tokens)))
             if k > base and (best is None or k > len(best.tokens)):
                 best = HeldRows(tuple(tokens[:k]), base, h.block, salt, h.since)
         return best
@@ -159,7 +176,7 @@ class HeldRowsTable:
         """Drop ``ns``'s held rows that agree with ``tokens`` beyond ``start`` (a FORGET:
         rows from ``start`` on must be computed again)."""
         rows = self._by_ns.get(ns, [])
-        gone = [h for h in rows if len(h.tokens) > start and _common(
+        gone = [h for h in rows if len(h.tokens) > start and common_prefix(
             h.tokens, tokens, 0, min(len(h.tokens), len(tokens))) > start]  # fmt: skip
         for h in gone:
             rows.remove(h)
