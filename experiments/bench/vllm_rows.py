@@ -8,7 +8,7 @@ axes lie in memory in the order of one ``KVCacheLayout`` (``LAYOUTS``, reproduce
 against vLLM's enum), one layer's ``[B, H, N, C]`` view taken. Rows are written as the
 backends' ops store them (``reshape_and_cache_flash``: ``kv.transpose(1, 2).split(D)``
 indexed ``[slot // N, slot % N]``; ``concat_and_cache_mla``: the latent row at
-``[slot // N, 0, slot % N]``), moved by the plugin (``kv_rows.move_rows``: read, the band
+``[slot // N, 0, slot % N]``), moved by the plugin (``paged_rows.move_rows``: read, the band
 turned by ``delta`` with the project's kernel, written to fresh slots) and compared with
 float64 RoPE from scratch (``kernels.reference.rope_float64``) at the new positions; the
 other rows of the cache must keep their bytes.
@@ -69,9 +69,9 @@ def check(device: str, blocks: int = 8, block_size: int = 16) -> None:
     import torch
 
     from leyline_agent.kernels import RopeSpec
-    from leyline_agent.vllm_plugin.kv_rows import RowLayout, move_rows
+    from leyline_agent.kernels.paged_rows import RowLayout, move_rows
 
-    print("vLLM-shaped caches: rows moved by kv_rows.move_rows against float64 RoPE")
+    print("vLLM-shaped caches: rows moved by paged_rows.move_rows against float64 RoPE")
     print(
         "| layout | kind | dtype | rows | max abs err | values / latent exact | others unchanged |"
     )

@@ -8,7 +8,7 @@ order of value, each recorded as soon as it ends in ``OUTDIR/<section>/report.js
   (``reference.rope_float64``; GQA 8 x 128 half-split and MLA 576-wide band 64 at 512
   interleaved; fp32 and bf16; copy and in-place plans), then ``bench_kernel`` (its bandwidth
   against a plain device copy of the same bytes);
-- ``vllm-rows``: the vLLM plugin's row moves (``kv_rows.move_rows``: read, the band turned
+- ``vllm-rows``: the vLLM plugin's row moves (``paged_rows.move_rows``: read, the band turned
   with the project's kernel, written) on caches laid out in each of vLLM 0.32's
   ``KVCacheLayout`` orders, GQA K|V and MLA latent rows, against float64 RoPE
   (``vllm_rows.check``; vLLM itself does not travel there);

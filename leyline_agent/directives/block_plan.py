@@ -8,7 +8,9 @@ and each block of ``T'`` is either a block that already holds exactly its rows u
 hash (reused), or a fresh block whose ``B`` rows are copied from cached rows. Which row goes
 where is the planner's AMORTIZE (``amortize_pieces``, row by row ``rows_of``): a kept or
 moved row is ``T``'s (its key turned by the row's delta), a fill row (``R``) the head
-request's (``T[:s] + R`` prefilled by the engine's own request path, in ``head_blocks``).
+request's (``T[:s] + R`` prefilled by the engine's own request path, in ``head_blocks``) or,
+with no head (``head_blocks`` None), computed in its fresh slot by the splice itself
+(``FILL``: no copy; ``fill_rows`` are those rows, forwarded over the copied prefix).
 
 A full block made only of prefix rows is reused when ``T`` was found in the target
 namespace (same salt, same tokens: same hash), and one made only of ``R`` rows when the
@@ -44,9 +46,13 @@ from leyline_agent.directives.splice_plan import (
 )
 from leyline_agent.errors import CacheMissError, DirectiveError
 
+FILL = -1  # the source slot of a row the splice computes (no copy)
+
 __all__ = [
+    "FILL",
     "BlockSource",
     "BlockSplicePlan",
+    "fill_rows",
     "plan_block_splice",
     "repair_rows",
     "row_copies",
@@ -58,7 +64,7 @@ __all__ = [
 @dataclass(slots=True, frozen=True)
 class BlockSource:
     """One block of ``T'``: ``reuse`` (an existing block id) or ``rows`` (``B`` pairs
-    ``(src_slot, delta)`` for a fresh block)."""
+    ``(src_slot, delta)`` for a fresh block; ``src_slot`` ``FILL``: computed, not copied)."""
 
     reuse: int | None = None
     rows: tuple[tuple[int, int], ...] = ()
@@ -96,7 +102,7 @@ def plan_block_splice(
     end: int,
     replacement: Sequence[int],
     t_blocks: Sequence[int],
-    head_blocks: Sequence[int],
+    head_blocks: Sequence[int] | None,
     *,
     t_in_target: bool,
     head_in_target: bool,
@@ -108,7 +114,8 @@ def plan_block_splice(
     ``t_blocks``: the blocks holding ``T``'s first ``t_rows`` rows, in order (full cached
     blocks, the last possibly a held partial one; ``t_rows`` defaults to every row of
     them); ``head_blocks``: the head request's blocks, covering at least
-    ``start + len(replacement)`` rows. ``hold_partial``: the plan also writes the rows past
+    ``start + len(replacement)`` rows (None: ``R``'s rows are ``FILL``, computed by the
+    caller, ``fill_rows``). ``hold_partial``: the plan also writes the rows past
     ``T'``'s last full block (the caller holds that block); without it they are left to
     the next request's prefill. ``CacheMissError`` if ``T`` is not known through ``end``.
     """
@@ -122,7 +129,7 @@ def plan_block_splice(
             f"tokens: the sequence is cached through {cached} tokens, the span ends at {e}"
         )
     h = s + len(r)
-    if len(head_blocks) * b < h:
+    if head_blocks is not None and len(head_blocks) * b < h:
         raise DirectiveError(f"head: {len(head_blocks)} blocks do not hold {h} rows")
     delta = len(r) - (e - s)
     known = h + (cached - e)
@@ -132,13 +139,16 @@ def plan_block_splice(
     new_tokens = (list(tokens[:s]) + r + list(tokens[e:cached]))[:known]
 
     # ``rows_of``'s rows a piece at a time (no object per row: a splice moves thousands):
-    # row i of T' is read at ``slots[i]`` (a fill row in the head's blocks, any other in
-    # T's) and turned by ``deltas[i]``
+    # row i of T' is read at ``slots[i]`` (a fill row in the head's blocks or ``FILL``, any
+    # other in T's) and turned by ``deltas[i]``
     slots: list[int] = []
     deltas: list[int] = []
     for p in amortize_pieces(s, e, r, cached):
-        blocks = head_blocks if p.kind == "prefill" else t_blocks
-        slots += [blocks[x // b] * b + x % b for x in p.sources]
+        if p.kind == "prefill" and head_blocks is None:
+            slots += [FILL] * p.size
+        else:
+            blocks = head_blocks if p.kind == "prefill" else t_blocks
+            slots += [blocks[x // b] * b + x % b for x in p.sources]
         deltas += [p.delta] * p.size
 
     out: list[BlockSource] = []
@@ -146,7 +156,7 @@ def plan_block_splice(
         lo, hi = j * b, min((j + 1) * b, known)
         if hi - lo == b and hi <= s and t_in_target:
             out.append(BlockSource(reuse=t_blocks[j]))
-        elif hi - lo == b and lo >= s and hi <= h and head_in_target:
+        elif hi - lo == b and lo >= s and hi <= h and head_in_target and head_blocks is not None:
             out.append(BlockSource(reuse=head_blocks[j]))
         else:
             out.append(BlockSource(rows=tuple(zip(slots[lo:hi], deltas[lo:hi], strict=True))))
@@ -159,16 +169,25 @@ def plan_block_splice(
 def row_copies(
     plan: BlockSplicePlan, new_block_ids: Sequence[int], block_size: int
 ) -> tuple[list[int], list[int], list[int]]:
-    """``(src_slots, dst_slots, deltas)`` of the plan's fresh blocks, given their ids."""
+    """``(src_slots, dst_slots, deltas)`` of the plan's fresh blocks, given their ids (the
+    ``FILL`` rows are not copies: left out)."""
     src, dst, deltas = [], [], []
     for blk, bid in zip(plan.blocks, plan.block_ids(new_block_ids), strict=True):
         if blk.reuse is not None:
             continue
         for off, (slot, d) in enumerate(blk.rows):
+            if slot == FILL:
+                continue
             src.append(slot)
             dst.append(bid * block_size + off)
             deltas.append(d)
     return src, dst, deltas
+
+
+def fill_rows(plan: BlockSplicePlan, start: int, replacement_len: int) -> list[int]:
+    """The rows of ``plan.tokens`` the splice computes (a plan made without a head): ``R``'s
+    rows that the plan writes, all in fresh blocks."""
+    return list(range(start, min(start + replacement_len, len(plan.tokens))))
 
 
 def repair_rows(

@@ -68,7 +68,7 @@ class WorkerDescription(BaseModel):
     model_config = ConfigDict(frozen=True, extra="allow")
     problem: str | None = None
     field: str | None = None
-    repair_problem: str | None = None
+    repair_problem: str | None = None  # also why it cannot compute ``R``'s rows in a splice
     block_size: int | None = None
 
 
@@ -101,8 +101,9 @@ class SpliceAnswer(_Frozen):
     new_blocks: int
     rotated_tokens: int
     repaired_tokens: int
-    head_cached_tokens: int
+    head_cached_tokens: int  # rows of ``T[:start] + R`` the op found computed
     elapsed_s: float
+    filled_tokens: int = 0  # rows of ``R`` the op computed itself (``SpliceOp.hold_id`` None)
 
 
 class ForgetAnswer(_Frozen):
@@ -176,10 +177,15 @@ class ReleaseOp(Op[ReleaseAnswer]):
 
 
 class SpliceOp(Op[SpliceAnswer]):
+    """``T[start:end]`` replaced by ``replacement`` in ``T``'s cached rows (held by
+    ``lock_id``). ``hold_id``: the head request's rows of ``T[:start] + R``; None: the engine
+    computes ``R``'s rows itself, inside the op, over ``T[:start]``'s cached rows (the
+    workers' row forward, where ``WorkerDescription.repair_problem`` is None)."""
+
     op: Literal["splice"] = "splice"
     answer: ClassVar[type[BaseModel]] = SpliceAnswer
     lock_id: str | None
-    hold_id: str
+    hold_id: str | None
     tokens: tuple[int, ...]
     start: int
     end: int

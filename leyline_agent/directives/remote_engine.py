@@ -27,6 +27,12 @@ over such an engine, every op in the directive's namespace (the engine's key of 
      directive is repaired on the sequence it leaves (``leyline serve`` repairs once, on
      the final ``T'``).
 
+  Where every worker can compute rows itself (``WorkerDescription.repair_problem`` None:
+  the row forward REPAIR uses), steps 1 and 2 go: the splice op computes ``R``'s rows in
+  their fresh slots over ``T[:s]``'s cached rows (``SpliceOp.hold_id`` None), one engine call
+  per directive (the first directive's lock is ``hold``'s); a directive then costs no request
+  of the engine at all. Any other model keeps the head request.
+
   A failure after the lock gives back the lock and the head's hold. A FORGET ``(s, e, R)``
   stages ``T[:s]``'s rows, ``forget`` drops the namespace's cached rows of ``T'`` past
   ``s``, then ``T'`` is an ordinary request;
@@ -60,6 +66,7 @@ from leyline_agent.directives.engine_rpc import (
     DescribeOp,
     FlushOp,
     ForgetOp,
+    LockAnswer,
     LockOp,
     Op,
     ReleaseOp,
@@ -262,7 +269,8 @@ class RemoteEngineBackend[C: Conversations]:
             problem = info.workers[0].repair_problem if info.workers else None
             if problem:
                 raise RuntimeUnavailableError(problem)
-        resp = await self._splice(plan, self.transport.salt_for(ns), held)
+        fills = bool(info.workers) and all(w.repair_problem is None for w in info.workers)
+        resp = await self._splice(plan, self.transport.salt_for(ns), held, fills)
         self.counters.prefilled_tokens += resp.prefilled_tokens  # the backend's own requests
         return resp
 
@@ -272,7 +280,9 @@ class RemoteEngineBackend[C: Conversations]:
         self.watched.clear()
         return Flushed(done.flushed_tokens, done.kept_tokens, done.dropped_pins)
 
-    async def _splice(self, plan: Plan, salt: str, held: Locked) -> DirectivesResponse:
+    async def _splice(self, plan: Plan, salt: str, held: Locked, fills: bool) -> DirectivesResponse:
+        """The plan's directives, right to left; ``fills``: the engine computes ``R``'s rows
+        inside its splice op (no head request, no staging)."""
         cur = list(plan.base)
         reused = prefilled = rotated = repaired = 0
         for i, d in enumerate(plan.order):  # right to left
@@ -280,12 +290,17 @@ class RemoteEngineBackend[C: Conversations]:
             after = cur[: d.start] + d.replacement + cur[d.end :]
             rule = rule_of(d.mode, self.executes)
             if tail_op(d.mode) == "move":
-                # stage: T's rows inside the block holding ``start`` go to the head; on the
-                # base, ``hold``'s lock holds T's rows already and the splice gives it back
+                # on the base, ``hold``'s lock holds T's rows already and the splice gives it
+                # back; without fills, the lock stages T's rows inside the block holding
+                # ``start`` for the head request
                 on_base = held.lock_id if i == 0 else None  # holds ``plan.base``'s rows
-                lock = await self.rpc(
-                    LockOp(tokens=cur, salt=salt, stage=d.start, hold=on_base is None)
-                )
+                if on_base and fills:
+                    lock = LockAnswer(lock_id=None, cached_tokens=held.length, salt=salt)
+                else:
+                    lock = await self.rpc(LockOp(
+                        tokens=cur, salt=salt, stage=None if fills else d.start,
+                        hold=on_base is None,
+                    ))  # fmt: skip
                 lock_id = on_base or lock.lock_id
                 c = min(lock.cached_tokens, held.length) if on_base else lock.cached_tokens
                 if d.end > c and c <= d.start:  # evicted since ``batch_miss`` checked
@@ -296,11 +311,12 @@ class RemoteEngineBackend[C: Conversations]:
                         "batch's splices (those to its right are written)"
                     )
                 end = min(d.end, c)  # straddling the cached end: (start, c, R), as clip_to_cached
-                hold_id = "head-" + uuid.uuid4().hex
+                hold_id = None if fills else "head-" + uuid.uuid4().hex
                 if on_base:  # released by the splice op, or below on a failure
                     self._given_back.add(on_base)
                 try:
-                    await self.transport.prefill(cur[: d.start] + d.replacement, salt, hold_id)
+                    if hold_id is not None:
+                        await self.transport.prefill(cur[: d.start] + d.replacement, salt, hold_id)
                     done = await self.rpc(SpliceOp(
                         lock_id=lock_id, hold_id=hold_id, tokens=cur, start=d.start,
                         end=end, replacement=d.replacement, salt=salt,

@@ -13,8 +13,9 @@ scheduler that hands blocks to requests, and the workers' KV tensors.
 - ``connector``: rows past a sequence's last full block (``directives.held_rows``), handed
   to the next request as computed tokens through vLLM's KV connector API.
 - ``engine_ops``: ``EngineCore.leyline_rpc``, the ops that run between two engine steps.
-- ``worker`` / ``kv_rows``: ``LeylineWorkerExtension`` (rows copied, keys rotated with
-  ``leyline_agent.kernels``), the CPU cache layout probed with the backend's write op.
+- ``worker`` / ``row_forward``: ``LeylineWorkerExtension`` (rows copied, keys rotated and
+  rows computed in place, with ``kernels.paged_rows``), ``layer_rows`` / ``cache_layout``:
+  each backend's cache layout, probed with its own write op.
 - ``guard``: what Leyline's front door (``front.door``: keys, chat and Messages fronts,
   sessions; ``front.pin_report``) reads of vLLM's app.
 

@@ -12,42 +12,22 @@ chunk as ``[2N, head_size]`` and its op may store keys transposed inside it.
 
 :func:`plan_layout` checks the facts a worker reads from its cache (the tensor's shape and
 strides, the layer's spec, the backend's declared layouts, the resolved layout) and answers
-the candidate :class:`RowLayout` s that such a cache can have; ``kv_rows.probe_layout`` then
+the candidate ``RowLayout`` s that such a cache can have; ``kernels.paged_rows.probe_layout`` then
 keeps the one that explains where the backend's own write op puts known rows. A cache
 whose declaration the plugin cannot address is refused by the backend's name and the
-reason (:class:`UnsupportedLayoutError`, a 503 naming ``kv_cache_layout``). No torch here.
+reason (``UnsupportedLayoutError``, a 503 naming ``kv_cache_layout``). No tensor is read here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-from leyline_agent.errors import RuntimeUnavailableError
+from leyline_agent.kernels.paged_rows import RowLayout, UnsupportedLayoutError
 
-__all__ = ["CacheFacts", "RowLayout", "UnsupportedLayoutError", "physical_order", "plan_layout"]
+__all__ = ["CacheFacts", "physical_order", "plan_layout"]
 
 FLOAT_DTYPES = frozenset({"torch.float32", "torch.bfloat16", "torch.float16"})
 PLAIN_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
-
-
-class UnsupportedLayoutError(RuntimeUnavailableError):
-    """The KV cache's layout is not one the plugin can read back."""
-
-
-@dataclass(slots=True, frozen=True)
-class RowLayout:
-    """Where the row of slot ``s`` lives in one layer's logical ``[B, H, N, C]`` cache.
-
-    ``paged``: at ``kv[s // N, :, s % N, :]``, key ``[:key_width]`` then value. ``chunk``:
-    each (block, head) chunk read as ``N * C`` elements, keys first (at ``d * N + t`` when
-    ``keys_transposed``, else ``t * D + d``), values after them row-major (the CPU op).
-    """
-
-    kind: Literal["paged", "chunk"]
-    key_width: int
-    value_width: int
-    keys_transposed: bool = False
 
 
 @dataclass(slots=True, frozen=True)

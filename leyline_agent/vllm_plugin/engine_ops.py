@@ -12,9 +12,11 @@ while an op does. The general plugin adds this one method to ``EngineCore``. The
   take them before the splice (a miss holds nothing). ``stage=s``: the rows
   ``T[block_start(s):s]`` are also held for the namespace as the rows of ``T[:s]``, so the
   request that follows (a head ``T[:s] + R``, a FORGET's ``T'``) is handed them.
-- ``splice``: the plan (``directives.block_plan``) from the locked ``T`` and the held head,
-  fresh blocks, ``leyline_copy_rows`` on every worker (``repair``: then REPAIR's rows,
-  checked to be fresh before the first write, ``leyline_repair_rows``), ``T'``'s full
+- ``splice``: the plan (``directives.block_plan``) from the locked ``T`` and the held head
+  (or, with no ``hold_id``, ``R``'s rows to compute), fresh blocks, then one
+  ``leyline_splice_rows`` on every worker: the row copies, then the rows computed in place
+  (``R``'s without a head; ``repair``: REPAIR's, checked to be fresh before the first
+  write), ``T'``'s full
   blocks registered under its hash chain in the session's namespace (a block already
   registered there under the same hash is dropped: the latest directive wins), the rows past
   them held for the session's next request, references released; ``T'`` is the namespace's
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from leyline_agent.directives.block_plan import (
+    fill_rows,
     plan_block_splice,
     repair_rows,
     row_copies,
@@ -193,20 +196,22 @@ def _splice(engine: EngineCore, op: SpliceOp) -> SpliceAnswer:
     sched = _scheduler(engine)
     pool, bs, salt, tokens = sched.block_pool, sched.block_size, op.salt, list(op.tokens)
     try:
-        head = sched.leyline_held.get(op.hold_id)
-        if head is None:
+        head = sched.leyline_held.get(op.hold_id) if op.hold_id else None
+        if op.hold_id and head is None:
             raise CacheMissError("head: the directive's head request left no blocks (evicted?)")
         base = sched.leyline_held.get(op.lock_id) if op.lock_id else None
         plan = plan_block_splice(
             bs, tokens, op.start, op.end, list(op.replacement),
             [b.block_id for b in base.blocks] if base is not None else [],
-            [b.block_id for b in head.blocks],
-            t_in_target=base is not None and base.salt == salt, head_in_target=head.salt == salt,
+            [b.block_id for b in head.blocks] if head is not None else None,
+            t_in_target=base is not None and base.salt == salt,
+            head_in_target=head is not None and head.salt == salt,
             t_rows=base.num_cached_tokens if base is not None else 0,
             hold_partial=sched.leyline_rows_on,
         )  # fmt: skip
         repair = op.repair.model_dump() if op.repair is not None else None
         rows = repair_rows(plan, tokens, op.start, op.end, len(op.replacement), repair, bs)
+        filled = fill_rows(plan, op.start, len(op.replacement)) if head is None else []
         owner = block_request(plan.full_tokens, salt, engine.request_block_hasher, "leyline-splice")
         n_full = len(owner.block_hashes)
         for j, src in enumerate(plan.blocks[:n_full]):  # a reused block is T''s block j
@@ -222,12 +227,14 @@ def _splice(engine: EngineCore, op: SpliceOp) -> SpliceAnswer:
             )
         new = pool.get_new_blocks(plan.num_new_blocks)
         try:
-            src, dst, delta = row_copies(plan, [b.block_id for b in new], bs)
-            engine.collective_rpc("leyline_copy_rows", args=(src, dst, delta))
-            if rows:  # REPAIR: the selected tail rows recomputed in their fresh slots
-                slots = splice_slots(plan, [b.block_id for b in new], bs, rows[-1] + 1)
-                ids = [plan.tokens[r] for r in rows]
-                engine.collective_rpc("leyline_repair_rows", args=(ids, rows, slots))
+            new_ids = [b.block_id for b in new]
+            src, dst, delta = row_copies(plan, new_ids, bs)
+            computed = filled + rows  # R's rows (no head), then REPAIR's tail rows
+            slots = splice_slots(plan, new_ids, bs, computed[-1] + 1) if computed else []
+            ids = [plan.tokens[r] for r in computed]
+            engine.collective_rpc(
+                "leyline_splice_rows", args=(src, dst, delta, ids, computed, slots)
+            )
         except Exception:
             pool.free_blocks(new)
             raise
@@ -245,7 +252,8 @@ def _splice(engine: EngineCore, op: SpliceOp) -> SpliceAnswer:
         sched.leyline_pin(salt, plan.tokens, blocks[:n_full], salt, partial)  # before the free
         pool.free_blocks(reversed(new))
     finally:
-        sched.leyline_release(op.hold_id)
+        if op.hold_id:
+            sched.leyline_release(op.hold_id)
         if op.lock_id:
             sched.leyline_release(op.lock_id)
     return SpliceAnswer(
@@ -253,8 +261,9 @@ def _splice(engine: EngineCore, op: SpliceOp) -> SpliceAnswer:
         new_blocks=plan.num_new_blocks,
         rotated_tokens=plan.rotated_tokens,
         repaired_tokens=len(rows),
-        head_cached_tokens=head.num_cached_tokens,
+        head_cached_tokens=head.num_cached_tokens if head is not None else op.start,
         elapsed_s=time.perf_counter() - t0,
+        filled_tokens=len(filled),
     )
 
 

@@ -5,7 +5,7 @@ For each attention layer (``static_forward_context``) the worker reads what vLLM
 backend's name and declared layouts, the engine's resolved ``KVCacheLayout``), plans the
 candidate row layouts (``cache_layout.plan_layout``) and probes them with the layer's own
 write op (``backend_write``: the backend impl's ``do_kv_cache_update``, as vLLM's forward
-calls it) into a scratch cache (``kv_rows.probe_layout``). ``rope_band`` says how the cached
+calls it) into a scratch cache (``paged_rows.probe_layout``). ``rope_band`` says how the cached
 keys rotate: GQA families as transformers' (vLLM builds them neox-style, half-split), and
 DeepSeek MLA's latent rows with the rope band after ``kv_lora_rank`` elements, interleaved
 (vLLM's DeepSeek attention builds its rotary embedding with ``is_neox_style=False``).
@@ -20,8 +20,8 @@ import torch
 from leyline_agent.errors import RopeSpecError
 from leyline_agent.families import is_mla
 from leyline_agent.kernels import RopeSpec
-from leyline_agent.vllm_plugin.cache_layout import CacheFacts, RowLayout, plan_layout
-from leyline_agent.vllm_plugin.kv_rows import BackendWrite, probe_layout
+from leyline_agent.kernels.paged_rows import BackendWrite, RowLayout, probe_layout
+from leyline_agent.vllm_plugin.cache_layout import CacheFacts, plan_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

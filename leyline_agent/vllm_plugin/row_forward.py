@@ -1,4 +1,4 @@
-"""REPAIR on vLLM's workers: recompute selected rows of a spliced ``T'`` in place.
+"""Rows of a spliced ``T'`` computed in place on vLLM's workers: REPAIR's, and ``R``'s.
 
 After an AMORTIZE splice (``engine_ops`` ``splice``: the tail copied into fresh blocks, its
 keys turned by ``delta``) the rows REPAIR selected (``directives.repair``) are forwarded again
@@ -8,12 +8,15 @@ under the edited context, through vLLM's own modules of the served model, layer 
   ``qkv_proj``, ``rotary_emb`` at the rows' positions in ``T'``, ``o_proj``, post-attention
   norm and MLP are the model's, with the residual carried as vLLM's decoder layer carries it;
 - at each layer every selected row's K/V is written into its slot before any row attends,
-  then each row attends to every row of ``T'`` at a position up to its own, gathered from the
-  paged cache (``kv_rows.write_rows`` / ``read_rows`` in the layer's row layout, the one the
-  splice's row copies use, ``RowCopier.layout``):
+  then each row attends to every row of ``T'`` at a position up to its own, read from the
+  paged cache block by block (``paged_rows.write_rows`` / ``read_sequence`` in the layer's row
+  layout, the one the splice's row copies use, ``RowCopier.layout``):
   the prefix, ``R``, the tail rows before it (the selected ones already recomputed at this
   layer) and itself. That is what ``leyline serve``'s engine does (``engine.repair``): its
   runs of consecutive rows forwarded together, each run attending causally to itself.
+
+A splice made without a head request computes ``R``'s rows the same way (they come first in
+the rows, so a REPAIR's tail rows in the same run see them).
 
 The caller writes only fresh slots of its splice (blocks nobody else reads yet) and checks
 that before the first write. Only the Llama family's layers (``LlamaDecoderLayer``: llama,
@@ -27,10 +30,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from leyline_agent.vllm_plugin.kv_rows import RowLayout, read_rows, write_rows
+from leyline_agent.kernels.paged_rows import RowLayout, read_rows, read_sequence, write_rows
 
 if TYPE_CHECKING:
     from vllm.model_executor.models.llama import LlamaAttention
@@ -88,9 +90,10 @@ class RowForward:
         dev = layers[0].self_attn.attn.kv_cache.device
         pos = torch.tensor(list(rows), dtype=torch.int64, device=dev)
         row_slots = torch.tensor([slots[r] for r in rows], dtype=torch.int64, device=dev)
-        ctx_slots = torch.tensor(list(slots[: rows[-1] + 1]), dtype=torch.int64, device=dev)
-        # row i attends to the context rows at positions <= its own
-        mask = torch.arange(len(ctx_slots), device=dev)[None, :] <= pos[:, None]
+        ctx = _Context.of(slots[: rows[-1] + 1], layers[0].self_attn.attn.kv_cache, self._layout)
+        # row i attends to the context rows at positions <= its own: every row sees all of
+        # them before the first row's position (``hidden``: the rest, from there on)
+        hidden = torch.arange(rows[0] + 1, ctx.n, device=dev)[None, :] > pos[:, None]
         h = self.model.model.embed_tokens(torch.tensor(list(token_ids), device=dev))
         residual = None
         for k, layer in enumerate(layers):
@@ -99,7 +102,7 @@ class RowForward:
             else:
                 x, residual = layer.input_layernorm(h, residual)
             last = k == len(layers) - 1
-            x = self._attention(layer.self_attn, pos, x, row_slots, ctx_slots, mask, last)
+            x = self._attention(layer.self_attn, pos, x, row_slots, ctx, hidden, last)
             if last:
                 break  # the last layer's K/V are written: nothing reads its output
             x, residual = layer.post_attention_layernorm(x, residual)
@@ -112,28 +115,56 @@ class RowForward:
         pos: torch.Tensor,
         x: torch.Tensor,
         row_slots: torch.Tensor,
-        ctx_slots: torch.Tensor,
-        mask: torch.Tensor,
+        ctx: _Context,
+        hidden: torch.Tensor,
         write_only: bool,
     ) -> torch.Tensor:
         """One attention block for the rows: their K/V written at ``row_slots``, then each
-        row's attention over the cached rows ``ctx_slots`` allowed by ``mask``."""
+        row's attention over the context rows ``ctx`` it may see (``hidden``: those it may
+        not among the last ``W`` context rows, ``[n, W]``; every row sees the others).
+        Grouped-query: each KV head serves its query heads as one batch, with no copy of the
+        keys per query head."""
         n = x.shape[0]
         attn = sa.attn
         nh, kvh, hd = sa.num_heads, sa.num_kv_heads, sa.head_dim
         qkv, _ = sa.qkv_proj(x)
         q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
         q, k = sa.rotary_emb(pos, q.contiguous(), k.contiguous())
-        kv, layout = attn.kv_cache, self._layout
-        write_rows(kv, row_slots, k.reshape(n, kvh, hd), v.reshape(n, kvh, hd), layout)
+        kv = attn.kv_cache
+        write_rows(kv, row_slots, k.reshape(n, kvh, hd), v.reshape(n, kvh, hd), self._layout)
         if write_only:
             return x
-        keys, values = read_rows(kv, ctx_slots, layout)
-        rep = nh // kvh
-        kt = keys.transpose(0, 1).float().repeat_interleave(rep, dim=0)  # [nh, M, hd]
-        vt = values.transpose(0, 1).float().repeat_interleave(rep, dim=0)
-        qt = q.reshape(n, nh, hd).transpose(0, 1).float()  # [nh, N, hd]
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=sa.scaling)
-        out = out.transpose(0, 1).reshape(n, nh * hd).to(x.dtype)
-        o, _ = sa.o_proj(out)
+        keys, values = ctx.read(kv, self._layout)  # [kvh, M, hd]
+        rep, m = nh // kvh, keys.shape[1]
+        qg = q.reshape(n, kvh, rep, hd).permute(1, 0, 2, 3).reshape(kvh, n * rep, hd).float()
+        scores = torch.bmm(qg, keys.float().transpose(1, 2)).mul_(sa.scaling)
+        scores = scores.view(kvh, n, rep, m)
+        scores[..., m - hidden.shape[1] :].masked_fill_(hidden[None, :, None, :], -torch.inf)
+        probs = torch.softmax(scores.view(kvh, n * rep, m), dim=-1)
+        out = torch.bmm(probs, values.float()).view(kvh, n, rep, hd)
+        o, _ = sa.o_proj(out.permute(1, 0, 2, 3).reshape(n, nh * hd).to(x.dtype))
         return o
+
+
+class _Context:
+    """The rows a row forward attends over: ``T'``'s first ``n`` rows, at ``slots``. When
+    they lie block after block in order (a splice's ``T'`` always does), each layer reads
+    them as whole blocks (``read_sequence``), else row by row (``read_rows``)."""
+
+    def __init__(self, n: int, slots: torch.Tensor, blocks: torch.Tensor | None) -> None:
+        self.n, self._slots, self._blocks = n, slots, blocks
+
+    @classmethod
+    def of(cls, slots: Sequence[int], kv: torch.Tensor, layout: RowLayout) -> _Context:
+        t = torch.tensor(list(slots), dtype=torch.int64, device=kv.device)
+        b, n = kv.shape[2], len(slots)
+        blocks = t[::b] // b
+        laid = (blocks[:, None] * b + torch.arange(b, device=kv.device)).flatten()[:n]
+        return cls(n, t, blocks if torch.equal(laid, t) else None)
+
+    def read(self, kv: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[H, n, width]`` of the context rows in this layer's cache."""
+        if self._blocks is not None:
+            return read_sequence(kv, self._blocks, self.n, layout)
+        keys, values = read_rows(kv, self._slots, layout)
+        return keys.transpose(0, 1), values.transpose(0, 1)

@@ -7,10 +7,10 @@ heads of every block; the same slot plan applies to all of them):
 - ``leyline_describe()``: block size, dtype, the attention backend and its rows' layout
   (``layer_rows.layer_layout``), whether the model's rotary band can be moved in closed
   form (``RopeSpec``), and why REPAIR cannot run on this model, if it cannot.
-- ``leyline_copy_rows(src, dst, delta)``: ``RowCopier``; ``dst`` are fresh blocks nobody
-  reads yet.
-- ``leyline_repair_rows(token_ids, rows, slots)``: REPAIR's selected rows of a spliced
-  ``T'`` recomputed in place (``row_forward``).
+- ``leyline_splice_rows(src, dst, delta, token_ids, rows, slots)``: a splice's rows, in
+  one call: the row copies (``RowCopier``; ``dst`` are fresh blocks nobody reads yet), then
+  the rows it computes (``R``'s where the splice had no head request, and REPAIR's selected
+  tail rows) forwarded in place over the spliced ``T'`` (``row_forward``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from leyline_agent.directives.block_plan import whole_blocks
 from leyline_agent.errors import RopeSpecError, RuntimeUnavailableError
 from leyline_agent.kernels import RopeSpec
-from leyline_agent.vllm_plugin.kv_rows import RowLayout, move_rows
+from leyline_agent.kernels.paged_rows import RowLayout, move_rows
 from leyline_agent.vllm_plugin.layer_rows import attention_layers, layer_layout, rope_band
 from leyline_agent.vllm_plugin.row_forward import RowForward, repair_problem
 
@@ -66,14 +66,25 @@ class LeylineWorkerExtension:
         info["repair_problem"] = repair_problem(self.model_runner.get_model())  # type: ignore[attr-defined]
         return info
 
-    def leyline_repair_rows(self, token_ids: list[int], rows: list[int], slots: list[int]) -> int:
+    def leyline_splice_rows(
+        self,
+        src: list[int],
+        dst: list[int],
+        delta: list[int],
+        token_ids: list[int],
+        rows: list[int],
+        slots: list[int],
+    ) -> int:
+        """Copy ``src`` to ``dst`` (keys turned by ``delta``), then compute ``rows`` of
+        ``T'`` (their tokens ``token_ids``; ``slots``: every row's slot through the last);
+        the number of rows written."""
+        copied = self._leyline_copier().copy(src, dst, delta)
+        if not rows:
+            return copied
         if getattr(self, "_leyline_rows", None) is None:
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
             self._leyline_rows = RowForward(model, self._leyline_copier().layout)
-        return self._leyline_rows.run(token_ids, rows, slots)
-
-    def leyline_copy_rows(self, src: list[int], dst: list[int], delta: list[int]) -> int:
-        return self._leyline_copier().copy(src, dst, delta)
+        return copied + self._leyline_rows.run(token_ids, rows, slots)
 
     def _leyline_copier(self) -> RowCopier:
         if getattr(self, "_leyline_rows_copier", None) is None:
@@ -82,7 +93,7 @@ class LeylineWorkerExtension:
 
 
 class RowCopier:
-    """Copies rows between slots of every attention layer (``kv_rows.move_rows``: keys
+    """Copies rows between slots of every attention layer (``paged_rows.move_rows``: keys
     turned by a per-row delta), whole blocks at delta 0 block by block. Used by the worker
     extension (splices) and the connector's worker side (held rows: delta 0)."""
 

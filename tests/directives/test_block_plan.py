@@ -10,7 +10,13 @@ import random
 
 import pytest
 
-from leyline_agent.directives.block_plan import plan_block_splice, row_copies, whole_blocks
+from leyline_agent.directives.block_plan import (
+    fill_rows,
+    plan_block_splice,
+    row_copies,
+    splice_slots,
+    whole_blocks,
+)
 from leyline_agent.errors import CacheMissError
 
 
@@ -147,6 +153,46 @@ def test_plan_writes_every_row_of_t_prime(seed):
             if blk.reuse is None and len(want) == 2:
                 want = (*want, 0)
             assert got == want, (p, got, want)
+
+
+# -- no head request (``head_blocks`` None): ``R``'s rows are computed by the splice in their
+# fresh slots (``fill_rows``, written here as ``("R", p)``), every other row as above
+@pytest.mark.parametrize("seed", range(60))
+def test_a_plan_without_a_head_leaves_r_to_the_splice_in_fresh_blocks(seed):
+    rng = random.Random(seed)
+    b, n, tokens = _sequence(rng)
+    t_rows = rng.choice([n, n - rng.randrange(0, b)])
+    s = rng.randrange(0, t_rows + 1)
+    e = rng.randrange(s, t_rows + 1)
+    r = list(range(5000, 5000 + rng.randrange(0, 3 * b)))
+    used: set[int] = set()
+    t_blocks = _ids(-(-t_rows // b), rng, used)
+    t_in, hold = rng.random() < 0.5, rng.random() < 0.5
+    content = _content(b, t_blocks, t_rows, [])
+    plan = plan_block_splice(
+        b, tokens, s, e, r, t_blocks, None, t_in_target=t_in, head_in_target=True,
+        t_rows=t_rows, hold_partial=hold,
+    )  # fmt: skip
+    h, delta = s + len(r), len(r) - (e - s)
+    known = h + t_rows - e if hold else (h + t_rows - e) // b * b
+    assert plan.tokens == (tokens[:s] + r + tokens[e:])[:known]
+    fresh = _ids(plan.num_new_blocks, rng, used)
+    ids = _copy(plan, content, fresh, b)
+    computed = fill_rows(plan, s, len(r))
+    assert computed == list(range(s, min(h, known)))
+    slots = splice_slots(plan, fresh, b, known)
+    for p in computed:
+        assert slots[p] not in content and plan.blocks[p // b].reuse is None
+        content[slots[p]] = ("R", p)
+    for p in range(known):
+        got = content[ids[p // b] * b + p % b]
+        if p < s:
+            want = ("T", p) if plan.blocks[p // b].reuse is not None else ("T", p, 0)
+        elif p < h:
+            want = ("R", p)
+        else:
+            want = ("T", p - delta, delta)
+        assert got == want, (p, got, want)
 
 
 def test_whole_blocks_takes_only_aligned_in_order_runs_at_delta_0():

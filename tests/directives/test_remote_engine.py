@@ -32,9 +32,11 @@ class Conversations:
 
 @dataclass
 class Engine:
-    """Every op answered as if all of ``T`` were cached; ``fail``: the head prefill raises."""
+    """Every op answered as if all of ``T`` were cached; ``fail``: the head prefill (or,
+    with ``fills``, the splice) raises; ``fills``: its workers compute rows themselves."""
 
     fail: bool = False
+    fills: bool = False
     sent: list[object] = field(default_factory=list)
 
     def salt_for(self, ns: Namespace) -> str:
@@ -44,9 +46,10 @@ class Engine:
         op = ops.parse_op(request_json)
         self.sent.append(op)
         if isinstance(op, ops.DescribeOp):
+            why = None if self.fills else "model_type: qwen3 layers"
             out: object = ops.DescribeAnswer(
                 block_size=32, held_rows=True, max_model_len=4096, model_type="llama",
-                vocab_size=1000,
+                vocab_size=1000, workers=(ops.WorkerDescription(repair_problem=why),),
             )  # fmt: skip
         elif isinstance(op, ops.LockOp):
             lock_id = f"lock-{len(self.sent)}" if op.hold else None
@@ -54,6 +57,8 @@ class Engine:
         elif isinstance(op, ops.ReleaseOp):
             out = ops.ReleaseAnswer(released=len(op.ids))
         elif isinstance(op, ops.SpliceOp):
+            if self.fail and self.fills:
+                return '{"error": {"type": "InternalError", "message": "the engine went away"}}'
             out = ops.SpliceAnswer(
                 cached_tokens=len(T) - (E - S) + len(R), new_blocks=1, rotated_tokens=len(T) - E,
                 repaired_tokens=0, head_cached_tokens=S, elapsed_s=0.0,
@@ -105,3 +110,24 @@ def test_a_failure_after_the_lock_gives_back_the_lock_and_the_heads_hold():
     head_hold = next(o[3] for o in engine.sent if isinstance(o, tuple))
     assert released == [("lock-2", head_hold)]  # the lookup's lock and the head's, once
     assert not any(isinstance(o, ops.SpliceOp) for o in engine.sent)
+
+
+def test_where_the_workers_compute_rows_an_amortize_is_one_splice_op():
+    engine = Engine(fills=True)
+    answer = _run(engine)
+    assert answer["outcome"] == "applied" and answer["tokens"] == T[:S] + R + T[E:]
+    assert answer["prefilled_tokens"] == len(R)
+    kinds = [o[0] if isinstance(o, tuple) else o.op for o in engine.sent]
+    assert kinds == ["describe", "lock", "splice"]  # no staging, no head request
+    splice = engine.sent[2]
+    assert splice.hold_id is None and splice.lock_id == "lock-2"
+    assert (splice.start, splice.end, list(splice.replacement)) == (S, E, R)
+
+
+def test_a_failed_splice_op_without_a_head_gives_back_the_lookups_lock_once():
+    engine = Engine(fills=True, fail=True)
+    with pytest.raises(RuntimeError, match="went away"):
+        _run(engine)
+    released = [o.ids for o in engine.sent if isinstance(o, ops.ReleaseOp)]
+    assert released == [("lock-2", None)]
+    assert not any(isinstance(o, tuple) for o in engine.sent)  # no head request

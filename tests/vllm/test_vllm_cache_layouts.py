@@ -51,9 +51,9 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from leyline_agent.kernels.paged_rows import UnsupportedLayoutError
 from leyline_agent.kernels.reference import rope_float64
 from leyline_agent.reference.rope_configs import deepseek_v2_lite_yarn, gqa_dims, mla_dims
-from leyline_agent.vllm_plugin.cache_layout import UnsupportedLayoutError
 from leyline_agent.vllm_plugin.layer_rows import layer_layout, rope_band
 from leyline_agent.vllm_plugin.worker import RowCopier
 

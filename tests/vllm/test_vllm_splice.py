@@ -17,6 +17,16 @@ from leyline_agent.reference.kv_reference import RefState
 TOL = 1e-4
 
 
+def _engine_prompt_tokens(live) -> float:
+    """vLLM's own count of the prompt tokens its requests carried (``/metrics``)."""
+    text = live.client.get(live.url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prompt_tokens_total")
+    )
+
+
 @pytest.fixture(params=["llama", "qwen3"])
 def live(request):
     return request.getfixturevalue(request.param)
@@ -27,8 +37,13 @@ def test_amortize_equals_the_independent_truth_and_is_served_from_cache(live):
     t, r, x = live.ids(11, 5 * b), live.ids(12, 10), live.ids(13, 1)
     s, e = 40, 70  # inside blocks 1 and 2; delta = -20
     live.complete(t)  # T is cached in full blocks (5 of them)
+    before = _engine_prompt_tokens(live)
     resp = live.directive({"tokens": t, "directives": [{"start": s, "end": e, "replacement": r}]})
     assert resp.status_code == 200, resp.text
+    # llama's layers are the plugin's row forward's: R's rows are computed inside the splice
+    # op, no request of the engine; qwen3's are not: R comes from a head request T[:s] + R
+    head = 0 if "llama" in live.srv.model else s + len(r)
+    assert _engine_prompt_tokens(live) - before == head
     body = resp.json()
     new = t[:s] + r + t[e:]
     assert body["tokens"] == new and body["splices"] == {"amortize": 1, "forget": 0}

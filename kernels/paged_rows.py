@@ -1,22 +1,28 @@
-"""Rows of one vLLM 0.32 attention cache: read them, write them, learn the layout from the op.
+"""Rows of one paged attention cache: read them, write them, move them with their keys
+turned, and learn the layout from the engine's own write op (engine-neutral: torch only).
 
-Which elements of the logical ``[B, H, N, C]`` cache make up the row of slot ``s`` is the
-backend's write op's business, so it is not assumed: of the layouts ``cache_layout``
-plans from vLLM's declarations, :func:`probe_layout` keeps the one under which the rows the
-backend's own op wrote into a scratch cache read back, and the plugin's writes leave the
-very same bytes. Keys are the first ``key_width`` elements of a row (the latent
-``[kv_lora_rank | rope]`` for MLA, whose ``value_width`` is 0), values the next
-``value_width``.
+A paged cache is read here as the logical ``[B, H, N, C]`` (blocks, head slots, rows per
+block, content). Which elements make up the row of slot ``s`` is the layout's business
+(``RowLayout``), and that is the engine's write op's business, so it is not assumed:
+:func:`probe_layout` keeps the candidate under which the rows the backend's own op wrote
+into a scratch cache read back, and this module's writes leave the very same bytes (vLLM's
+candidates: ``vllm_plugin.cache_layout``). Keys are the first ``key_width`` elements of a
+row (the latent ``[kv_lora_rank | rope]`` for MLA, whose ``value_width`` is 0), values the
+next ``value_width``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from leyline_agent.kernels import RopeSpec, RotationPlan, apply_plan, plan_rotation
-from leyline_agent.vllm_plugin.cache_layout import RowLayout, UnsupportedLayoutError
+from leyline_agent.errors import RuntimeUnavailableError
+from leyline_agent.kernels.plan import RotationPlan, plan_rotation
+from leyline_agent.kernels.rope_spec import RopeSpec
+from leyline_agent.kernels.rotate_band import apply_plan
 
 __all__ = [
     "BackendWrite",
@@ -25,9 +31,30 @@ __all__ = [
     "move_rows",
     "probe_layout",
     "read_rows",
+    "read_sequence",
     "scratch_like",
     "write_rows",
 ]
+
+
+class UnsupportedLayoutError(RuntimeUnavailableError):
+    """The KV cache's layout is not one this module can read back."""
+
+
+@dataclass(slots=True, frozen=True)
+class RowLayout:
+    """Where the row of slot ``s`` lives in one layer's logical ``[B, H, N, C]`` cache.
+
+    ``paged``: at ``kv[s // N, :, s % N, :]``, key ``[:key_width]`` then value. ``chunk``:
+    each (block, head) chunk read as ``N * C`` elements, keys first (at ``d * N + t`` when
+    ``keys_transposed``, else ``t * D + d``), values after them row-major (the CPU op).
+    """
+
+    kind: Literal["paged", "chunk"]
+    key_width: int
+    value_width: int
+    keys_transposed: bool = False
+
 
 # (cache, slots [N], keys [N, H, key_width], values [N, H, value_width]) -> None
 BackendWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -55,6 +82,20 @@ def read_rows(
     keys, values = _views(kv, layout)
     blk, off = slots // kv.shape[2], slots % kv.shape[2]
     return keys[blk, :, off], values[blk, :, off]
+
+
+def read_sequence(
+    kv: torch.Tensor, blocks: torch.Tensor, n: int, layout: RowLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[H, n, key_width]`` and values ``[H, n, value_width]`` of the first ``n`` rows
+    of the sequence whose blocks are ``blocks`` in order (row ``p`` at slot
+    ``blocks[p // N] * N + p % N``): whole blocks copied out, not row by row (copies)."""
+    keys, values = _views(kv.index_select(0, blocks), layout)  # [nb, H, N, width]
+    h = kv.shape[1]
+    return (
+        keys.transpose(0, 1).reshape(h, -1, layout.key_width)[:, :n],
+        values.transpose(0, 1).reshape(h, -1, layout.value_width)[:, :n],
+    )
 
 
 def write_rows(
