@@ -4,9 +4,12 @@
         [--repeats 6] [--targets leyline,vllm-leyline,vllm-leyline@32] [--out FILE]
 
 Each target's server is started here on loopback (``side_by_side.start_target``: ``leyline serve``,
-``vllm serve`` with the plugin at vLLM's default block size or ``@32``), all up at once. For
+``vllm serve`` with the plugin at vLLM's default block size or ``@32``), all up at once, and
+each gets one untimed round first (a server's first directive pays one-time set-ups). For
 each context and repeat, every target in turn (so a change of the machine's load lands on
-all alike, with ``QUIET_AFTER_REQUEST_S`` between two servers' requests) gets the same edit:
+all alike, with ``QUIET_AFTER_REQUEST_S`` between two servers' requests; the turn order
+rotates from one repeat to the next, since a server that runs right after another one is
+measurably slower here) gets the same edit:
 
 1. a named session caches a fresh ``T`` (seeded token ids, one completion token);
 2. ``POST /leyline/v1/directives``, token form: ``T[c/2 : c/2 + c/5]`` replaced by 16 tokens
@@ -88,15 +91,18 @@ def main(a: argparse.Namespace) -> int:
     rows: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     with ExitStack() as stack, httpx.Client(timeout=600) as c:
         ends = {t: start_target(stack, t, a.model) for t in targets}
-        for k in range(a.repeats):
+        for k in range(-1, a.repeats):  # k = -1: the untimed round
+            turn = targets[k % len(targets) :] + targets[: k % len(targets)]
             for ctx in contexts:
                 for mode in ("amortize", "forget"):
-                    t = random_ids(100_000 * k + 10 * ctx + (mode == "forget"), ctx)
-                    for name, (url, model) in ends.items():
+                    t = random_ids(100_000 * (k + 1) + 10 * ctx + (mode == "forget"), ctx)
+                    for name in turn:
+                        url, model = ends[name]
                         root = url.removesuffix("/v1")
                         session = f"bench-{name}-{k}-{ctx}-{mode}"
                         got = _once(c, root, model, t, mode, session, quiet)
-                        rows.setdefault((ctx, mode, name), []).append(got)
+                        if k >= 0:
+                            rows.setdefault((ctx, mode, name), []).append(got)
                         time.sleep(quiet)
     out = []
     for (ctx, mode, name), rs in sorted(rows.items()):
