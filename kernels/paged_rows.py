@@ -75,10 +75,34 @@ def _views(kv: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Ten
     return keys, flat[:, :, b * k : 2 * b * k].unflatten(2, (b, k))
 
 
+def _run(slots: torch.Tensor, b: int) -> tuple[torch.Tensor, int] | None:
+    """``(blocks, offset)`` when ``slots`` are consecutive rows of a sequence laid block after
+    block (row ``i`` at ``blocks[(offset + i) // b] * b + (offset + i) % b``), else None."""
+    n = slots.numel()
+    if n < 2 * b:  # not worth a check
+        return None
+    offset = int(slots[0]) % b
+    pos = torch.arange(offset, offset + n, device=slots.device)
+    firsts = (torch.arange(0, (offset + n - 1) // b + 1, device=slots.device) * b - offset).clamp_(
+        0
+    )
+    blocks = slots[firsts] // b
+    if not torch.equal(blocks[pos // b] * b + pos % b, slots):
+        return None
+    return blocks, offset
+
+
 def read_rows(
     kv: torch.Tensor, slots: torch.Tensor, layout: RowLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys ``[N, H, key_width]`` and values ``[N, H, value_width]`` at ``slots`` (copies)."""
+    """Keys ``[N, H, key_width]`` and values ``[N, H, value_width]`` at ``slots`` (copies;
+    a run of consecutive rows of a sequence, ``_run``, is read as its whole blocks)."""
+    run = _run(slots, kv.shape[2])
+    if run is not None:
+        blocks, offset = run
+        n = slots.numel()
+        keys, values = read_sequence(kv, blocks, offset + n, layout)
+        return keys[:, offset:].transpose(0, 1), values[:, offset:].transpose(0, 1)
     keys, values = _views(kv, layout)
     blk, off = slots // kv.shape[2], slots % kv.shape[2]
     return keys[blk, :, off], values[blk, :, off]
