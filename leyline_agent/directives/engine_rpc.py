@@ -101,9 +101,8 @@ class SpliceAnswer(_Frozen):
     new_blocks: int
     rotated_tokens: int
     repaired_tokens: int
-    head_cached_tokens: int  # rows of ``T[:start] + R`` the op found computed
+    head_cached_tokens: int  # rows of ``T[:start] + R`` found computed (no head: ``start``)
     elapsed_s: float
-    filled_tokens: int = 0  # rows of ``R`` the op computed itself (``SpliceOp.hold_id`` None)
 
 
 class ForgetAnswer(_Frozen):

@@ -263,7 +263,6 @@ def _splice(engine: EngineCore, op: SpliceOp) -> SpliceAnswer:
         repaired_tokens=len(rows),
         head_cached_tokens=head.num_cached_tokens if head is not None else op.start,
         elapsed_s=time.perf_counter() - t0,
-        filled_tokens=len(filled),
     )
 
 

@@ -9,7 +9,7 @@ under the edited context, through vLLM's own modules of the served model, layer 
   norm and MLP are the model's, with the residual carried as vLLM's decoder layer carries it;
 - at each layer every selected row's K/V is written into its slot before any row attends,
   then each row attends to every row of ``T'`` at a position up to its own, read from the
-  paged cache block by block (``paged_rows.write_rows`` / ``read_sequence`` in the layer's row
+  paged cache block by block (``paged_rows.write_rows`` / ``read_rows`` in the layer's row
   layout, the one the splice's row copies use, ``RowCopier.layout``):
   the prefix, ``R``, the tail rows before it (the selected ones already recomputed at this
   layer) and itself. That is what ``leyline serve``'s engine does (``engine.repair``): its
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from leyline_agent.kernels.paged_rows import RowLayout, read_rows, read_sequence, write_rows
+from leyline_agent.kernels.paged_rows import RowLayout, read_rows, write_rows
 
 if TYPE_CHECKING:
     from vllm.model_executor.models.llama import LlamaAttention
@@ -90,10 +90,10 @@ class RowForward:
         dev = layers[0].self_attn.attn.kv_cache.device
         pos = torch.tensor(list(rows), dtype=torch.int64, device=dev)
         row_slots = torch.tensor([slots[r] for r in rows], dtype=torch.int64, device=dev)
-        ctx = _Context.of(slots[: rows[-1] + 1], layers[0].self_attn.attn.kv_cache, self._layout)
+        ctx = torch.tensor(list(slots[: rows[-1] + 1]), dtype=torch.int64, device=dev)
         # row i attends to the context rows at positions <= its own: every row sees all of
         # them before the first row's position (``hidden``: the rest, from there on)
-        hidden = torch.arange(rows[0] + 1, ctx.n, device=dev)[None, :] > pos[:, None]
+        hidden = torch.arange(rows[0] + 1, len(ctx), device=dev)[None, :] > pos[:, None]
         h = self.model.model.embed_tokens(torch.tensor(list(token_ids), device=dev))
         residual = None
         for k, layer in enumerate(layers):
@@ -115,7 +115,7 @@ class RowForward:
         pos: torch.Tensor,
         x: torch.Tensor,
         row_slots: torch.Tensor,
-        ctx: _Context,
+        ctx: torch.Tensor,
         hidden: torch.Tensor,
         write_only: bool,
     ) -> torch.Tensor:
@@ -134,7 +134,8 @@ class RowForward:
         write_rows(kv, row_slots, k.reshape(n, kvh, hd), v.reshape(n, kvh, hd), self._layout)
         if write_only:
             return x
-        keys, values = ctx.read(kv, self._layout)  # [kvh, M, hd]
+        keys, values = read_rows(kv, ctx, self._layout)  # a run: read as whole blocks
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kvh, M, hd]
         rep, m = nh // kvh, keys.shape[1]
         qg = q.reshape(n, kvh, rep, hd).permute(1, 0, 2, 3).reshape(kvh, n * rep, hd).float()
         scores = torch.bmm(qg, keys.float().transpose(1, 2)).mul_(sa.scaling)
@@ -144,27 +145,3 @@ class RowForward:
         out = torch.bmm(probs, values.float()).view(kvh, n, rep, hd)
         o, _ = sa.o_proj(out.permute(1, 0, 2, 3).reshape(n, nh * hd).to(x.dtype))
         return o
-
-
-class _Context:
-    """The rows a row forward attends over: ``T'``'s first ``n`` rows, at ``slots``. When
-    they lie block after block in order (a splice's ``T'`` always does), each layer reads
-    them as whole blocks (``read_sequence``), else row by row (``read_rows``)."""
-
-    def __init__(self, n: int, slots: torch.Tensor, blocks: torch.Tensor | None) -> None:
-        self.n, self._slots, self._blocks = n, slots, blocks
-
-    @classmethod
-    def of(cls, slots: Sequence[int], kv: torch.Tensor, layout: RowLayout) -> _Context:
-        t = torch.tensor(list(slots), dtype=torch.int64, device=kv.device)
-        b, n = kv.shape[2], len(slots)
-        blocks = t[::b] // b
-        laid = (blocks[:, None] * b + torch.arange(b, device=kv.device)).flatten()[:n]
-        return cls(n, t, blocks if torch.equal(laid, t) else None)
-
-    def read(self, kv: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[H, n, width]`` of the context rows in this layer's cache."""
-        if self._blocks is not None:
-            return read_sequence(kv, self._blocks, self.n, layout)
-        keys, values = read_rows(kv, self._slots, layout)
-        return keys.transpose(0, 1), values.transpose(0, 1)
