@@ -27,8 +27,9 @@ the engine may hold for the next request instead of leaving them to its prefill.
 A REPAIR directive's rows (``repair_rows``) are the planner's (``repair_rows_of``) over the
 plan's ``T'``; they are tail rows, so they lie in fresh blocks (checked). A batch runs one
 directive at a time on these blocks (``splice_plan.batch_miss`` with the block size as the
-granularity when no rows are held past a last full block). ``whole_blocks`` splits a row
-copy into whole-block copies and single rows.
+granularity when no rows are held past a last full block). ``copy_runs`` splits a row
+copy into runs of whole blocks (one slice copy each) and runs of rows that share a delta
+(a splice's tail: one run, read as whole blocks where it is one sequence's rows).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ __all__ = [
     "repair_rows",
     "row_copies",
     "splice_slots",
-    "whole_blocks",
+    "copy_runs",
 ]
 
 
@@ -223,18 +224,20 @@ def splice_slots(
     return [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
 
 
-def whole_blocks(
+def copy_runs(
     src: Sequence[int], dst: Sequence[int], delta: Sequence[int], block_size: int
-) -> tuple[list[int], list[int], list[int]]:
-    """Split a row move into whole blocks and single rows: ``(src_blocks, dst_blocks,
-    rest)``. A run of ``block_size`` moves that reads every row of one block in order, at
-    ``delta`` 0, into every row of another block in order is the copy of that block (every
-    element of the source block to the destination, whatever the layout inside a block);
-    ``rest`` are the indices of the other moves, in their order."""
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """Split a row move into ``(block_runs, row_runs)``.
+
+    A stretch of ``block_size`` moves that reads every row of one block in order, at delta
+    0, into every row of another block in order is the copy of that block (every element
+    of the source block to the destination, whatever the layout inside a block).
+    ``block_runs`` are such copies as ``(src_block, dst_block, count)``: ``count`` blocks of
+    consecutive ids on both sides, in the moves' order. ``row_runs`` are the other moves as
+    ``[i, j)`` ranges of the moves' indices, each maximal with one delta, in order."""
     b, n = block_size, len(src)
-    src_blocks: list[int] = []
-    dst_blocks: list[int] = []
-    rest: list[int] = []
+    blocks: list[tuple[int, int, int]] = []
+    rows: list[tuple[int, int]] = []
     i = 0
     while i < n:
         j, s0, d0 = i + b, src[i], dst[i]
@@ -242,14 +245,21 @@ def whole_blocks(
             j <= n
             and s0 % b == 0
             and d0 % b == 0
+            and not any(delta[i:j])
             and list(src[i:j]) == list(range(s0, s0 + b))
             and list(dst[i:j]) == list(range(d0, d0 + b))
-            and not any(delta[i:j])
         ):
-            src_blocks.append(s0 // b)
-            dst_blocks.append(d0 // b)
+            sb, db = s0 // b, d0 // b
+            last = blocks[-1] if blocks else None
+            if last is not None and (last[0] + last[2], last[1] + last[2]) == (sb, db):
+                blocks[-1] = (last[0], last[1], last[2] + 1)
+            else:
+                blocks.append((sb, db, 1))
             i = j
+            continue
+        if rows and rows[-1][1] == i and delta[i - 1] == delta[i]:
+            rows[-1] = (rows[-1][0], i + 1)
         else:
-            rest.append(i)
-            i += 1
-    return src_blocks, dst_blocks, rest
+            rows.append((i, i + 1))
+        i += 1
+    return blocks, rows

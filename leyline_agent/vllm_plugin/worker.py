@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from leyline_agent.directives.block_plan import whole_blocks
+from leyline_agent.directives.block_plan import copy_runs
 from leyline_agent.errors import RopeSpecError, RuntimeUnavailableError
-from leyline_agent.kernels import RopeSpec
+from leyline_agent.kernels import RopeSpec, RotationPlan
 from leyline_agent.kernels.paged_rows import RowLayout, move_rows
 from leyline_agent.vllm_plugin.layer_rows import attention_layers, layer_layout, rope_band
 from leyline_agent.vllm_plugin.row_forward import RowForward, repair_problem
@@ -93,9 +93,11 @@ class LeylineWorkerExtension:
 
 
 class RowCopier:
-    """Copies rows between slots of every attention layer (``paged_rows.move_rows``: keys
-    turned by a per-row delta), whole blocks at delta 0 block by block. Used by the worker
-    extension (splices) and the connector's worker side (held rows: delta 0)."""
+    """Copies rows between slots of every attention layer: runs of whole blocks at delta 0
+    as slice copies, every other run of rows that shares a delta with
+    ``paged_rows.move_rows`` (keys turned by the delta; a splice's tail is one such run,
+    read as whole blocks). Used by the worker extension (splices) and the connector's
+    worker side (held rows: delta 0)."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         self._config = vllm_config
@@ -116,28 +118,24 @@ class RowCopier:
             return 0
         if not len(src) == len(dst) == len(delta):
             raise ValueError("src, dst and delta must have the same length")
-        n, layout = len(src), self.layout
-        layers = attention_layers(self._config)
+        layout, layers = self.layout, attention_layers(self._config)
         kv0 = layers[0][0]
-        dev = kv0.device
-        # whole blocks at delta 0 (a splice's prefix) are copied block by block; the rest
-        # row by row, rotated where their delta says
-        src_b, dst_b, rest = whole_blocks(src, dst, delta, int(kv0.shape[2]))
-        src_bt = torch.tensor(src_b, dtype=torch.int64, device=dev)
-        dst_bt = torch.tensor(dst_b, dtype=torch.int64, device=dev)
-        src, dst, delta = [src[i] for i in rest], [dst[i] for i in rest], [delta[i] for i in rest]
-        src_t = torch.tensor(src, dtype=torch.int64, device=dev)
-        dst_t = torch.tensor(dst, dtype=torch.int64, device=dev)
-        d_t = torch.tensor(delta, dtype=torch.int64, device=dev)
+        block_runs, row_runs = copy_runs(src, dst, delta, int(kv0.shape[2]))
+        src_t, dst_t, d_t = (
+            torch.tensor(x, dtype=torch.int64, device=kv0.device) for x in (src, dst, delta)
+        )
         spec, band_offset = None, 0
         if any(delta):
             if self._band is None:
                 self._band = rope_band(self._config)
             spec, band_offset = self._band
-        plan = None
+        plans: list[RotationPlan | None] = [None] * len(row_runs)  # one per run, every layer
         for kv, _ in layers:
-            if src_b:  # sources are never destinations (``dst`` are fresh): read-before-write
-                kv.index_copy_(0, dst_bt, kv.index_select(0, src_bt))
-            if src:
-                plan = move_rows(kv, layout, src_t, dst_t, d_t, spec, band_offset, plan)
-        return n
+            # sources are never destinations (``dst`` are fresh): read-before-write holds
+            for sb, db, count in block_runs:
+                kv[db : db + count].copy_(kv[sb : sb + count])
+            for r, (i, j) in enumerate(row_runs):
+                plans[r] = move_rows(
+                    kv, layout, src_t[i:j], dst_t[i:j], d_t[i:j], spec, band_offset, plans[r]
+                )
+        return len(src)

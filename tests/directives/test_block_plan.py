@@ -11,11 +11,11 @@ import random
 import pytest
 
 from leyline_agent.directives.block_plan import (
+    copy_runs,
     fill_rows,
     plan_block_splice,
     row_copies,
     splice_slots,
-    whole_blocks,
 )
 from leyline_agent.errors import CacheMissError
 
@@ -195,23 +195,26 @@ def test_a_plan_without_a_head_leaves_r_to_the_splice_in_fresh_blocks(seed):
         assert got == want, (p, got, want)
 
 
-def test_whole_blocks_takes_only_aligned_in_order_runs_at_delta_0():
+def test_copy_runs_takes_only_aligned_in_order_blocks_at_delta_0():
     b = 4
-    src = [4, 5, 6, 7, 8, 9, 10, 11, 13, 14, 15, 16, 20, 21, 22, 23]
-    dst = [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
-    delta = [0] * 12 + [0, 0, 3, 0]  # block 1 -> 2 whole; 2 -> 3 whole; misaligned; turned
-    src_b, dst_b, rest = whole_blocks(src, dst, delta, b)
-    assert (src_b, dst_b) == ([1, 2], [2, 3])
-    assert rest == list(range(8, 16))
-    assert whole_blocks([4, 5, 6], [8, 9, 10], [0, 0, 0], b) == ([], [], [0, 1, 2])
+    src = [4, 5, 6, 7, 8, 9, 10, 11, 13, 14, 15, 16, 20, 21, 22, 23, 28, 29, 30, 31]
+    dst = [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 4, 5, 6, 7]
+    delta = [0] * 12 + [0, 0, 3, 0] + [0] * 4
+    # blocks 1, 2 -> 2, 3 whole (one run); misaligned; turned; block 7 -> 1 whole (a new run)
+    blocks, rows = copy_runs(src, dst, delta, b)
+    assert blocks == [(1, 2, 2), (7, 1, 1)]
+    assert rows == [(8, 14), (14, 15), (15, 16)]  # split where the delta changes
+    assert copy_runs([4, 5, 6], [8, 9, 10], [0, 0, 0], b) == ([], [(0, 3)])
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_whole_blocks_then_rows_is_the_row_by_row_copy(seed):
-    """Block copies plus the rest row by row leave every slot as the row-by-row copy does."""
+def test_copy_runs_is_the_row_by_row_copy(seed):
+    """Block runs plus the row runs leave every slot as the row-by-row copy does; every move
+    is in exactly one of them, and a row run has one delta."""
     rng = random.Random(seed)
     b = rng.choice([2, 4, 8])
-    src_blocks, dst_blocks = rng.sample(range(0, 20), 6), rng.sample(range(20, 40), 6)
+    src_blocks = rng.sample(range(0, 20), 6)
+    dst_blocks = sorted(rng.sample(range(20, 40), 6)) if seed % 2 else rng.sample(range(20, 40), 6)
     src, dst, delta = [], [], []
     for sb, db in zip(src_blocks, dst_blocks, strict=True):
         offs = (
@@ -226,10 +229,15 @@ def test_whole_blocks_then_rows_is_the_row_by_row_copy(seed):
     for s, d, k in zip(src, dst, delta, strict=True):
         want[d] = (*rows[s], k)
     got = dict(rows)
-    sb, db, rest = whole_blocks(src, dst, delta, b)
-    for s_blk, d_blk in zip(sb, db, strict=True):
-        for o in range(b):
-            got[d_blk * b + o] = (*rows[s_blk * b + o], 0)
-    for i in rest:
-        got[dst[i]] = (*rows[src[i]], delta[i])
+    blocks, runs = copy_runs(src, dst, delta, b)
+    for s_blk, d_blk, count in blocks:
+        for c in range(count):
+            for o in range(b):
+                got[(d_blk + c) * b + o] = (*rows[(s_blk + c) * b + o], 0)
+    for i, j in runs:
+        assert len({delta[k] for k in range(i, j)}) == 1
+        for k in range(i, j):
+            got[dst[k]] = (*rows[src[k]], delta[k])
+    moves = sum(count * b for _, _, count in blocks) + sum(j - i for i, j in runs)
+    assert moves == len(src)
     assert got == want
