@@ -53,12 +53,11 @@ __all__ = [
     "FILL",
     "BlockSource",
     "BlockSplicePlan",
+    "copy_runs",
     "fill_rows",
     "plan_block_splice",
     "repair_rows",
     "row_copies",
-    "splice_slots",
-    "copy_runs",
 ]
 
 
@@ -214,14 +213,6 @@ def repair_rows(
         if plan.blocks[row // block_size].reuse is not None:
             raise ValueError(f"repair: row {row} lies in a reused block, not a fresh one")
     return rows
-
-
-def splice_slots(
-    plan: BlockSplicePlan, new_block_ids: Sequence[int], block_size: int, n: int
-) -> list[int]:
-    """The slots of ``plan.tokens[:n]`` once the plan's fresh blocks are ``new_block_ids``."""
-    blocks = plan.block_ids(new_block_ids)
-    return [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
 
 
 def copy_runs(

@@ -44,7 +44,6 @@ from leyline_agent.directives.block_plan import (
     plan_block_splice,
     repair_rows,
     row_copies,
-    splice_slots,
 )
 from leyline_agent.directives.engine_rpc import (
     ArriveAnswer,
@@ -230,10 +229,10 @@ def _splice(engine: EngineCore, op: SpliceOp) -> SpliceAnswer:
             new_ids = [b.block_id for b in new]
             src, dst, delta = row_copies(plan, new_ids, bs)
             computed = filled + rows  # R's rows (no head), then REPAIR's tail rows
-            slots = splice_slots(plan, new_ids, bs, computed[-1] + 1) if computed else []
             ids = [plan.tokens[r] for r in computed]
+            tblocks = plan.block_ids(new_ids)[: computed[-1] // bs + 1] if computed else []
             engine.collective_rpc(
-                "leyline_splice_rows", args=(src, dst, delta, ids, computed, slots)
+                "leyline_splice_rows", args=(src, dst, delta, ids, computed, tblocks)
             )
         except Exception:
             pool.free_blocks(new)

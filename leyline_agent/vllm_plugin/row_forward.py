@@ -9,7 +9,7 @@ under the edited context, through vLLM's own modules of the served model, layer 
   norm and MLP are the model's, with the residual carried as vLLM's decoder layer carries it;
 - at each layer every selected row's K/V is written into its slot before any row attends,
   then each row attends to every row of ``T'`` at a position up to its own, read from the
-  paged cache block by block (``paged_rows.write_rows`` / ``read_rows`` in the layer's row
+  paged cache as whole blocks (``paged_rows.write_rows`` / ``read_sequence`` in the layer's row
   layout, the one the splice's row copies use, ``RowCopier.layout``):
   the prefix, ``R``, the tail rows before it (the selected ones already recomputed at this
   layer) and itself. That is what ``leyline serve``'s engine does (``engine.repair``): its
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from leyline_agent.kernels.paged_rows import RowLayout, read_rows, write_rows
+from leyline_agent.kernels.paged_rows import RowLayout, read_sequence, write_rows
 
 if TYPE_CHECKING:
     from vllm.model_executor.models.llama import LlamaAttention
@@ -76,24 +76,26 @@ class RowForward:
         self.model, self._layout = model, layout  # the layers' row layout (``RowCopier``)
 
     @torch.inference_mode()
-    def run(self, token_ids: Sequence[int], rows: Sequence[int], slots: Sequence[int]) -> int:
+    def run(self, token_ids: Sequence[int], rows: Sequence[int], blocks: Sequence[int]) -> int:
         """Recompute the K/V of ``rows`` (positions in ``T'``, sorted, distinct; their tokens
-        ``token_ids``) in place. ``slots[p]`` is the slot of ``T'``'s row ``p`` for every
-        ``p <= max(rows)``. Returns the number of rows written."""
+        ``token_ids``) in place. ``blocks``: ``T'``'s blocks in order, through the one that
+        holds ``max(rows)`` (row ``p`` at slot ``blocks[p // N] * N + p % N``). Returns the
+        number of rows written."""
         if not rows:
             return 0
         if len(token_ids) != len(rows) or list(rows) != sorted(set(rows)):
             raise ValueError("rows must be sorted, distinct, one token id each")
-        if rows[-1] >= len(slots):
-            raise ValueError(f"row {rows[-1]} has no slot ({len(slots)} given)")
         layers = _layers(self.model)
-        dev = layers[0].self_attn.attn.kv_cache.device
+        kv0 = layers[0].self_attn.attn.kv_cache
+        dev, b = kv0.device, int(kv0.shape[2])
+        if rows[-1] >= len(blocks) * b:
+            raise ValueError(f"row {rows[-1]} has no slot ({len(blocks)} blocks of {b} given)")
         pos = torch.tensor(list(rows), dtype=torch.int64, device=dev)
-        row_slots = torch.tensor([slots[r] for r in rows], dtype=torch.int64, device=dev)
-        ctx = torch.tensor(list(slots[: rows[-1] + 1]), dtype=torch.int64, device=dev)
+        ctx = torch.tensor(list(blocks), dtype=torch.int64, device=dev)
+        row_slots = ctx[pos // b] * b + pos % b
         # row i attends to the context rows at positions <= its own: every row sees all of
         # them before the first row's position (``hidden``: the rest, from there on)
-        hidden = torch.arange(rows[0] + 1, len(ctx), device=dev)[None, :] > pos[:, None]
+        hidden = torch.arange(rows[0] + 1, rows[-1] + 1, device=dev)[None, :] > pos[:, None]
         h = self.model.model.embed_tokens(torch.tensor(list(token_ids), device=dev))
         residual = None
         for k, layer in enumerate(layers):
@@ -120,8 +122,9 @@ class RowForward:
         write_only: bool,
     ) -> torch.Tensor:
         """One attention block for the rows: their K/V written at ``row_slots``, then each
-        row's attention over the context rows ``ctx`` it may see (``hidden``: those it may
-        not among the last ``W`` context rows, ``[n, W]``; every row sees the others).
+        row's attention over the rows of ``T'`` in the blocks ``ctx`` through the last row's
+        position (``hidden``: those it may not see among the last ``W`` of them, ``[n, W]``;
+        every row sees the others).
         Grouped-query: each KV head serves its query heads as one batch, with no copy of the
         keys per query head."""
         n = x.shape[0]
@@ -134,9 +137,9 @@ class RowForward:
         write_rows(kv, row_slots, k.reshape(n, kvh, hd), v.reshape(n, kvh, hd), self._layout)
         if write_only:
             return x
-        keys, values = read_rows(kv, ctx, self._layout)  # a run: read as whole blocks
-        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kvh, M, hd]
-        rep, m = nh // kvh, keys.shape[1]
+        m = int(pos[-1]) + 1
+        keys, values = read_sequence(kv, ctx, m, self._layout)  # [kvh, M, hd]: whole blocks
+        rep = nh // kvh
         qg = q.reshape(n, kvh, rep, hd).permute(1, 0, 2, 3).reshape(kvh, n * rep, hd).float()
         scores = torch.bmm(qg, keys.float().transpose(1, 2)).mul_(sa.scaling)
         scores = scores.view(kvh, n, rep, m)

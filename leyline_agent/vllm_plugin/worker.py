@@ -7,7 +7,7 @@ heads of every block; the same slot plan applies to all of them):
 - ``leyline_describe()``: block size, dtype, the attention backend and its rows' layout
   (``layer_rows.layer_layout``), whether the model's rotary band can be moved in closed
   form (``RopeSpec``), and why REPAIR cannot run on this model, if it cannot.
-- ``leyline_splice_rows(src, dst, delta, token_ids, rows, slots)``: a splice's rows, in
+- ``leyline_splice_rows(src, dst, delta, token_ids, rows, blocks)``: a splice's rows, in
   one call: the row copies (``RowCopier``; ``dst`` are fresh blocks nobody reads yet), then
   the rows it computes (``R``'s where the splice had no head request, and REPAIR's selected
   tail rows) forwarded in place over the spliced ``T'`` (``row_forward``).
@@ -73,18 +73,18 @@ class LeylineWorkerExtension:
         delta: list[int],
         token_ids: list[int],
         rows: list[int],
-        slots: list[int],
+        blocks: list[int],
     ) -> int:
         """Copy ``src`` to ``dst`` (keys turned by ``delta``), then compute ``rows`` of
-        ``T'`` (their tokens ``token_ids``; ``slots``: every row's slot through the last);
-        the number of rows written."""
+        ``T'`` (their tokens ``token_ids``; ``blocks``: ``T'``'s blocks through the last
+        row's); the number of rows written."""
         copied = self._leyline_copier().copy(src, dst, delta)
         if not rows:
             return copied
         if getattr(self, "_leyline_rows", None) is None:
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
             self._leyline_rows = RowForward(model, self._leyline_copier().layout)
-        return copied + self._leyline_rows.run(token_ids, rows, slots)
+        return copied + self._leyline_rows.run(token_ids, rows, blocks)
 
     def _leyline_copier(self) -> RowCopier:
         if getattr(self, "_leyline_rows_copier", None) is None:

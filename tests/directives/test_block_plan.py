@@ -15,7 +15,6 @@ from leyline_agent.directives.block_plan import (
     fill_rows,
     plan_block_splice,
     row_copies,
-    splice_slots,
 )
 from leyline_agent.errors import CacheMissError
 
@@ -180,10 +179,10 @@ def test_a_plan_without_a_head_leaves_r_to_the_splice_in_fresh_blocks(seed):
     ids = _copy(plan, content, fresh, b)
     computed = fill_rows(plan, s, len(r))
     assert computed == list(range(s, min(h, known)))
-    slots = splice_slots(plan, fresh, b, known)
-    for p in computed:
-        assert slots[p] not in content and plan.blocks[p // b].reuse is None
-        content[slots[p]] = ("R", p)
+    for p in computed:  # written where the row forward writes them: T''s block, offset
+        slot = ids[p // b] * b + p % b
+        assert slot not in content and plan.blocks[p // b].reuse is None
+        content[slot] = ("R", p)
     for p in range(known):
         got = content[ids[p // b] * b + p % b]
         if p < s:

@@ -1,7 +1,7 @@
 """REPAIR's rows on the block plan (``directives.block_plan``, vLLM's): the rows are
 ``directives.repair``'s selection over ``T'``'s tail (as ``leyline serve`` selects them),
-each in a fresh block, and
-``splice_slots`` places row ``p`` of ``T'`` at offset ``p % B`` of its block. Expectations
+each in a fresh block, and ``block_ids`` (the block table the row forward places row ``p``
+of ``T'`` by, at offset ``p % B`` of block ``p // B``) takes the fresh ids in order. Expectations
 are written from the definitions (tail rows after ``R``; slot = block id * B + offset)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from leyline_agent.directives.block_plan import plan_block_splice, repair_rows, splice_slots
+from leyline_agent.directives.block_plan import plan_block_splice, repair_rows
 
 
 def _plan(seed: int):
@@ -42,10 +42,12 @@ def test_repair_rows_are_tail_rows_in_fresh_blocks(seed, budget):
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_splice_slots_place_each_row_in_its_block(seed):
+def test_block_ids_take_the_fresh_ids_in_order(seed):
     b, _, _, _, _, plan = _plan(seed)
     new = list(range(900, 900 + plan.num_new_blocks))
-    slots = splice_slots(plan, new, b, len(plan.tokens))
     fresh = iter(new)
-    ids = [blk.reuse if blk.reuse is not None else next(fresh) for blk in plan.blocks]
-    assert slots == [ids[p // b] * b + p % b for p in range(len(plan.tokens))]
+    want = [blk.reuse if blk.reuse is not None else next(fresh) for blk in plan.blocks]
+    assert plan.block_ids(new) == want
+    assert len(want) * b >= len(plan.tokens)  # every row of T' has a block
+    with pytest.raises(ValueError, match="block ids"):
+        plan.block_ids(new[:-1] if new else [1])
