@@ -1,6 +1,6 @@
 """Benchmark (not a test): one directive's own cost, over HTTP, on every server.
 
-    leyline bench directive [--model .leyline/models/llama-mini] [--contexts 2000,8000]
+    leyline bench directive [--model DIR] [--contexts 2000,8000]
         [--repeats 6] [--targets leyline,vllm-leyline,vllm-leyline@32] [--out FILE]
 
 Each target's server is started here on loopback (``side_by_side.start_target``: ``leyline serve``,
@@ -40,10 +40,13 @@ STUB = 16  # tokens of the replacement
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
-        "--model", type=Path, default=Path(".leyline/models/llama-mini"), help="model folder"
-    )
+        "--model", type=Path, default=None,
+        help="model folder (default: llama mini, built once into the test-model cache)",
+    )  # fmt: skip
     ap.add_argument("--contexts", default="2000,8000", help="comma list of |T|")
-    ap.add_argument("--repeats", type=int, default=6, help="timed directives per context, mode, server")
+    ap.add_argument(
+        "--repeats", type=int, default=6, help="timed directives per context, mode, server"
+    )
     ap.add_argument(
         "--targets", default="leyline,vllm-leyline,vllm-leyline@32",
         help="comma list of servers (bench side-by-side's targets; @N: vLLM block size)",
@@ -82,15 +85,17 @@ def _once(
 def main(a: argparse.Namespace) -> int:
     import httpx
 
+    from leyline_agent.engine.checkpoints.store import model_dir
     from leyline_agent.launch import QUIET_AFTER_REQUEST_S as quiet
 
     from .side_by_side import start_target
 
+    model = a.model or model_dir("llama", "mini")
     contexts = [int(x) for x in a.contexts.split(",") if x]
     targets = [t.strip() for t in a.targets.split(",") if t.strip()]
     rows: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     with ExitStack() as stack, httpx.Client(timeout=600) as c:
-        ends = {t: start_target(stack, t, a.model) for t in targets}
+        ends = {t: start_target(stack, t, model) for t in targets}
         for k in range(-1, a.repeats):  # k = -1: the untimed round
             turn = targets[k % len(targets) :] + targets[: k % len(targets)]
             for ctx in contexts:

@@ -1,6 +1,6 @@
 """Benchmark (not a test): what the vLLM plugin costs a request that uses no directive.
 
-    leyline bench no-cost [--model .leyline/models/llama-mini] [--contexts 2048,8192]
+    leyline bench no-cost [--model DIR] [--contexts 2048,8192]
         [--requests 40] [--rounds 2] [--pause 1.5] [--out FILE]
 
 One ``vllm serve`` at a time, the same model and flags (``launch.serve_vllm``: fp32, eager,
@@ -49,8 +49,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     from leyline_agent.launch import QUIET_AFTER_REQUEST_S
 
     ap.add_argument(
-        "--model", type=Path, default=Path(".leyline/models/llama-mini"), help="model folder"
-    )
+        "--model", type=Path, default=None,
+        help="model folder (default: llama mini, built once into the test-model cache)",
+    )  # fmt: skip
     ap.add_argument("--contexts", default="2048,8192", help="comma list of cached prompt sizes")
     ap.add_argument("--requests", type=int, default=40, help="per server, context and kind")
     ap.add_argument("--rounds", type=int, default=2, help="server runs per arm (alternating)")
@@ -107,8 +108,10 @@ def _run(
 def main(a: argparse.Namespace) -> int:
     import httpx
 
+    from leyline_agent.engine.checkpoints.store import model_dir
     from leyline_agent.launch import serve_vllm
 
+    model = a.model or model_dir("llama", "mini")
     contexts = [int(x) for x in a.contexts.split(",") if x]
     per_run = -(-a.requests // a.rounds)
     rows: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
@@ -117,7 +120,7 @@ def main(a: argparse.Namespace) -> int:
     with httpx.Client(timeout=600) as c:
         for arm in order:
             with serve_vllm(
-                a.model, leyline=arm == "plugin", kv_cache_gib=2, max_model_len=max(contexts) + 192,
+                model, leyline=arm == "plugin", kv_cache_gib=2, max_model_len=max(contexts) + 192,
                 extra_args=["--enable-prefix-caching"],
             ) as srv:  # fmt: skip
                 time.sleep(a.pause)
