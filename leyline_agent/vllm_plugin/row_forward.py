@@ -96,6 +96,7 @@ class RowForward:
         # row i attends to the context rows at positions <= its own: every row sees all of
         # them before the first row's position (``hidden``: the rest, from there on)
         hidden = torch.arange(rows[0] + 1, rows[-1] + 1, device=dev)[None, :] > pos[:, None]
+        m = rows[-1] + 1  # context rows read at each layer, counted here (no device read)
         h = self.model.model.embed_tokens(torch.tensor(list(token_ids), device=dev))
         residual = None
         for k, layer in enumerate(layers):
@@ -104,7 +105,7 @@ class RowForward:
             else:
                 x, residual = layer.input_layernorm(h, residual)
             last = k == len(layers) - 1
-            x = self._attention(layer.self_attn, pos, x, row_slots, ctx, hidden, last)
+            x = self._attention(layer.self_attn, pos, x, row_slots, ctx, m, hidden, last)
             if last:
                 break  # the last layer's K/V are written: nothing reads its output
             x, residual = layer.post_attention_layernorm(x, residual)
@@ -118,13 +119,14 @@ class RowForward:
         x: torch.Tensor,
         row_slots: torch.Tensor,
         ctx: torch.Tensor,
+        m: int,
         hidden: torch.Tensor,
         write_only: bool,
     ) -> torch.Tensor:
         """One attention block for the rows: their K/V written at ``row_slots``, then each
-        row's attention over the rows of ``T'`` in the blocks ``ctx`` through the last row's
-        position (``hidden``: those it may not see among the last ``W`` of them, ``[n, W]``;
-        every row sees the others).
+        row's attention over the first ``m`` rows of ``T'`` in the blocks ``ctx`` (through the
+        last row's position; ``hidden``: those it may not see among the last ``W`` of them,
+        ``[n, W]``; every row sees the others).
         Grouped-query: each KV head serves its query heads as one batch, with no copy of the
         keys per query head."""
         n = x.shape[0]
@@ -137,7 +139,6 @@ class RowForward:
         write_rows(kv, row_slots, k.reshape(n, kvh, hd), v.reshape(n, kvh, hd), self._layout)
         if write_only:
             return x
-        m = int(pos[-1]) + 1
         keys, values = read_sequence(kv, ctx, m, self._layout)  # [kvh, M, hd]: whole blocks
         rep = nh // kvh
         qg = q.reshape(n, kvh, rep, hd).permute(1, 0, 2, 3).reshape(kvh, n * rep, hd).float()
